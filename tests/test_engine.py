@@ -1,0 +1,150 @@
+"""The engine end to end on dummy:tiny with real worker processes: batching, preemption,
+seeded sampling, stop handling, the async API and bad input."""
+
+import asyncio
+
+import pytest
+
+from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokstream.engine.async_engine import AsyncEngine
+from tokstream.engine.llm import LLM
+from tokstream.engine.messages import EngineRequest
+from tokstream.errors import PromptTooLongError, UserInputError
+from tokstream.sampling_params import SamplingParams
+
+PROMPTS = [[5 + i, 17, 99, 3 + i] * (i + 1) for i in range(8)]
+
+
+def tiny(num_blocks=None, max_num_seqs=64, budget=1024, block_size=4):
+    return EngineConfig(model="dummy:tiny", dtype="float32",
+                        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                                  max_num_batched_tokens=budget))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Every prompt run alone, greedy and seeded-sampled."""
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    with LLM(tiny()) as llm:
+        return {
+            "greedy": [llm.generate([p], greedy)[0].token_ids for p in PROMPTS],
+            "sampled": [llm.generate([p], sampled)[0].token_ids for p in PROMPTS],
+        }
+
+
+def test_batched_equals_one_at_a_time(reference):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with LLM(tiny(budget=16)) as llm:  # a small budget forces chunked prefill too
+        out = llm.generate(PROMPTS, greedy)
+    assert [c.token_ids for c in out] == reference["greedy"]
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 24 for c in out)
+
+
+def test_tiny_pool_preempts_and_outputs_are_unchanged(reference):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    # 24 blocks of 4 tokens: the longest request alone needs 14; all eight need ~90.
+    with LLM(tiny(num_blocks=24)) as llm:
+        greedy_out = llm.generate(PROMPTS, greedy)
+        preemptions = llm.core.scheduler.num_preemptions
+        sampled_out = llm.generate(PROMPTS, sampled)
+        assert llm.core.block_manager.num_free_blocks == 24
+    assert preemptions > 0
+    assert llm.core.scheduler.num_preemptions > preemptions
+    assert [c.token_ids for c in greedy_out] == reference["greedy"]
+    assert [c.token_ids for c in sampled_out] == reference["sampled"]
+
+
+def test_resume_from_delivered_tokens_continues_identically(reference):
+    """Re-submitting prompt + already-delivered tokens continues at the next index, with the
+    same seeded choices as the uninterrupted run (what recovery relies on)."""
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    full = reference["sampled"][3]
+    with LLM(tiny()) as llm:
+        request = EngineRequest("resumed", PROMPTS[3], sampled, output_token_ids=full[:10])
+        deltas = list(llm.stream([request]))
+    assert deltas[0].first_index == 10
+    assert full[:10] + [t for d in deltas for t in d.token_ids] == full
+
+
+def test_different_seeds_differ_and_unseeded_requests_get_a_seed():
+    with LLM(tiny()) as llm:
+        a, b = (llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=1.0,
+                                                          seed=s, ignore_eos=True))[0]
+                for s in (1, 2))
+        c = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=1.0,
+                                                      ignore_eos=True))[0]
+    assert a.token_ids != b.token_ids
+    assert len(c.token_ids) == 16
+
+
+def test_stop_token_and_max_tokens():
+    with LLM(tiny()) as llm:
+        (free,) = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, temperature=0,
+                                                             ignore_eos=True))
+        stop_at = free.token_ids[5]
+        (stopped,) = llm.generate([PROMPTS[1]], SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[stop_at]))
+    first = free.token_ids.index(stop_at)
+    assert stopped.token_ids == free.token_ids[:first + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
+
+
+def test_bad_input_is_refused_and_harms_nothing():
+    with LLM(tiny()) as llm:
+        with pytest.raises(PromptTooLongError):
+            llm.core.add_request(EngineRequest("long", [5] * 2048, SamplingParams()))
+        with pytest.raises(UserInputError):
+            llm.core.add_request(EngineRequest("empty", [], SamplingParams()))
+        with pytest.raises(UserInputError):
+            llm.core.add_request(EngineRequest("oov", [10**6], SamplingParams()))
+        (ok,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0))
+        assert len(ok.token_ids) >= 1
+    for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
+                dict(top_k=-1), dict(stop=[""])):
+        with pytest.raises(UserInputError):
+            SamplingParams(**bad)
+
+
+def test_unknown_model_is_a_clean_error():
+    with pytest.raises(UserInputError):
+        LLM(EngineConfig(model="dummy:nope"))
+
+
+def test_async_engine_streams_aborts_and_rejects(reference):
+    async def main():
+        engine = await AsyncEngine(tiny()).start()
+        try:
+            greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+            async def collect(i):
+                tokens, indices = [], []
+                async for delta in engine.generate(EngineRequest(f"r{i}", PROMPTS[i], greedy)):
+                    tokens += delta.token_ids
+                    indices += range(delta.first_index, delta.first_index + len(delta.token_ids))
+                    last = delta
+                assert indices == list(range(len(tokens)))
+                assert last.finish_reason == "length" and last.num_output_tokens == 24
+                return tokens
+
+            results = await asyncio.gather(*(collect(i) for i in range(len(PROMPTS))))
+            assert results == reference["greedy"]
+
+            # A caller that stops listening aborts its request in the engine.
+            stream = engine.generate(EngineRequest("walkaway", PROMPTS[0], SamplingParams(
+                max_tokens=500, temperature=0, ignore_eos=True)))
+            await stream.__anext__()
+            await stream.aclose()
+
+            # Bad input comes back as one error delta; other requests are unharmed.
+            bad = [d async for d in engine.generate(EngineRequest("bad", [5] * 4096, greedy))]
+            assert len(bad) == 1 and bad[0].finish_reason == "error" and "context" in bad[0].error
+            again = await collect(2)
+            assert again == reference["greedy"][2]
+        finally:
+            await engine.shutdown()
+        assert not engine.process.is_alive()
+
+    asyncio.run(main())

@@ -1,0 +1,187 @@
+"""Scheduler and block manager, pure Python: hand-built requests, hand-fed step results."""
+
+import itertools
+
+import pytest
+
+from tokstream.config import SchedulerConfig
+from tokstream.engine.block_manager import BlockManager
+from tokstream.engine.request import Request, RequestStatus
+from tokstream.engine.scheduler import Scheduler
+from tokstream.sampling_params import SamplingParams
+
+_clock = itertools.count()
+
+
+def make_request(rid, prompt_len=10, max_tokens=8, **params):
+    return Request(rid, list(range(3, 3 + prompt_len)),
+                   SamplingParams(max_tokens=max_tokens, temperature=0, **params),
+                   seed=0, arrival=float(next(_clock)))
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=8, watermark=0):
+    bm = BlockManager(num_blocks, block_size)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                             watermark_blocks=watermark)
+    return Scheduler(config, bm, max_model_len=1000, eos_token_ids=(2,))
+
+
+def run_step(s, token=7):
+    out = s.schedule()
+    sampled = [token for w in out.work if w.samples]
+    s.update(out, sampled)
+    return out
+
+
+def test_prefill_then_decode_and_free():
+    s = make_scheduler()
+    r = make_request("a", prompt_len=10, max_tokens=3)
+    s.add_request(r)
+    out = run_step(s)
+    assert [(w.start, w.num_tokens, w.is_new) for w in out.work] == [(0, 10, True)]
+    assert len(r.block_ids) == 3 and r.output_token_ids == [7]
+    out = run_step(s)
+    assert [(w.start, w.num_tokens) for w in out.work] == [(10, 1)]
+    run_step(s)
+    assert r.status == RequestStatus.FINISHED_LENGTH
+    assert s.block_manager.num_free_blocks == 64
+    assert not s.has_work
+    assert s.schedule().forgotten_ids == ["a"]
+
+
+def test_decodes_come_first_and_budget_chunks_prefill():
+    s = make_scheduler(budget=8)
+    a = make_request("a", prompt_len=4, max_tokens=50)
+    s.add_request(a)
+    run_step(s)
+    b = make_request("b", prompt_len=20)
+    s.add_request(b)
+    out = run_step(s)
+    assert [(w.request.request_id, w.start, w.num_tokens) for w in out.work] == [
+        ("a", 4, 1), ("b", 0, 7)]
+    assert not out.work[1].samples and b.output_token_ids == []
+    out = run_step(s)
+    assert [(w.request.request_id, w.start, w.num_tokens) for w in out.work] == [
+        ("a", 5, 1), ("b", 7, 7)]
+    out = run_step(s)
+    assert [(w.request.request_id, w.start, w.num_tokens) for w in out.work] == [
+        ("a", 6, 1), ("b", 14, 6)]
+    assert out.work[1].samples and b.output_token_ids == [7]
+
+
+def test_max_num_seqs_caps_admission():
+    s = make_scheduler(max_seqs=2)
+    for rid in "abc":
+        s.add_request(make_request(rid))
+    out = run_step(s)
+    assert [w.request.request_id for w in out.work] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_eos_and_stop_token_finish():
+    s = make_scheduler()
+    a = make_request("a", stop_token_ids=[9])
+    b = make_request("b")
+    c = make_request("c", ignore_eos=True)
+    for r in (a, b, c):
+        s.add_request(r)
+    out = s.schedule()
+    s.update(out, [9, 2, 2])
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == 9
+    assert b.status == RequestStatus.FINISHED_STOPPED and b.stop_reason is None
+    assert c.status == RequestStatus.RUNNING
+
+
+def test_preemption_picks_latest_arrival_and_recomputes():
+    # 6 blocks of 4 tokens; two requests of 8-token prompts take 2 blocks each, then grow.
+    s = make_scheduler(num_blocks=6, block_size=4)
+    a = make_request("a", prompt_len=8, max_tokens=14)
+    b = make_request("b", prompt_len=8, max_tokens=14)
+    s.add_request(a)
+    s.add_request(b)
+    preempted = []
+    for _ in range(40):
+        if not s.has_work:
+            break
+        out = run_step(s)
+        preempted += [r.request_id for r in out.preempted]
+        used = sum(len(r.block_ids) for r in s.running)
+        assert used == s.block_manager.num_used_blocks <= 6
+        for w in out.work:  # a preempted request is never also scheduled in the same step
+            assert w.request.status != RequestStatus.PREEMPTED
+    assert preempted and set(preempted) == {"b"}
+    assert a.output_token_ids == [7] * 14 and b.output_token_ids == [7] * 14
+    assert b.num_preemptions >= 1
+    assert s.block_manager.num_free_blocks == 6
+
+
+def test_readmitted_request_recomputes_prompt_and_outputs():
+    s = make_scheduler(num_blocks=5, block_size=4)
+    a = make_request("a", prompt_len=8, max_tokens=12)
+    b = make_request("b", prompt_len=8, max_tokens=12)
+    s.add_request(a)
+    s.add_request(b)
+    seen = None
+    for _ in range(60):
+        if not s.has_work:
+            break
+        out = s.schedule()
+        for w in out.work:
+            if w.request is b and w.is_new and b.output_token_ids:
+                seen = (w.start, w.num_tokens, b.num_tokens)
+        s.update(out, [7 for w in out.work if w.samples])
+    assert seen is not None
+    start, num, total = seen
+    # The re-admission recomputes everything it had: prompt + output so far.
+    assert start == 0 and num == total
+
+
+def test_request_too_big_for_pool_finishes_instead_of_hanging():
+    s = make_scheduler(num_blocks=3, block_size=4)
+    big = make_request("big", prompt_len=20)
+    s.add_request(big)
+    out = s.schedule()
+    assert out.finished == [big] and big.status == RequestStatus.FINISHED_LENGTH
+    grows = make_request("grows", prompt_len=8, max_tokens=100)
+    s.add_request(grows)
+    for _ in range(20):
+        if not s.has_work:
+            break
+        run_step(s)
+    assert grows.status == RequestStatus.FINISHED_LENGTH
+    assert grows.stop_reason == "kv_cache_capacity" and grows.num_output_tokens == 5
+    assert s.block_manager.num_free_blocks == 3
+
+
+def test_finish_while_waiting_and_abort_frees_blocks():
+    s = make_scheduler(num_blocks=8, block_size=4)
+    a, b = make_request("a"), make_request("b")
+    s.add_request(a)
+    s.add_request(b)
+    run_step(s)
+    s.finish(a, RequestStatus.FINISHED_ABORTED)
+    assert s.block_manager.num_free_blocks == 8 - len(b.block_ids)
+    assert s.schedule().forgotten_ids == ["a"]
+    c = make_request("c")
+    s.add_request(c)
+    s.finish(c, RequestStatus.FINISHED_ABORTED)
+    assert c not in s.waiting
+
+
+def test_block_manager_refcounts():
+    bm = BlockManager(4, 4)
+    r = make_request("r", prompt_len=5)
+    assert bm.allocate(r, 5) == [0, 1]
+    assert bm.num_new_blocks(r, 5) == 0  # num_computed is still 0: 5 tokens fit in 2 blocks
+    assert bm.allocate(r, 20) is None and r.block_ids == [0, 1]
+    bm.free(r)
+    assert bm.num_free_blocks == 4 and bm.ref_counts == [0] * 4
+
+
+@pytest.mark.parametrize("watermark", [0, 3])
+def test_watermark_holds_blocks_back_from_admission(watermark):
+    s = make_scheduler(num_blocks=6, block_size=4, watermark=watermark)
+    s.add_request(make_request("a", prompt_len=8))
+    s.add_request(make_request("b", prompt_len=8))
+    out = s.schedule()
+    assert len(out.work) == (2 if watermark == 0 else 1)

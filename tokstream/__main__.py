@@ -1,0 +1,3 @@
+from tokstream.cli import main
+
+main()

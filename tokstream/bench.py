@@ -1,0 +1,129 @@
+"""Offline throughput and latency of the engine alone (`tokstream bench`). No HTTP, no torch
+in this process: it drives an in-process engine core whose worker runs the model."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from tokstream.config import EngineConfig
+from tokstream.engine.llm import LLM
+from tokstream.engine.messages import EngineRequest
+from tokstream.sampling_params import SamplingParams
+
+
+@dataclass
+class BenchSpec:
+    num_requests: int = 32
+    input_len: int = 128
+    output_len: int = 128
+    concurrency: int = 32
+    seed: int = 0
+
+
+@dataclass
+class _Timing:
+    submitted: float
+    token_times: list[float] = field(default_factory=list)
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    ordered = sorted(values)
+
+    def at(q):
+        # Linear interpolation between closest ranks (numpy's default).
+        pos = q * (len(ordered) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": sum(ordered) / len(ordered)}
+
+
+def random_prompts(spec: BenchSpec, vocab_size: int, special_ids: set[int]) -> list[list[int]]:
+    rng = random.Random(spec.seed)
+    low = min(100, vocab_size // 4)  # skip the special tokens at the bottom of most vocabularies
+    prompts = []
+    for _ in range(spec.num_requests):
+        prompt = []
+        while len(prompt) < spec.input_len:
+            token = rng.randrange(low, vocab_size)
+            if token not in special_ids:
+                prompt.append(token)
+        prompts.append(prompt)
+    return prompts
+
+
+def run_bench(llm: LLM, spec: BenchSpec, on_token=None) -> dict:
+    core = llm.core
+    special = set(core.model_config.eos_token_ids) | set(llm.tokenizer.eos_token_ids)
+    prompts = random_prompts(spec, core.model_config.vocab_size, special)
+    params = SamplingParams(max_tokens=spec.output_len, temperature=0.0, ignore_eos=True)
+    pending = [EngineRequest(f"bench-{i}", p, params) for i, p in enumerate(prompts)]
+    pending.reverse()
+    timings: dict[str, _Timing] = {}
+    step_times: list[float] = []
+    step_batch: list[int] = []
+    in_flight = 0
+    started = time.perf_counter()
+    while pending or core.has_work:
+        while pending and in_flight < spec.concurrency:
+            request = pending.pop()
+            core.add_request(request)
+            timings[request.request_id] = _Timing(time.perf_counter())
+            in_flight += 1
+        deltas = core.step()
+        now = time.perf_counter()
+        if core.last_step is not None:
+            step_times.append(core.last_step.step_s)
+            step_batch.append(core.last_step.num_seqs)
+        for delta in deltas:
+            timings[delta.request_id].token_times.extend([now] * len(delta.token_ids))
+            if on_token is not None:
+                on_token(len(delta.token_ids))
+            if delta.finished:
+                in_flight -= 1
+    elapsed = time.perf_counter() - started
+    return summarize(spec, llm, timings, step_times, step_batch, elapsed)
+
+
+def summarize(spec, llm, timings, step_times, step_batch, elapsed) -> dict:
+    output_tokens = sum(len(t.token_times) for t in timings.values())
+    ttft = [t.token_times[0] - t.submitted for t in timings.values() if t.token_times]
+    itl = [b - a for t in timings.values() for a, b in zip(t.token_times, t.token_times[1:])]
+    # Steps where every running sequence decodes one token: the steady-state decode step.
+    full = max(step_batch) if step_batch else 0
+    decode_steps = [s for s, b in zip(step_times, step_batch) if b == full]
+    return {
+        "model": llm.core.model_config.name,
+        "dtype": llm.core.dtype,
+        "device": llm.config.device,
+        "tp": llm.config.tp,
+        "num_requests": spec.num_requests,
+        "input_len": spec.input_len,
+        "output_len": spec.output_len,
+        "concurrency": spec.concurrency,
+        "elapsed_s": elapsed,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (output_tokens + spec.num_requests * spec.input_len) / elapsed,
+        "num_steps": len(step_times),
+        "step_ms": {k: (v * 1000 if v is not None else None)
+                    for k, v in percentiles(step_times).items()},
+        "decode_step_ms_at_max_batch": {k: (v * 1000 if v is not None else None)
+                                        for k, v in percentiles(decode_steps).items()},
+        "max_batch": full,
+        "ttft_s": percentiles(ttft),
+        "itl_s": percentiles(itl),
+        "preemptions": llm.core.scheduler.num_preemptions,
+    }
+
+
+def bench_config(model: str, dtype: str, device: str, spec: BenchSpec, **kwargs) -> EngineConfig:
+    config = EngineConfig(model=model, dtype=dtype, device=device, **kwargs)
+    # Enough room for every sequence at once: the benchmark measures batching, not the pool.
+    config.scheduler.max_num_seqs = max(config.scheduler.max_num_seqs, spec.concurrency)
+    return config

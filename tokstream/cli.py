@@ -1,0 +1,195 @@
+"""The `tokstream` command. Imports are lazy so `--help` is instant and each command pulls in
+only what it needs (no torch in this process: workers import it)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="tokstream: paged-KV, continuously batched LLM serving.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+
+ModelOpt = typer.Option("smollm2", "--model", "-m",
+                        help="smollm2 (embedded), a .gguf file, a Hugging Face folder, or dummy:NAME")
+DtypeOpt = typer.Option("auto", help="float32, bfloat16, float16 or auto (float32 on CPU)")
+DeviceOpt = typer.Option("cpu", help="cpu or cuda")
+
+
+def _setup_logging(verbose: bool) -> None:
+    import os
+
+    level = "INFO" if verbose else "WARNING"
+    os.environ.setdefault("TOKSTREAM_LOG", level)
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s: %(message)s")
+
+
+def user_errors(func):
+    """Bad input ends the command with one clear line on stderr and exit code 2."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        from tokstream.errors import TokstreamError
+
+        try:
+            return func(*args, **kwargs)
+        except TokstreamError as exc:
+            from tokstream.errors import UserInputError
+
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2 if isinstance(exc, UserInputError) else 1)
+        except KeyboardInterrupt:
+            raise typer.Exit(130)
+
+    return wrapper
+
+
+@app.command()
+@user_errors
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt (a user message unless --no-chat)."),
+    model: str = ModelOpt,
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Apply the model's chat template."),
+    max_tokens: int = typer.Option(256, help="Most tokens to generate."),
+    temperature: float = typer.Option(0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0),
+    top_k: int = typer.Option(0, help="0 = no limit."),
+    seed: Optional[int] = typer.Option(None),
+    stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log to stderr."),
+):
+    """Generate one completion without a server; the text streams to stdout."""
+    _setup_logging(verbose)
+    from tokstream.config import EngineConfig
+    from tokstream.engine.llm import LLM
+    from tokstream.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                            top_k=top_k, seed=seed, stop=list(stop))
+    config = EngineConfig(model=model, dtype=dtype, device=device)
+    _check_prompt_fits(config, prompt, chat)
+    with LLM(config) as llm:
+        request = llm.request(prompt, params, chat=chat)
+        for delta in llm.stream([request]):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            if delta.finished:
+                logging.getLogger("tokstream").info(
+                    "finish_reason=%s prompt_tokens=%d output_tokens=%d", delta.finish_reason,
+                    delta.num_prompt_tokens, delta.num_output_tokens)
+    sys.stdout.write("\n")
+
+
+def _check_prompt_fits(config, prompt: str, chat: bool) -> None:
+    """Fail fast, before any worker starts, on a prompt the model cannot take."""
+    from tokstream.errors import PromptTooLongError
+    from tokstream.model.source import resolve_model
+    from tokstream.tokenizer import load_tokenizer
+
+    source = resolve_model(config.model)
+    tokenizer = load_tokenizer(source)
+    ids = (tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat
+           else tokenizer.encode(prompt))
+    if len(ids) >= source.config.max_position:
+        raise PromptTooLongError(
+            f"prompt is {len(ids)} tokens; the model's context is {source.config.max_position} "
+            "tokens, leaving no room for output")
+
+
+@app.command()
+@user_errors
+def bench(
+    model: str = ModelOpt,
+    num_requests: int = typer.Option(32, min=1),
+    input_len: int = typer.Option(128, min=1),
+    output_len: int = typer.Option(128, min=1),
+    concurrency: int = typer.Option(32, min=1),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    max_num_batched_tokens: int = typer.Option(1024, help="Token budget per step."),
+    seed: int = typer.Option(0),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the results here."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+):
+    """Offline throughput and latency of the engine alone, on random prompts."""
+    _setup_logging(verbose)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tokstream.bench import BenchSpec, bench_config, run_bench
+    from tokstream.engine.llm import LLM
+
+    spec = BenchSpec(num_requests, input_len, output_len, concurrency, seed)
+    config = bench_config(model, dtype, device, spec)
+    config.scheduler.max_num_batched_tokens = max_num_batched_tokens
+    console = Console(stderr=True)
+    with LLM(config) as llm:
+        with Progress(TextColumn("bench"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
+                      TimeElapsedColumn(), console=console, transient=True) as progress:
+            task = progress.add_task("tokens", total=num_requests * output_len)
+            result = run_bench(llm, spec, on_token=lambda n: progress.advance(task, n))
+    _print_bench(console, result)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def _print_bench(console, result: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"bench: {result['model']} {result['dtype']} "
+                        f"{result['num_requests']} x {result['input_len']}->{result['output_len']}"
+                        f" at concurrency {result['concurrency']}")
+    table.add_column("metric")
+    for col in ("p50", "p90", "p99"):
+        table.add_column(col, justify="right")
+    for key, scale, unit in (("ttft_s", 1000, "ms"), ("itl_s", 1000, "ms"), ("step_ms", 1, "ms")):
+        row = result[key]
+        table.add_row(f"{key.split('_')[0]} ({unit})",
+                      *(f"{row[c] * scale:.1f}" if row[c] is not None else "-"
+                        for c in ("p50", "p90", "p99")))
+    console.print(table)
+    console.print(f"output tokens/s {result['output_tokens_per_s']:.1f}   "
+                  f"total tokens/s {result['total_tokens_per_s']:.1f}   "
+                  f"elapsed {result['elapsed_s']:.2f} s   preemptions {result['preemptions']}")
+
+
+@app.command()
+@user_errors
+def plan(
+    model: str = ModelOpt,
+    tp: int = typer.Option(1, min=1),
+    device_memory: str = typer.Option("80GB", help="Memory per device (decimal: 80GB = 80e9 B)."),
+    dtype: str = typer.Option("float16"),
+    avg_context: int = typer.Option(2000, min=1, help="Average tokens per request."),
+    reserve: str = typer.Option("0", help="Memory kept back per device (activations, etc.)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+):
+    """Memory-ceiling arithmetic: weights, KV bytes per token, tokens and requests that fit."""
+    from tokstream.model.source import resolve_model
+    from tokstream.plan import compute_plan, parse_size, render_plan
+
+    config = resolve_model(model).config
+    result = compute_plan(config, tp, parse_size(device_memory), dtype, avg_context,
+                          parse_size(reserve))
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        from rich.console import Console
+
+        Console().print(render_plan(result))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

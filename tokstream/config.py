@@ -1,0 +1,139 @@
+"""Configuration dataclasses, one per concern, validated on construction. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokstream.errors import UserInputError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise UserInputError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder; everything needed to build it and size its cache."""
+
+    name: str
+    """Display name (what /v1/models lists)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention when fewer than num_heads)."""
+    head_dim: int
+    max_position: int
+    """Context length the model was trained for."""
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    """True when the LM head reuses the embedding matrix (SmolLM2)."""
+    qkv_bias: bool = False
+    """Qwen2-style bias on the q/k/v projections."""
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position"):
+            if getattr(self, name) < 1:
+                raise UserInputError(f"model config: {name} must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise UserInputError("model config: num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        mlp = 3 * h * i
+        norms = 2 * h
+        per_layer = attention + mlp + norms
+        embeddings = v * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + h
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        """Bytes of K and V cache one token takes across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
+
+    def weight_bytes(self, dtype: str) -> int:
+        return self.num_params * dtype_bytes(dtype)
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = 16
+    """Tokens per block."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV pool; None means a fraction of free memory (see memory_fraction)."""
+    memory_fraction: float = 0.5
+    """Share of free device memory (after weights) given to the pool when no budget is set."""
+    num_blocks: int | None = None
+    """Exact pool size in blocks; overrides the memory budget (tests use tiny pools)."""
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise UserInputError("block_size must be a power of two >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise UserInputError("kv_cache_memory must be > 0 bytes")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise UserInputError("memory_fraction must be in (0, 1]")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise UserInputError("num_blocks must be >= 1")
+
+
+@dataclass
+class SchedulerConfig:
+    """How each step's batch is filled."""
+
+    max_num_seqs: int = 64
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = 1024
+    """Token budget per step: decode tokens first, then prefill chunks."""
+    watermark_blocks: int = 1
+    """Free blocks kept back when admitting a new request, so running ones can grow."""
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise UserInputError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise UserInputError("max_num_batched_tokens must be >= 1")
+        if self.watermark_blocks < 0:
+            raise UserInputError("watermark_blocks must be >= 0")
+
+
+@dataclass
+class EngineConfig:
+    """Everything one replica needs; passed whole to the core and to every worker."""
+
+    model: str = "smollm2"
+    """Model: 'smollm2' (the embedded GGUF), a path to a GGUF file or HF folder, or dummy:NAME."""
+    dtype: str = "auto"
+    """Serving dtype; 'auto' picks per device."""
+    device: str = "cpu"
+    tp: int = 1
+    seed: int = 0
+    """Seed for dummy weights and for requests that bring none."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None
+    """Torch threads per worker; None divides the cores between the ranks."""
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise UserInputError(f"device must be cpu, cuda or auto, not {self.device!r}")
+        if self.dtype != "auto":
+            dtype_bytes(self.dtype)
+        if self.tp < 1:
+            raise UserInputError("tp must be >= 1")

@@ -1,0 +1,156 @@
+"""The engine core: scheduler + block manager + executor, one step at a time. No torch.
+
+    step = schedule -> execute -> update -> emit
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+from tokstream.config import EngineConfig
+from tokstream.detokenizer import IncrementalDetokenizer
+from tokstream.engine.block_manager import BlockManager
+from tokstream.engine.executor import Executor
+from tokstream.engine.messages import (EngineRequest, NewRequestData, RequestDelta,
+                                       ScheduledChunk, StepPlan)
+from tokstream.engine.request import Request, RequestStatus
+from tokstream.engine.scheduler import Scheduler, SchedulerOutput
+from tokstream.errors import PromptTooLongError, UserInputError
+from tokstream.model.source import resolve_model
+from tokstream.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger("tokstream.engine")
+
+
+@dataclass
+class StepStats:
+    num_tokens: int
+    num_seqs: int
+    step_s: float
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
+        self.config = config
+        source = resolve_model(config.model)
+        self.model_config = source.config
+        self.tokenizer = tokenizer or load_tokenizer(source)
+        self.executor = Executor(config)
+        ready = self.executor.ready
+        self.dtype = ready.dtype
+        self.block_manager = BlockManager(ready.num_blocks, config.cache.block_size)
+        self.max_model_len = self.model_config.max_position
+        eos = tuple(self.model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos)
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.step_id = 0
+        self.last_step: StepStats | None = None
+        self._rng = random.Random()
+        log.info("%s", self.capacity_summary())
+
+    def capacity_summary(self) -> str:
+        """The seed's arithmetic for the live config, one line."""
+        ready, tp = self.executor.ready, self.config.tp
+        per_token = self.model_config.kv_bytes_per_token(self.dtype)
+        tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        return (f"model {self.model_config.name} {self.dtype} tp={tp}: "
+                f"weights {ready.weight_bytes * tp / 1e9:.3f} GB, "
+                f"KV pool {ready.num_blocks * ready.block_bytes * tp / 1e9:.3f} GB "
+                f"({ready.num_blocks} blocks x {self.block_manager.block_size} tokens), "
+                f"KV {per_token} B/token, {tokens} tokens fit, "
+                f"{tokens // 2000} concurrent requests at 2,000 tokens")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add_request(self, submitted: EngineRequest) -> None:
+        prompt, outputs = submitted.prompt_token_ids, submitted.output_token_ids
+        if not prompt:
+            raise UserInputError("prompt is empty")
+        if submitted.request_id in self.scheduler.requests:
+            raise UserInputError(f"duplicate request id {submitted.request_id!r}")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise UserInputError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt) + len(outputs) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt is {len(prompt) + len(outputs)} tokens; the model's context is "
+                f"{self.max_model_len} tokens, leaving no room for output")
+        params = submitted.params
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        request = Request(submitted.request_id, list(prompt), params, seed, time.monotonic(),
+                          output_token_ids=list(outputs))
+        self.detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
+            prompt_ids=prompt, delivered_ids=list(outputs))
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> RequestDelta | None:
+        request = self.scheduler.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        return self._final_delta(request, "")
+
+    def step(self) -> list[RequestDelta]:
+        started = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        deltas = [self._final_delta(r, "") for r in scheduled.finished]
+        if not scheduled.work and not scheduled.forgotten_ids:
+            return deltas
+        result = self.executor.execute(self._plan(scheduled))
+        advanced = self.scheduler.update(scheduled, result.sampled_token_ids)
+        deltas += [self._emit(request) for request in advanced]
+        self.last_step = StepStats(scheduled.num_tokens, len(scheduled.work),
+                                   time.perf_counter() - started)
+        return deltas
+
+    def _plan(self, scheduled: SchedulerOutput) -> StepPlan:
+        self.step_id += 1
+        plan = StepPlan(self.step_id, finished_ids=scheduled.forgotten_ids)
+        for work in scheduled.work:
+            request = work.request
+            if work.is_new:
+                p = request.params
+                plan.new_requests.append(NewRequestData(
+                    request.request_id, p.temperature, p.top_p, p.top_k, request.seed))
+            end = work.start + work.num_tokens
+            plan.chunks.append(ScheduledChunk(
+                request.request_id, request.token_slice(work.start, end), work.start,
+                work.new_block_ids, request.num_output_tokens if work.samples else None))
+        return plan
+
+    def _emit(self, request: Request) -> RequestDelta:
+        detokenizer = self.detokenizers[request.request_id]
+        step = detokenizer.step(request.output_token_ids[-1:])
+        text = step.text
+        if step.stop is not None:
+            if request.status.is_finished:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = step.stop
+            else:
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, step.stop)
+        elif request.status.is_finished:
+            text += detokenizer.finish()
+        if request.status.is_finished:
+            return self._final_delta(request, text, last_token=True)
+        index = request.num_output_tokens - 1
+        return RequestDelta(request.request_id, request.output_token_ids[-1:], index, text,
+                            num_prompt_tokens=len(request.prompt_token_ids),
+                            num_output_tokens=request.num_output_tokens)
+
+    def _final_delta(self, request: Request, text: str, last_token: bool = False) -> RequestDelta:
+        self.detokenizers.pop(request.request_id, None)
+        tokens = request.output_token_ids[-1:] if last_token else []
+        return RequestDelta(
+            request.request_id, tokens, request.num_output_tokens - len(tokens), text,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            num_prompt_tokens=len(request.prompt_token_ids),
+            num_output_tokens=request.num_output_tokens)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

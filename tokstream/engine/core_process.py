@@ -1,0 +1,79 @@
+"""The engine core in its own process, talking plain messages over a pipe.
+
+client -> core: ("add", EngineRequest) | ("abort", request_id) | ("shutdown",)
+core -> client: ("ready", info) | ("failed", user_error, message) | ("deltas", [RequestDelta])
+                | ("dead", message)
+The core exits when the pipe closes, so it never outlives the process that started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from tokstream.config import EngineConfig
+from tokstream.engine.messages import RequestDelta
+
+IDLE_POLL_S = 0.5
+
+
+def core_main(conn, config: EngineConfig) -> None:
+    logging.basicConfig(level=os.environ.get("TOKSTREAM_LOG", "WARNING"),
+                        format="%(asctime)s %(name)s: %(message)s")
+    from tokstream.engine.core import EngineCore
+    from tokstream.errors import ReplicaError, TokstreamError, UserInputError
+
+    try:
+        core = EngineCore(config)
+    except TokstreamError as exc:
+        conn.send(("failed", isinstance(exc, UserInputError), str(exc)))
+        return
+    conn.send(("ready", {
+        "model": core.model_config.name, "dtype": core.dtype, "pid": os.getpid(),
+        "worker_pids": core.executor.pids, "num_blocks": core.block_manager.num_blocks,
+        "block_size": core.block_manager.block_size, "max_model_len": core.max_model_len,
+        "capacity": core.capacity_summary()}))
+    try:
+        _serve(conn, core)
+    except (EOFError, OSError):
+        pass  # the client went away
+    except ReplicaError as exc:
+        live = list(core.scheduler.requests)
+        deltas = [RequestDelta(rid, [], 0, "", finish_reason="error", error=str(exc))
+                  for rid in live]
+        try:
+            conn.send(("deltas", deltas))
+            conn.send(("dead", str(exc)))
+        except OSError:
+            pass
+    finally:
+        core.shutdown()
+
+
+def _serve(conn, core) -> None:
+    from tokstream.errors import UserInputError
+
+    while True:
+        timeout = 0 if core.has_work else IDLE_POLL_S
+        out: list[RequestDelta] = []
+        while conn.poll(timeout):
+            timeout = 0
+            message = conn.recv()
+            kind = message[0]
+            if kind == "shutdown":
+                return
+            if kind == "add":
+                request = message[1]
+                try:
+                    core.add_request(request)
+                except UserInputError as exc:
+                    out.append(RequestDelta(request.request_id, [], 0, "",
+                                            finish_reason="error", error=str(exc)))
+            elif kind == "abort":
+                delta = core.abort(message[1])
+                if delta is not None:
+                    out.append(delta)
+        if core.has_work:
+            out.extend(core.step())
+        if out:
+            conn.send(("deltas", out))

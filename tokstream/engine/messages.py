@@ -1,0 +1,97 @@
+"""Plain data crossing process boundaries. Only what changed since the last step crosses.
+
+core -> worker: StepPlan.  worker -> core: StepResult.  core -> clients: RequestDelta.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokstream.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (or must forget and relearn after a preemption)."""
+
+    request_id: str
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens of one request to run through the model in this step."""
+
+    request_id: str
+    token_ids: list[int]
+    """The tokens to compute: a prefill chunk, or the one last-sampled token in decode."""
+    start_position: int
+    """Position of token_ids[0]; the cache already holds positions [0, start_position)."""
+    new_block_ids: list[int]
+    """Blocks appended to this request's block table before this step runs."""
+    sample_index: int | None
+    """Output index of the token to sample after this chunk; None for a non-final prefill chunk."""
+
+
+@dataclass
+class StepPlan:
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    """Decode chunks (one token) first, then prefill chunks."""
+    finished_ids: list[str] = field(default_factory=list)
+    """Requests the worker should forget (finished, aborted or preempted)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass
+class StepResult:
+    step_id: int
+    sampled_token_ids: list[int]
+    """One token per chunk with a sample_index, in chunk order."""
+    execute_s: float = 0.0
+    """Worker-side time for the forward pass and sampling."""
+
+
+@dataclass
+class RequestDelta:
+    """What one request gained in one step; what the gateway streams to its caller."""
+
+    request_id: str
+    token_ids: list[int]
+    """New output token ids."""
+    first_index: int
+    """Output index of token_ids[0]: indices are contiguous from 0 across all deltas."""
+    text: str
+    """New text safe to show (UTF-8 complete, no partial stop string)."""
+    finish_reason: str | None = None
+    """None while running; 'stop', 'length', 'abort' or 'error' once, on the last delta."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended it."""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    """Output tokens counted so far, including this delta."""
+    error: str | None = None
+    """Why the request failed, when finish_reason is 'error'."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineRequest:
+    """A request as submitted to the engine core (already tokenised and validated)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    """Tokens already delivered to the caller, when a request is resumed after a failure:
+    the engine re-prefills prompt + these and continues at the next output index."""

@@ -1,0 +1,72 @@
+"""One request's life inside the engine core: its tokens, its blocks, its status."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tokstream.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered so that everything at or past FINISHED_STOPPED is finished."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    """The resolved seed (params.seed, or one drawn at admission)."""
+    arrival: float
+    """Monotonic arrival time; preemption picks the latest arrival."""
+    output_token_ids: list[int] = field(default_factory=list)
+    """Every output token so far, including any delivered before a resume."""
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    """Tokens whose K/V are in the cache."""
+    block_ids: list[int] = field(default_factory=list)
+    stop_reason: str | int | None = None
+    """The stop string or stop token that ended it, if any."""
+    num_preemptions: int = 0
+    first_scheduled: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)

@@ -1,0 +1,190 @@
+"""Continuous batching: every step is rebuilt from the running and waiting requests.
+
+A step is a token budget filled with running requests first (decodes, and prompts part-way
+through a chunked prefill), then new prompts while blocks, the budget and the sequence cap
+allow. When the pool runs dry mid-generation the latest-arrived running request is preempted:
+its blocks are freed and it is recomputed from prompt + output later, so its stream is
+unchanged. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokstream.config import SchedulerConfig
+from tokstream.engine.block_manager import BlockManager
+from tokstream.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledWork:
+    """One request's share of a step."""
+
+    request: Request
+    start: int
+    """First position computed this step (== request.num_computed_tokens before the step)."""
+    num_tokens: int
+    new_block_ids: list[int]
+    is_new: bool
+    """The worker has not seen this request (first admission or re-admission after preemption)."""
+    samples: bool = False
+    """This chunk reaches the end of the request's tokens, so a token is sampled after it."""
+
+    def __post_init__(self):
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    work: list[ScheduledWork] = field(default_factory=list)
+    """Decodes (one token) first, then prefill chunks."""
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    """Requests ended while scheduling (too big for the whole pool)."""
+    forgotten_ids: list[str] = field(default_factory=list)
+    """Requests the workers should drop: finished, aborted or preempted since the last step."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(w.num_tokens for w in self.work)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        """Kept in arrival order, so a step visits older requests first and the preemption
+        victim (the latest arrival, running[-1]) has never been scheduled earlier in the step."""
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._forgotten: list[str] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus, stop_reason=None) -> None:
+        """End a request for good: free its blocks and tell the workers to forget it."""
+        if request.status.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._forgotten.append(request.request_id)
+        else:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = status
+        request.stop_reason = stop_reason
+        del self.requests[request.request_id]
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decodes: list[ScheduledWork] = []
+        prefills: list[ScheduledWork] = []
+
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self._allocate_or_preempt(request, num_new, out)
+            if new_blocks is None:
+                continue
+            work = ScheduledWork(request, request.num_computed_tokens, num_new, new_blocks, False)
+            (decodes if num_new == 1 and work.samples else prefills).append(work)
+            budget -= num_new
+
+        # No admissions in a step that had to preempt: the pool is tight.
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            if self._can_never_fit(request):
+                self.finish(request, RequestStatus.FINISHED_LENGTH, "kv_cache_capacity")
+                out.finished.append(request)
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = self.block_manager.allocate(
+                request, num_new, reserve=self.config.watermark_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            bisect.insort(self.running, request, key=lambda r: r.arrival)
+            request.status = RequestStatus.RUNNING
+            prefills.append(ScheduledWork(request, 0, num_new, new_blocks, True))
+            budget -= num_new
+
+        out.work = decodes + prefills
+        out.forgotten_ids, self._forgotten = self._forgotten, []
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             out: SchedulerOutput) -> list[int] | None:
+        while True:
+            new_blocks = self.block_manager.allocate(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                # Alone and still too big for the whole pool: it can never continue.
+                self.finish(request, RequestStatus.FINISHED_LENGTH, "kv_cache_capacity")
+                out.finished.append(request)
+                return None
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._forgotten.append(request.request_id)
+        out.preempted.append(request)
+
+    def _can_never_fit(self, request: Request) -> bool:
+        usable = self.block_manager.num_blocks - self.config.watermark_blocks
+        return self.block_manager.blocks_for(request.num_tokens + 1) > usable
+
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+        """Apply a step's results; return the requests that gained a token (in work order)."""
+        sampled = iter(sampled_token_ids)
+        advanced = []
+        for work in out.work:
+            request = work.request
+            request.num_computed_tokens = work.start + work.num_tokens
+            if not work.samples:
+                continue
+            token = next(sampled)
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.output_token_ids.append(token)
+            advanced.append(request)
+            self._check_stop(request, token)
+        return advanced
+
+    def _check_stop(self, request: Request, token: int) -> None:
+        params = request.params
+        if token in params.stop_token_ids:
+            self.finish(request, RequestStatus.FINISHED_STOPPED, token)
+        elif not params.ignore_eos and token in self.eos_token_ids:
+            self.finish(request, RequestStatus.FINISHED_STOPPED, None)
+        elif request.num_output_tokens >= params.max_tokens:
+            self.finish(request, RequestStatus.FINISHED_LENGTH)
+        elif request.num_tokens >= self.max_model_len:
+            self.finish(request, RequestStatus.FINISHED_LENGTH)

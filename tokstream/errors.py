@@ -1,0 +1,30 @@
+"""Typed errors. The name says who is at fault and what survives.
+
+- `UserInputError` and its children: one request (or one CLI call) is wrong; nothing else is
+  harmed. The CLI prints the message on one line and exits 2; the server answers 4xx.
+- `ReplicaError`: the serving replica itself is unusable; every open stream gets an error.
+"""
+
+
+class TokstreamError(Exception):
+    """Base of every error tokstream raises on purpose."""
+
+
+class UserInputError(TokstreamError, ValueError):
+    """Bad input from a user: a flag, a prompt, a sampling parameter, a model name."""
+
+
+class ModelNotFoundError(UserInputError):
+    """The model name or path does not resolve to anything loadable."""
+
+
+class CorruptModelError(UserInputError):
+    """The model file exists but cannot be read (truncated, wrong format, missing tensors)."""
+
+
+class PromptTooLongError(UserInputError):
+    """The prompt (plus at least one output token) does not fit in the model's context."""
+
+
+class ReplicaError(TokstreamError, RuntimeError):
+    """The engine or one of its ranks failed; the replica cannot serve until it recovers."""

@@ -1,0 +1,299 @@
+"""Text <-> token ids, and chat templates. Built from a GGUF's metadata, an HF folder's
+tokenizer.json, or made up for `dummy:` presets. No torch here."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from tokstream.errors import CorruptModelError, UserInputError
+
+if TYPE_CHECKING:
+    from tokstream.model.source import ModelSource
+
+# For models that ship no chat template: plain role-labelled turns, no special tokens.
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+# llama.cpp's GGUF token types.
+TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_USER_DEFINED = 4
+
+# tokenizer.ggml.pre names, grouped by how llama.cpp splits text before BPE. The "smollm"
+# group first cuts every digit off on its own, as SmolLM2's tokenizer.json does with
+# Digits(individual_digits) before the GPT-2 split.
+GPT2_PRE = {"gpt2", "default", "mpt", "olmo", "jais"}
+DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"}
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+REGEX_SPLIT_PRE = {"llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT}
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus what serving needs around it: special ids, chat template."""
+
+    def __init__(self, backend: BackendTokenizer, *, bos_token_id: int | None = None,
+                 eos_token_ids: tuple[int, ...] = (), chat_template: str | None = None,
+                 add_bos_token: bool = False):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self._template: jinja2.Template | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.id_to_token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.id_to_token(self.eos_token_ids[0] if self.eos_token_ids else None)
+
+    def id_to_token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Raw text to ids; special tokens written in the text are recognised whole."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        # Ids the vocabulary lacks (a random-weight model emits any id) decode to nothing.
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            self._template = _compile_template(self.chat_template or PLAIN_CHAT_TEMPLATE)
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except (jinja2.TemplateError, TypeError) as error:  # messages it cannot handle
+            raise UserInputError(f"chat template failed on these messages: {error}") from error
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes any BOS itself, so none is added here (as transformers does).
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def to_json(self) -> str:
+        """The tokenizer.json text."""
+        return self.backend.to_str()
+
+    def save(self, directory: str | Path) -> None:
+        """Write tokenizer.json and tokenizer_config.json, as an HF folder holds them."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "tokenizer.json").write_text(self.to_json(), encoding="utf-8")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
+                  "eos_token": self.eos_token, "add_bos_token": self.add_bos_token,
+                  "chat_template": self.chat_template}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), "utf-8")
+
+
+def _raise_exception(message: str):
+    raise UserInputError(f"chat template: {message}")
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # The same environment transformers renders with, so templates behave as their authors saw.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False,
+                                                                  indent=indent)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as error:
+        raise CorruptModelError(f"chat template does not parse: {error}") from error
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    if source.kind == "gguf":
+        from tokstream.model.gguf_file import read_gguf_header
+
+        # The header reader decodes the token lists in ~0.1 s; gguf.GGUFReader takes ~2.5 s.
+        return tokenizer_from_gguf(read_gguf_header(source.path, arrays=True).metadata, source)
+    if source.kind == "hf":
+        return tokenizer_from_hf(Path(source.path), source)
+    if source.kind == "dummy":
+        return dummy_tokenizer(source.config.vocab_size, source.config.bos_token_id,
+                               source.config.eos_token_ids)
+    raise UserInputError(f"unknown model source kind {source.kind!r}")
+
+
+def tokenizer_from_gguf(metadata: Mapping, source: ModelSource | None = None) -> Tokenizer:
+    """From a GGUF's key/value metadata, token and merge lists included."""
+
+    def field(key, default=None):
+        return metadata.get(key, default)
+
+    kind = field("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UserInputError(
+            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+    pre = field("tokenizer.ggml.pre", "default")
+    tokens = field("tokenizer.ggml.tokens")
+    merges = field("tokenizer.ggml.merges")
+    if not tokens or merges is None:
+        raise CorruptModelError("GGUF has no tokenizer.ggml.tokens or tokenizer.ggml.merges")
+    token_types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+
+    byte_spelling = _bytes_to_unicode()
+    alphabet = set(byte_spelling.values())
+    vocab = {}
+    for index, token in enumerate(tokens):
+        if not set(token) <= alphabet:  # stored as raw text: respell in the byte alphabet
+            token = "".join(byte_spelling[b] for b in token.encode("utf-8"))
+        vocab.setdefault(token, index)
+    backend = BackendTokenizer(models.BPE(
+        vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges]))
+    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
+    backend.decoder = decoders.ByteLevel()
+
+    # Control tokens must match whole in text (`<|im_start|>`), never be cut into bytes. One
+    # spelled outside the byte alphabet is a llama.cpp mislabel; adding it would grow the vocab.
+    specials = [AddedToken(t, special=True, normalized=False)
+                for t, token_type in zip(tokens, token_types)
+                if token_type == TOKEN_TYPE_CONTROL and set(t) <= alphabet]
+    user_defined = [AddedToken(t, special=False, normalized=False)
+                    for t, token_type in zip(tokens, token_types)
+                    if token_type == TOKEN_TYPE_USER_DEFINED and t in vocab]
+    backend.add_special_tokens(specials)
+    backend.add_tokens(user_defined)
+
+    eos = [field(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    return Tokenizer(
+        backend,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_unique(eos + list(source.config.eos_token_ids if source else ())),
+        chat_template=field("tokenizer.chat_template"),
+        add_bos_token=bool(field("tokenizer.ggml.add_bos_token", False)),
+    )
+
+
+def _byte_level_pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in DIGIT_SPLIT_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in GPT2_PRE:
+        return byte_level
+    if pre in REGEX_SPLIT_PRE:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(REGEX_SPLIT_PRE[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    supported = sorted(GPT2_PRE | DIGIT_SPLIT_PRE | set(REGEX_SPLIT_PRE))
+    raise UserInputError(f"GGUF pre-tokenizer {pre!r} is not supported "
+                         f"(supported: {', '.join(supported)})")
+
+
+def tokenizer_from_hf(folder: Path, source: ModelSource | None = None) -> Tokenizer:
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise CorruptModelError(f"{folder} has no tokenizer.json")
+    try:
+        backend = BackendTokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a bare Exception on bad JSON
+        raise CorruptModelError(f"cannot read {path}: {error}") from error
+
+    config = _read_json(folder / "tokenizer_config.json")
+    generation = _read_json(folder / "generation_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        template = named.get("default") or next(iter(named.values()), None)
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+
+    def token_id(value):
+        if isinstance(value, dict):
+            value = value.get("content")
+        return backend.token_to_id(value) if isinstance(value, str) else None
+
+    eos = generation.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [eos]
+    eos += [token_id(config.get("eos_token"))]
+    bos = generation.get("bos_token_id", token_id(config.get("bos_token")))
+    if source is not None:
+        eos += list(source.config.eos_token_ids)
+        bos = bos if bos is not None else source.config.bos_token_id
+    # A tokenizer.json whose post-processor adds BOS (Llama 3) says so itself.
+    adds_bos = bos is not None and bos in backend.encode("", add_special_tokens=True).ids
+    return Tokenizer(backend, bos_token_id=bos, eos_token_ids=_unique(eos),
+                     chat_template=template, add_bos_token=adds_bos)
+
+
+def dummy_tokenizer(vocab_size: int, bos_token_id: int | None = None,
+                    eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+    """A deterministic byte-level tokenizer with exactly `vocab_size` ids.
+
+    Specials sit at the config's ids, the 256 bytes at the lowest free ids, and every id left
+    over decodes to a harmless word (" w123") so any id a random-weight model emits is readable.
+    """
+    specials = {}
+    if bos_token_id is not None:
+        specials[bos_token_id] = "<|bos|>"
+    for n, eos in enumerate(eos_token_ids):
+        specials.setdefault(eos, "<|eos|>" if n == 0 else f"<|eos{n}|>")
+    if vocab_size < 256 + len(specials) or any(i >= vocab_size for i in specials):
+        raise UserInputError(f"dummy tokenizer needs vocab_size >= {256 + len(specials)} "
+                             "holding the bos/eos ids")
+    free_ids = (i for i in range(vocab_size) if i not in specials)
+    vocab = {symbol: next(free_ids) for symbol in _bytes_to_unicode().values()}
+    vocab.update({token: i for i, token in specials.items()})
+    vocab.update({f"Ġw{i}": i for i in free_ids})
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in specials.values()])
+    return Tokenizer(backend, bos_token_id=bos_token_id, eos_token_ids=tuple(eos_token_ids))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (the byte-level BPE alphabet)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)}
+    table, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise CorruptModelError(f"cannot parse {path}: {error}") from error
+
+
+def _unique(ids) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(i for i in ids if i is not None))

@@ -1,0 +1,96 @@
+"""Paged attention in plain torch: the reference that always runs (CPU, and GPU without Triton).
+
+The cache for one layer is a pair of tensors (num_blocks, block_size, num_kv_heads, head_dim).
+A step's tokens are laid out decodes first (one query each), then prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    query_start: int
+    """Index of the chunk's first token in the step's flattened tokens."""
+    query_len: int
+    context_len: int
+    """Tokens of this sequence in the cache after this step (cached prefix + this chunk)."""
+    block_table: torch.Tensor
+    """(num_blocks_of_seq,) int64."""
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    """(num_tokens,) int64: the cache slot each new token's K/V is written to."""
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None
+    """(num_decodes, max_blocks) int64, padded with block 0."""
+    decode_key_mask: torch.Tensor | None
+    """(num_decodes, 1, 1, max_blocks * block_size) bool: True where a key position is real."""
+    prefills: list[PrefillSeq]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys and values (num_tokens, num_kv_heads, head_dim) into their slots."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q (num_tokens, num_heads, head_dim); k, v (num_tokens, num_kv_heads, head_dim), already
+    written to the cache. Returns (num_tokens, num_heads, head_dim)."""
+    out = torch.empty_like(q)
+    n = meta.num_decodes
+    if n:
+        out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta, scale)
+    for seq in meta.prefills:
+        rows = slice(seq.query_start, seq.query_start + seq.query_len)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, meta, scale):
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    keys = _gather(k_cache, meta.decode_block_tables)  # (num_seqs, num_kv_heads, L, head_dim)
+    values = _gather(v_cache, meta.decode_block_tables)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_key_mask, scale=scale,
+        enable_gqa=num_heads != num_kv_heads)  # (num_seqs, num_heads, 1, head_dim)
+    return out.squeeze(2)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """(num_seqs, max_blocks) block ids -> (num_seqs, num_kv_heads, max_blocks*block_size, dim)."""
+    num_seqs, max_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    gathered = cache[block_tables]  # (num_seqs, max_blocks, block_size, num_kv_heads, head_dim)
+    return gathered.view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _prefill_attention(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale):
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    gqa = num_heads != num_kv_heads
+    if seq.context_len == seq.query_len:
+        # Nothing cached before this chunk: attend to the chunk itself, plain causal.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            is_causal=True, scale=scale, enable_gqa=gqa)
+        return out.transpose(0, 1)
+    keys = _gather(k_cache, seq.block_table[None])[0, :, :seq.context_len]
+    values = _gather(v_cache, seq.block_table[None])[0, :, :seq.context_len]
+    # Query i sits at position context_len - query_len + i and sees keys up to it.
+    query_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
+    mask = torch.arange(seq.context_len, device=q.device)[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(0, 1)

@@ -1,0 +1,171 @@
+"""A Llama-family decoder in torch, over a paged KV cache, shardable for tensor parallelism.
+
+Column-parallel: the fused q/k/v and gate/up projections (each rank holds a slice of the heads
+and of the MLP's intermediate features). Row-parallel: o_proj and down_proj (each rank holds the
+matching input slice; partial sums are all-reduced). Vocab-parallel: embedding and LM head.
+At tp_size 1 every all-reduce is skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokstream.config import ModelConfig
+from tokstream.worker.attention import AttentionMetadata, paged_attention, write_kv
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Variance in float32 whatever the serving dtype, as the reference implementation does.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding, Hugging Face's half-split layout."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_position, head_dim)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, q, k, positions):
+        """q (T, heads, D), k (T, kv_heads, D), positions (T,)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp_size: int, dtype: torch.dtype):
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads = config.num_heads // tp_size
+        self.num_kv_heads = config.num_kv_heads // tp_size
+        self.head_dim = d
+        self.eps = config.rms_norm_eps
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        inter = config.intermediate_size // tp_size
+
+        def param(*shape):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.input_norm = param(h)
+        self.qkv = param(q + 2 * kv, h)  # column-parallel, [q; k; v] of this rank's heads
+        self.qkv_bias = param(q + 2 * kv) if config.qkv_bias else None
+        self.o_proj = param(h, q)  # row-parallel
+        self.post_norm = param(h)
+        self.gate_up = param(2 * inter, h)  # column-parallel, [gate; up]
+        self.down = param(h, inter)  # row-parallel
+        self.split = (q, kv, kv)
+
+    def forward(self, x, positions, kv_cache, meta, rotary, all_reduce):
+        """x (T, hidden) -> (T, hidden)."""
+        t = x.shape[0]
+        h = rms_norm(x, self.input_norm, self.eps)
+        q, k, v = F.linear(h, self.qkv, self.qkv_bias).split(self.split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(q, k, positions)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
+        out = F.linear(attn.reshape(t, -1), self.o_proj)
+        x = x + all_reduce(out)
+        h = rms_norm(x, self.post_norm, self.eps)
+        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
+        out = F.linear(F.silu(gate) * up, self.down)
+        return x + all_reduce(out)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, tp_rank: int = 0,
+                 tp_size: int = 1, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        super().__init__()
+        self.config = config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.all_reduce = all_reduce or (lambda x: x)
+        self.vocab_per_rank = -(-config.vocab_size // tp_size)
+        self.embed = nn.Parameter(
+            torch.empty(self.vocab_per_rank, config.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head = self.embed if config.tie_word_embeddings else nn.Parameter(
+            torch.empty(self.vocab_per_rank, config.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(config, tp_size, dtype)
+                                    for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
+        self.rotary = Rotary(config.head_dim, config.max_position, config.rope_theta)
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+        """input_ids, positions (T,) -> hidden states (T, hidden)."""
+        x = self._embed(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta, self.rotary, self.all_reduce)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def _embed(self, input_ids):
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.embed)
+        first = self.tp_rank * self.vocab_per_rank
+        local = input_ids - first
+        outside = (local < 0) | (local >= self.vocab_per_rank)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.all_reduce(x.masked_fill(outside[:, None], 0))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (S, hidden) -> logits (S, vocab) in float32 (this rank's slice when tp > 1;
+        the caller gathers)."""
+        logits = F.linear(hidden, self.lm_head).float()
+        if self.tp_size == 1:
+            return logits[:, :self.config.vocab_size]
+        return logits
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shard out of a full Hugging Face-named state dict."""
+        c, r, n = self.config, self.tp_rank, self.tp_size
+
+        def rows(w):
+            # Column-parallel slice: this rank's share of the output features.
+            size = w.shape[0] // n
+            return w[r * size:(r + 1) * size]
+
+        def cols(w):
+            size = w.shape[1] // n
+            return w[:, r * size:(r + 1) * size]
+
+        def vocab(w):
+            shard = w[r * self.vocab_per_rank:(r + 1) * self.vocab_per_rank]
+            padded = torch.zeros(self.vocab_per_rank, w.shape[1], dtype=w.dtype, device=w.device)
+            padded[:shard.shape[0]] = shard
+            return padded
+
+        self.embed.copy_(vocab(state_dict["model.embed_tokens.weight"]))
+        if not c.tie_word_embeddings:
+            self.lm_head.copy_(vocab(state_dict["lm_head.weight"]))
+        self.norm.copy_(state_dict["model.norm.weight"])
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            get = lambda name: state_dict[p + name]  # noqa: E731
+            layer.input_norm.copy_(get("input_layernorm.weight"))
+            layer.post_norm.copy_(get("post_attention_layernorm.weight"))
+            layer.qkv.copy_(torch.cat([rows(get(f"self_attn.{x}_proj.weight")) for x in "qkv"]))
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.copy_(torch.cat([rows(get(f"self_attn.{x}_proj.bias"))
+                                                for x in "qkv"]))
+            layer.o_proj.copy_(cols(get("self_attn.o_proj.weight")))
+            layer.gate_up.copy_(torch.cat([rows(get("mlp.gate_proj.weight")),
+                                           rows(get("mlp.up_proj.weight"))]))
+            layer.down.copy_(cols(get("mlp.down_proj.weight")))

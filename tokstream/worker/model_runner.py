@@ -1,0 +1,151 @@
+"""Runs one step plan through the model on this rank: builds the batch tensors, runs the
+forward pass over the paged cache, samples. Keeps a little per-request state (block table,
+sampling settings) so that the core sends only what changed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokstream.config import EngineConfig, ModelConfig
+from tokstream.engine.messages import NewRequestData, StepPlan, StepResult
+from tokstream.worker.attention import AttentionMetadata, PrefillSeq
+from tokstream.worker.model import LlamaModel
+from tokstream.worker.sampler import SamplingRow, sample
+
+log = logging.getLogger("tokstream.worker")
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_MEMORY = 4 * 2**30
+"""Default KV pool on CPU when no budget is given (as vLLM's CPU backend defaults to 4 GiB)."""
+
+
+@dataclass
+class RequestState:
+    sampling: NewRequestData
+    block_table: list[int]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.requests: dict[str, RequestState] = {}
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        self.update_requests(plan)
+        if not plan.chunks:
+            return StepResult(plan.step_id, [])
+        input_ids, positions, meta, sample_rows, rows = self.prepare(plan)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, hidden)
+        logits = self.model.compute_logits(hidden[sample_rows])  # (S, vocab)
+        tokens = sample(logits.cpu(), rows)
+        return StepResult(plan.step_id, tokens, time.perf_counter() - started)
+
+    def update_requests(self, plan: StepPlan) -> None:
+        """Forget finished requests, learn new ones, extend block tables."""
+        for request_id in plan.finished_ids:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = RequestState(new, [])
+        for chunk in plan.chunks:
+            self.requests[chunk.request_id].block_table.extend(chunk.new_block_ids)
+
+    def prepare(self, plan: StepPlan):
+        """The step's tensors: input ids, positions (T,), attention metadata, the rows to
+        sample from and their sampling settings."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        position_ranges: list[tuple[int, int]] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        sample_rows: list[int] = []
+        rows: list[SamplingRow] = []
+        slot_parts: list[torch.Tensor] = []
+        in_decode_prefix = True
+        for chunk in plan.chunks:
+            state = self.requests[chunk.request_id]
+            start, n = chunk.start_position, len(chunk.token_ids)
+            query_start = len(input_ids)
+            input_ids.extend(chunk.token_ids)
+            position_ranges.append((start, start + n))
+            table = torch.tensor(state.block_table, dtype=torch.int64)
+            pos = torch.arange(start, start + n)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            # One-token chunks at the head of the plan share one batched decode attention.
+            in_decode_prefix = in_decode_prefix and n == 1
+            if in_decode_prefix:
+                decode_tables.append(state.block_table)
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(PrefillSeq(query_start, n, start + n, table.to(self.device)))
+            if chunk.sample_index is not None:
+                sample_rows.append(query_start + n - 1)
+                s = state.sampling
+                rows.append(SamplingRow(s.temperature, s.top_p, s.top_k, s.seed,
+                                        chunk.sample_index))
+        positions = torch.cat([torch.arange(a, b) for a, b in position_ranges])
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_parts).to(self.device),
+            num_decodes=len(decode_tables),
+            decode_block_tables=None, decode_key_mask=None, prefills=prefills)
+        if decode_tables:
+            max_blocks = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)
+            key_pos = torch.arange(max_blocks * bs)
+            mask = key_pos[None, :] < torch.tensor(decode_lens)[:, None]
+            meta.decode_key_mask = mask[:, None, None, :].to(self.device)
+        return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+                positions.to(self.device), meta,
+                torch.tensor(sample_rows, dtype=torch.int64, device=self.device), rows)
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype != "auto":
+        return dtype
+    # Exact parity with the reference needs float32 on CPU; bfloat16 is the GPU default.
+    return "bfloat16" if device == "cuda" else "float32"
+
+
+def kv_pool_blocks(config: EngineConfig, model_config: ModelConfig, dtype: str,
+                   device: torch.device) -> tuple[int, int]:
+    """(num_blocks, bytes per block on this rank) from the memory budget."""
+    per_token = model_config.kv_bytes_per_token(dtype) // config.tp
+    per_block = per_token * config.cache.block_size
+    if config.cache.num_blocks is not None:
+        return config.cache.num_blocks, per_block
+    budget = config.cache.kv_cache_memory
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * config.cache.memory_fraction)
+        else:
+            import psutil
+            available = psutil.virtual_memory().available
+            budget = min(DEFAULT_CPU_KV_MEMORY, int(available * config.cache.memory_fraction))
+        # Without an explicit budget, stop at what the sequence cap could ever fill.
+        blocks_per_seq = -(-model_config.max_position // config.cache.block_size)
+        budget = min(budget, config.scheduler.max_num_seqs * blocks_per_seq * per_block)
+    else:
+        budget //= config.tp  # the budget is per replica
+    return max(1, budget // per_block), per_block
+
+
+def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int,
+                       tp: int, dtype: torch.dtype, device: torch.device):
+    shape = (num_blocks, block_size, model_config.num_kv_heads // tp, model_config.head_dim)
+    # Zeroed, not empty: padded gathers read unused slots, and NaN garbage would leak through
+    # a zero attention weight.
+    return [(torch.zeros(shape, dtype=dtype, device=device),
+             torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(model_config.num_layers)]
