@@ -54,7 +54,8 @@ def private_cache(tmp_path, monkeypatch):
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to Llama q/k rows."""
-    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def write_llama_gguf(path, config, state_dict: dict[str, np.ndarray]) -> None:
@@ -182,9 +183,10 @@ def test_truncated_header_is_corrupt(tmp_path):
     assert_one_line_naming(error, "truncated")
 
 
-@pytest.mark.parametrize("content", [b"", random.Random(0).randbytes(4096),
-                                     b"GGUF" + struct.pack("<I", 3) + random.Random(1).randbytes(4096)],
-                         ids=["empty", "random", "random-after-magic"])
+@pytest.mark.parametrize("content", [
+    b"", random.Random(0).randbytes(4096),
+    b"GGUF" + struct.pack("<I", 3) + random.Random(1).randbytes(4096),
+], ids=["empty", "random", "random-after-magic"])
 def test_garbage_gguf_is_corrupt(tmp_path, content):
     path = tmp_path / "garbage.gguf"
     path.write_bytes(content)
@@ -202,6 +204,26 @@ def test_cut_tensor_data_is_corrupt(tmp_path):
         load_state_dict(source, torch.float32)
     assert_one_line_naming(error, "truncated")
     assert not list(weights_cache.cache_dir().glob("*.safetensors"))
+
+
+def test_mutated_gguf_loads_or_is_corrupt(tmp_path):
+    """Random byte damage to the header gives CorruptModelError (or a valid file), never a
+    raw error from struct or numpy, and never a huge allocation from a bad layer count."""
+    config = dataclasses.replace(dummy_config("tiny"), tie_word_embeddings=False)
+    original = tmp_path / "tiny.gguf"
+    write_llama_gguf(original, config, tiny_weights(config))
+    data, header_size = original.read_bytes(), 1500
+    rng = random.Random(0)
+    damaged = tmp_path / "damaged.gguf"
+    for _ in range(200):
+        content = bytearray(data)
+        for _ in range(rng.randint(1, 3)):
+            content[rng.randrange(header_size)] = rng.randrange(256)
+        damaged.write_bytes(content[: rng.choice([len(content), rng.randrange(len(content))])])
+        try:
+            load_gguf_tensors(damaged, resolve_model(str(damaged)).config)
+        except CorruptModelError:
+            pass
 
 
 def test_unsupported_architecture_is_corrupt(tmp_path):

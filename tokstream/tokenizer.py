@@ -8,8 +8,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
@@ -53,7 +51,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
-        self._template: jinja2.Template | None = None
+        self._template: "jinja2.Template | None" = None
 
     @property
     def vocab_size(self) -> int:
@@ -82,6 +80,8 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        import jinja2  # only chat rendering needs it (keeps GPU-box imports small)
+
         if self._template is None:
             self._template = _compile_template(self.chat_template or PLAIN_CHAT_TEMPLATE)
         try:
@@ -116,7 +116,10 @@ def _raise_exception(message: str):
     raise UserInputError(f"chat template: {message}")
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def _compile_template(source: str) -> "jinja2.Template":
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     # The same environment transformers renders with, so templates behave as their authors saw.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])

@@ -314,7 +314,8 @@ def _tensor_slices(header: GGUFHeader, config: ModelConfig) -> dict:
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         row = info.shape[-1]
         if row % block_size:
-            raise CorruptModelError(f"{path}: tensor {info.name} rows do not fill {qtype.name} blocks")
+            raise CorruptModelError(
+                f"{path}: tensor {info.name} rows do not fill {qtype.name} blocks")
         row_bytes = row // block_size * type_size
         end = info.offset + row_bytes * (int(np.prod(info.shape)) // row)
         if end > header.file_size:

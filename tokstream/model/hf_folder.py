@@ -4,6 +4,7 @@ loader produces. No torch import at module level: resolving a model must not nee
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,38 +21,39 @@ INDEX_FILE = "model.safetensors.index.json"
 def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a model with this config has, by its Hugging Face name, in load order.
     lm_head.weight is absent for tied models: the head reuses model.embed_tokens.weight."""
+    return dict(iter_tensor_shapes(config))
+
+
+def iter_tensor_shapes(config: ModelConfig):
+    """(name, shape) pairs of tensor_shapes, lazily: a corrupt file's layer count can be huge."""
     h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    yield "model.embed_tokens.weight", (v, h)
     for layer in range(config.num_layers):
         p = f"model.layers.{layer}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)  # (out_features, in_features)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        yield p + "input_layernorm.weight", (h,)
+        yield p + "self_attn.q_proj.weight", (q, h)  # (out_features, in_features)
+        yield p + "self_attn.k_proj.weight", (kv, h)
+        yield p + "self_attn.v_proj.weight", (kv, h)
         if config.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (i, h)
-        shapes[p + "mlp.up_proj.weight"] = (i, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, i)
-    shapes["model.norm.weight"] = (h,)
+            yield p + "self_attn.q_proj.bias", (q,)
+            yield p + "self_attn.k_proj.bias", (kv,)
+            yield p + "self_attn.v_proj.bias", (kv,)
+        yield p + "self_attn.o_proj.weight", (h, q)
+        yield p + "post_attention_layernorm.weight", (h,)
+        yield p + "mlp.gate_proj.weight", (i, h)
+        yield p + "mlp.up_proj.weight", (i, h)
+        yield p + "mlp.down_proj.weight", (h, i)
+    yield "model.norm.weight", (h,)
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    return shapes
+        yield "lm_head.weight", (v, h)
 
 
 def check_tensor_shapes(config: ModelConfig, found: dict[str, tuple[int, ...]], where: str) -> None:
-    """Raise CorruptModelError unless `found` holds exactly the tensors the config needs."""
-    expected = tensor_shapes(config)
-    missing = [name for name in expected if name not in found]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CorruptModelError(f"{where}: tensor {missing[0]} is missing{more}")
-    for name, shape in expected.items():
+    """Raise CorruptModelError unless `found` holds every tensor the config needs, in shape."""
+    for name, shape in iter_tensor_shapes(config):
+        if name not in found:
+            raise CorruptModelError(f"{where}: tensor {name} is missing")
         if tuple(found[name]) != shape:
             raise CorruptModelError(
                 f"{where}: tensor {name} has shape {tuple(found[name])}, the config needs {shape}")
@@ -128,18 +130,29 @@ def load_hf_tensors(folder: str | Path, config: ModelConfig, dtype: "torch.dtype
                     device: str = "cpu") -> dict[str, "torch.Tensor"]:
     """Read the folder's weights as HF-named tensors in `dtype`; extra tensors (e.g. a tied
     lm_head, rotary inv_freq buffers) are dropped."""
-    from safetensors import SafetensorError, safe_open
-
     folder = Path(folder)
+    files = safetensors_files(folder)
+    shapes = {}
+    for file in files:  # headers only: check everything before reading any weights
+        with _open_safetensors(file, "pt", device) as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    check_tensor_shapes(config, shapes, str(folder))
     wanted = tensor_shapes(config)
     tensors: dict[str, torch.Tensor] = {}
-    for file in safetensors_files(folder):
-        try:
-            with safe_open(file, framework="pt", device=device) as f:
-                for name in f.keys():
-                    if name in wanted:
-                        tensors[name] = f.get_tensor(name).to(dtype)
-        except (OSError, SafetensorError) as e:
-            raise CorruptModelError(f"{file} cannot be read: {e}") from None
-    check_tensor_shapes(config, {k: tuple(t.shape) for k, t in tensors.items()}, str(folder))
+    for file in files:
+        with _open_safetensors(file, "pt", device) as f:
+            for name in f.keys():
+                if name in wanted:
+                    tensors[name] = f.get_tensor(name).to(dtype)
     return {name: tensors[name] for name in wanted}
+
+
+@contextmanager
+def _open_safetensors(file: Path, framework: str, device: str):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(file, framework=framework, device=device) as f:
+            yield f
+    except (OSError, SafetensorError) as e:
+        raise CorruptModelError(f"{file} cannot be read: {e}") from None

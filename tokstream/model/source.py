@@ -62,10 +62,12 @@ def resolve_model(name: str = EMBEDDED_MODEL) -> ModelSource:
     path = os.path.abspath(os.path.expanduser(name)) if name else ""
     if os.path.isfile(path):
         if not path.lower().endswith(".gguf"):
-            raise ModelNotFoundError(f"model {name!r} is a file but not a .gguf: use {ACCEPTED_FORMS}")
+            raise ModelNotFoundError(
+                f"model {name!r} is a file but not a .gguf: use {ACCEPTED_FORMS}")
         return ModelSource("gguf", path, read_gguf_config(path))
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ModelNotFoundError(f"model folder {name!r} has no config.json: use {ACCEPTED_FORMS}")
+            raise ModelNotFoundError(
+                f"model folder {name!r} has no config.json: use {ACCEPTED_FORMS}")
         return ModelSource("hf", path, read_hf_config(path))
     raise ModelNotFoundError(f"model {name!r} not found: use {ACCEPTED_FORMS}")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from tokstream.config import ModelConfig
 from tokstream.errors import CorruptModelError
 from tokstream.model.gguf_file import load_gguf_tensors
-from tokstream.model.hf_folder import check_tensor_shapes
+from tokstream.model.hf_folder import check_tensor_shapes, tensor_shapes
 
 if TYPE_CHECKING:
     import torch
@@ -106,7 +106,8 @@ def convert(gguf_path: str | Path, config: ModelConfig, path: Path) -> dict[str,
         _write_atomically(path, lambda tmp: save_file(
             arrays, tmp, metadata={"format": CACHE_FORMAT, "source": Path(gguf_path).name}))
     except OSError as e:
-        log.warning("cannot write the weights cache %s (%s); using the conversion uncached", path, e)
+        log.warning("cannot write the weights cache %s (%s); using the conversion uncached",
+                    path, e)
         return {name: torch.from_numpy(a) for name, a in arrays.items()}
     log.info("converted %s to %s in %.1f s", gguf_path, path, time.perf_counter() - start)
     return _load(path, config) or {name: torch.from_numpy(a) for name, a in arrays.items()}
@@ -129,7 +130,7 @@ def _load(path: Path, config: ModelConfig) -> dict[str, "torch.Tensor"] | None:
         log.warning("weights cache %s is unusable (%s); reconverting", path, e)
         return None
     log.info("loaded cached weights %s in %.2f s", path, time.perf_counter() - start)
-    return tensors
+    return {name: tensors[name] for name in tensor_shapes(config)}
 
 
 def _write_atomically(path: Path, write) -> None:
