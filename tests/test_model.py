@@ -40,7 +40,7 @@ def dense_logits(model, tokens):
 def test_paged_attention_matches_dense_attention():
     torch.manual_seed(0)
     heads, kv_heads, dim, num_blocks = 4, 2, 8, 16
-    k_cache = torch.zeros(num_blocks, BLOCK, kv_heads, dim)
+    k_cache = torch.zeros(kv_heads, num_blocks, BLOCK, dim)
     v_cache = torch.zeros_like(k_cache)
     lengths = [5, 9, 1]
     free = list(range(num_blocks))
@@ -59,7 +59,8 @@ def test_paged_attention_matches_dense_attention():
     meta = AttentionMetadata(
         torch.empty(0, dtype=torch.int64), len(lengths),
         torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
-        (torch.arange(max_blocks * BLOCK)[None] < torch.tensor(lengths)[:, None])[:, None, None],
+        torch.zeros(len(lengths), max_blocks * BLOCK).masked_fill_(
+            torch.arange(max_blocks * BLOCK)[None] >= torch.tensor(lengths)[:, None], float("-inf")),
         [])
     out = paged_attention(q, None, None, k_cache, v_cache, meta, dim ** -0.5)
     for i, n in enumerate(lengths):

@@ -108,7 +108,7 @@ def test_first_step_logits_match(source, state_dict, hf_model, prompts):
         blocks = -(-n // block_size)
         caches = allocate_kv_caches(c, blocks, block_size, 1, torch.float32, torch.device("cpu"))
         meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decodes=0,
-                                 decode_block_tables=None, decode_key_mask=None,
+                                 decode_block_tables=None, decode_key_bias=None,
                                  prefills=[PrefillSeq(0, n, n, torch.arange(blocks))])
         with torch.inference_mode():
             ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(n), caches, meta))

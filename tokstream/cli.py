@@ -16,7 +16,7 @@ app = typer.Typer(help="tokstream: paged-KV, continuously batched LLM serving.",
 
 ModelOpt = typer.Option("smollm2", "--model", "-m",
                         help="smollm2 (embedded), a .gguf file, a Hugging Face folder, or dummy:NAME")
-DtypeOpt = typer.Option("auto", help="float32, bfloat16, float16 or auto (float32 on CPU)")
+DtypeOpt = typer.Option("auto", help="float32, bfloat16, float16 or auto (bfloat16 where the CPU or GPU has native bfloat16 matmuls, else float32)")
 DeviceOpt = typer.Option("cpu", help="cpu or cuda")
 
 

@@ -1,6 +1,9 @@
 """Paged attention in plain torch: the reference that always runs (CPU, and GPU without Triton).
 
-The cache for one layer is a pair of tensors (num_blocks, block_size, num_kv_heads, head_dim).
+The cache for one layer is a pair of tensors (num_kv_heads, num_blocks, block_size, head_dim):
+head-major, so gathering a sequence's blocks gives each head's keys contiguous and attention
+is two batched matmuls with no further copy (measured on CPU: 7x faster than gathering
+token-major blocks into scaled_dot_product_attention in bfloat16, 1.2x in float32).
 A step's tokens are laid out decodes first (one query each), then prefill chunks.
 """
 
@@ -30,17 +33,18 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None
     """(num_decodes, max_blocks) int64, padded with block 0."""
-    decode_key_mask: torch.Tensor | None
-    """(num_decodes, 1, 1, max_blocks * block_size) bool: True where a key position is real."""
+    decode_key_bias: torch.Tensor | None
+    """(num_decodes, max_blocks * block_size) float32: 0 where a key position is real, -inf
+    past the sequence's end."""
     prefills: list[PrefillSeq]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Scatter new keys and values (num_tokens, num_kv_heads, head_dim) into their slots."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    num_kv_heads, _, _, head_dim = k_cache.shape
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -60,21 +64,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _decode_attention(q, k_cache, v_cache, meta, scale):
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    keys = _gather(k_cache, meta.decode_block_tables)  # (num_seqs, num_kv_heads, L, head_dim)
+    num_kv_heads = k_cache.shape[0]
+    group = num_heads // num_kv_heads
+    keys = _gather(k_cache, meta.decode_block_tables)  # (kv_heads, num_seqs, L, head_dim)
     values = _gather(v_cache, meta.decode_block_tables)
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=meta.decode_key_mask, scale=scale,
-        enable_gqa=num_heads != num_kv_heads)  # (num_seqs, num_heads, 1, head_dim)
-    return out.squeeze(2)
+    q = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # (kv_heads, S, G, D)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (kv_heads, S, G, L)
+    scores += meta.decode_key_bias[None, :, None, :]
+    probs = scores.softmax(-1).to(values.dtype)
+    out = torch.matmul(probs, values)  # (kv_heads, S, G, head_dim)
+    return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """(num_seqs, max_blocks) block ids -> (num_seqs, num_kv_heads, max_blocks*block_size, dim)."""
+    """(num_seqs, max_blocks) block ids -> (kv_heads, num_seqs, max_blocks*block_size, dim)."""
     num_seqs, max_blocks = block_tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    gathered = cache[block_tables]  # (num_seqs, max_blocks, block_size, num_kv_heads, head_dim)
-    return gathered.view(num_seqs, max_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    num_kv_heads, _, block_size, head_dim = cache.shape
+    gathered = cache.index_select(1, block_tables.flatten())
+    return gathered.view(num_kv_heads, num_seqs, max_blocks * block_size, head_dim)
 
 
 def _prefill_attention(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale):
@@ -86,8 +93,8 @@ def _prefill_attention(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale):
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             is_causal=True, scale=scale, enable_gqa=gqa)
         return out.transpose(0, 1)
-    keys = _gather(k_cache, seq.block_table[None])[0, :, :seq.context_len]
-    values = _gather(v_cache, seq.block_table[None])[0, :, :seq.context_len]
+    keys = _gather(k_cache, seq.block_table[None])[:, 0, :seq.context_len]  # (kv_heads, L, D)
+    values = _gather(v_cache, seq.block_table[None])[:, 0, :seq.context_len]
     # Query i sits at position context_len - query_len + i and sees keys up to it.
     query_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
     mask = torch.arange(seq.context_len, device=q.device)[None, :] <= query_pos[:, None]

