@@ -37,7 +37,8 @@ def dense_logits(model, tokens):
         return model.compute_logits(model(torch.tensor(tokens), torch.arange(n), caches, meta))
 
 
-def test_paged_attention_matches_dense_attention():
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_paged_attention_matches_dense_attention(use_kernels):
     torch.manual_seed(0)
     heads, kv_heads, dim, num_blocks = 4, 2, 8, 16
     k_cache = torch.zeros(kv_heads, num_blocks, BLOCK, dim)
@@ -61,7 +62,7 @@ def test_paged_attention_matches_dense_attention():
         torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables]),
         torch.zeros(len(lengths), max_blocks * BLOCK).masked_fill_(
             torch.arange(max_blocks * BLOCK)[None] >= torch.tensor(lengths)[:, None], float("-inf")),
-        [])
+        [], decode_context_lens=torch.tensor(lengths), use_kernels=use_kernels)
     out = paged_attention(q, None, None, k_cache, v_cache, meta, dim ** -0.5)
     for i, n in enumerate(lengths):
         k = full_k[i].repeat_interleave(heads // kv_heads, dim=1)  # (n, heads, dim)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tokstream.kernels import cpu_attention
+
 
 @dataclass
 class PrefillSeq:
@@ -37,6 +39,10 @@ class AttentionMetadata:
     """(num_decodes, max_blocks * block_size) float32: 0 where a key position is real, -inf
     past the sequence's end."""
     prefills: list[PrefillSeq]
+    decode_context_lens: torch.Tensor | None = None
+    """(num_decodes,) int64: tokens in the cache for each decode, its new one included."""
+    use_kernels: bool = True
+    """Use the compiled kernel where one fits (tests turn it off to compare)."""
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -63,6 +69,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _decode_attention(q, k_cache, v_cache, meta, scale):
+    if meta.use_kernels and meta.decode_context_lens is not None and cpu_attention.supports(q):
+        return cpu_attention.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    return _decode_attention_reference(q, k_cache, v_cache, meta, scale)
+
+
+def _decode_attention_reference(q, k_cache, v_cache, meta, scale):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads

@@ -106,6 +106,8 @@ class ModelRunner:
             past_end = key_pos[None, :] >= torch.tensor(decode_lens)[:, None]
             bias = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
             meta.decode_key_bias = bias.to(self.device)
+            meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.int64,
+                                                    device=self.device)
         return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
                 positions.to(self.device), meta,
                 torch.tensor(sample_rows, dtype=torch.int64, device=self.device), rows)

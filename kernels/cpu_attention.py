@@ -1,0 +1,119 @@
+"""The CPU decode-attention kernel (cpu_paged_attention.c), compiled on first use with the
+machine's C compiler and called through ctypes with raw tensor pointers.
+
+Why C and not torch: on CPU, torch has to gather every sequence's blocks into a new tensor
+before two batched matmuls, reading and writing the whole context each layer; the kernel
+reads each key and value once, straight from the pool. Without a compiler (or with
+TOKSTREAM_CPU_KERNELS=0) `load()` returns None and the torch reference runs instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tokstream.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
+# Reassociation lets the compiler vectorise the dot products (sums in a different order,
+# still float32); finite-math stays off because the softmax relies on -inf.
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp", "-fno-math-errno",
+         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_FUNCTIONS = {torch.float32: "paged_decode_attention_f32",
+              torch.bfloat16: "paged_decode_attention_bf16"}
+_library: ctypes.CDLL | None = None
+_tried = False
+_scratch: torch.Tensor | None = None
+
+
+def _cpu_signature() -> str:
+    # -march=native output only runs on CPUs with the same instruction sets.
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return platform.machine() + flags
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+                         + _cpu_signature().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "tokstream" / "kernels" / f"cpu_paged_attention-{key}.so"
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, building it once per machine; None if unavailable."""
+    global _library, _tried
+    if _tried:
+        return _library
+    _tried = True
+    if os.environ.get("TOKSTREAM_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    path = _library_path()
+    try:
+        if not path.exists():
+            if compiler is None:
+                log.warning("no C compiler: CPU decode attention uses the torch reference")
+                return None
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                built = Path(tmp) / path.name
+                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                               check=True, capture_output=True, text=True)
+                os.replace(built, path)  # atomic: a concurrent builder never sees half a file
+        library = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("CPU attention kernel unavailable (%s); using the torch reference", detail)
+        return None
+    for name in _FUNCTIONS.values():
+        function = getattr(library, name)
+        function.restype = None
+        function.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
+                             + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
+    _library = library
+    return library
+
+
+def supports(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in _FUNCTIONS and load() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q (num_seqs, num_heads, head_dim); caches (kv_heads, num_blocks, block_size, head_dim);
+    block_tables (num_seqs, max_blocks) int64; context_lens (num_seqs,) int64.
+    Returns (num_seqs, num_heads, head_dim) in q's dtype."""
+    global _scratch
+    library = load()
+    q = q.contiguous()
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, num_blocks, block_size, _ = k_cache.shape
+    if k_cache.dtype != q.dtype or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("cache must be contiguous and in q's dtype")
+    block_tables = block_tables.contiguous()
+    context_lens = context_lens.contiguous()
+    group = num_heads // num_kv_heads
+    max_context = block_tables.shape[1] * block_size
+    needed = torch.get_num_threads() * group * (max_context + 2 * head_dim)
+    if _scratch is None or _scratch.numel() < needed:
+        _scratch = torch.empty(needed, dtype=torch.float32)
+    out = torch.empty_like(q)
+    getattr(library, _FUNCTIONS[q.dtype])(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), out.data_ptr(), num_heads, num_kv_heads, head_dim, num_blocks,
+        block_size, block_tables.shape[1], scale, 0, num_seqs, _scratch.data_ptr())
+    return out

@@ -1,0 +1,97 @@
+/* Paged attention for decode on CPU: one query token per sequence, read straight from the
+ * paged KV pool (no gather copy), grouped-query aware, float32 accumulation.
+ *
+ * Layouts (all contiguous, row-major):
+ *   q            (num_seqs, num_heads, head_dim)                    float32 or bfloat16
+ *   k_cache      (num_kv_heads, num_blocks, block_size, head_dim)   same dtype as q
+ *   v_cache      (num_kv_heads, num_blocks, block_size, head_dim)
+ *   block_tables (num_seqs, max_blocks) int64; context_lens (num_seqs,) int64
+ *   out          (num_seqs, num_heads, head_dim)                    same dtype as q
+ * Query head h attends with kv head h / (num_heads / num_kv_heads).
+ * Sequences [seq_begin, seq_end) are computed. Work items (sequence, kv head) are spread over
+ * the OpenMP threads torch already runs (the same libgomp, so no second pool competes).
+ * scratch: omp_get_max_threads() * (num_heads / num_kv_heads) * (max_context + 2 * head_dim)
+ * floats.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = ((uint32_t)x) << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(bits >> 16);
+}
+
+#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                     \
+void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_tables,          \
+          const int64_t *context_lens, T *out, int64_t num_heads, int64_t num_kv_heads,         \
+          int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks,         \
+          float scale, int64_t seq_begin, int64_t seq_end, float *scratch) {                    \
+    const int64_t group = num_heads / num_kv_heads;                                             \
+    const int64_t per_thread = group * (max_blocks * block_size + 2 * head_dim);                \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                            \
+    for (int64_t item = seq_begin * num_kv_heads; item < seq_end * num_kv_heads; item++) {     \
+            const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;                   \
+            const int64_t context = context_lens[s];                                            \
+            const int64_t *table = block_tables + s * max_blocks;                               \
+            float *scores = scratch + omp_get_thread_num() * per_thread; /* (group, context) */ \
+            float *qf = scores + group * context;        /* (group, head_dim) */                \
+            float *acc = qf + group * head_dim;          /* (group, head_dim) */                \
+            for (int64_t g = 0; g < group; g++) {                                               \
+                const T *qrow = q + (s * num_heads + kvh * group + g) * head_dim;               \
+                for (int64_t d = 0; d < head_dim; d++) qf[g * head_dim + d] = LOAD(qrow[d]) * scale; \
+            }                                                                                   \
+            const T *k_head = k_cache + kvh * num_blocks * block_size * head_dim;               \
+            const T *v_head = v_cache + kvh * num_blocks * block_size * head_dim;               \
+            for (int64_t pos = 0; pos < context; pos++) {                                       \
+                const T *krow = k_head + (table[pos / block_size] * block_size                  \
+                                          + pos % block_size) * head_dim;                       \
+                for (int64_t g = 0; g < group; g++) {                                           \
+                    const float *qg = qf + g * head_dim;                                        \
+                    float dot = 0.0f;                                                           \
+                    for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * LOAD(krow[d]);        \
+                    scores[g * context + pos] = dot;                                            \
+                }                                                                               \
+            }                                                                                   \
+            for (int64_t g = 0; g < group; g++) {                                               \
+                float *row = scores + g * context;                                              \
+                float max = -INFINITY, sum = 0.0f;                                              \
+                for (int64_t pos = 0; pos < context; pos++) max = row[pos] > max ? row[pos] : max; \
+                for (int64_t pos = 0; pos < context; pos++) {                                   \
+                    row[pos] = expf(row[pos] - max);                                            \
+                    sum += row[pos];                                                            \
+                }                                                                               \
+                const float inv = 1.0f / sum;                                                   \
+                for (int64_t pos = 0; pos < context; pos++) row[pos] *= inv;                    \
+            }                                                                                   \
+            memset(acc, 0, sizeof(float) * group * head_dim);                                   \
+            for (int64_t pos = 0; pos < context; pos++) {                                       \
+                const T *vrow = v_head + (table[pos / block_size] * block_size                  \
+                                          + pos % block_size) * head_dim;                       \
+                for (int64_t g = 0; g < group; g++) {                                           \
+                    const float p = scores[g * context + pos];                                  \
+                    float *a = acc + g * head_dim;                                              \
+                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * LOAD(vrow[d]);           \
+                }                                                                               \
+            }                                                                                   \
+            for (int64_t g = 0; g < group; g++) {                                               \
+                T *orow = out + (s * num_heads + kvh * group + g) * head_dim;                   \
+                for (int64_t d = 0; d < head_dim; d++) orow[d] = STORE(acc[g * head_dim + d]);  \
+            }                                                                                   \
+    }                                                                                           \
+}
+
+#define IDENTITY(x) (x)
+DEFINE_DECODE(paged_decode_attention_f32, float, IDENTITY, IDENTITY)
+DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, bf16_to_float, float_to_bf16)
