@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
+BENCH_MODEL=${BENCH_MODEL:-dummy:llama-8b}  # a CPU try-run: DEVICE=cpu BENCH_MODEL=dummy:tiny
 STAMP=$(date -u +%Y%m%d-%H%M)
 RESULTS=${OUT:-bench/results/gpu-$STAMP}
 mkdir -p "$RESULTS"
@@ -31,29 +32,13 @@ print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.
 PY
 
 step "CUDA path against the CPU reference on dummy:tiny (greedy tokens, float32)"
-timeout 300 $PY - "$DEVICE" <<'PY' | tee "$RESULTS/parity_tiny.txt" || status=1
-import sys
-from tokstream.config import EngineConfig
-from tokstream.engine.llm import LLM
-from tokstream.sampling_params import SamplingParams
-
-device = sys.argv[1]
-prompts = [[5, 17, 99, 3], list(range(10, 60)), [7] * 33]
-params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-results = {}
-for dev in ("cpu", device):
-    with LLM(EngineConfig(model="dummy:tiny", dtype="float32", device=dev)) as llm:
-        results[dev] = [c.token_ids for c in llm.generate(prompts, params)]
-same = results["cpu"] == results[device]
-print("cpu == %s: %s" % (device, same))
-sys.exit(0 if same else 1)
-PY
+timeout 300 $PY scripts/device_parity.py "$DEVICE" | tee "$RESULTS/parity_tiny.txt" || status=1
 
 for batch in 1 64; do
-  step "bench dummy:llama-8b bfloat16 batch $batch on $DEVICE"
-  timeout 400 $PY -m tokstream bench --model dummy:llama-8b --dtype bfloat16 --device "$DEVICE" \
+  step "bench $BENCH_MODEL bfloat16 batch $batch on $DEVICE"
+  timeout 400 $PY -m tokstream bench --model "$BENCH_MODEL" --dtype bfloat16 --device "$DEVICE" \
       --num-requests "$batch" --concurrency "$batch" --input-len 512 --output-len 128 \
-      --json "$RESULTS/bench_llama8b_bf16_b$batch.json" || status=1
+      --json "$RESULTS/bench_${BENCH_MODEL#dummy:}_bf16_b$batch.json" || status=1
 done
 
 echo "results in $RESULTS (exit $status)"
