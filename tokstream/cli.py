@@ -187,6 +187,63 @@ def plan(
         Console().print(render_plan(result))
 
 
+@app.command()
+@user_errors
+def serve(
+    model: Optional[str] = typer.Option(None, "--model", "-m", help="smollm2 (embedded, the default), a .gguf file, a Hugging Face folder, or dummy:NAME"),
+    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16 or auto (default)"),
+    device: Optional[str] = typer.Option(None, help="cpu (default) or cuda"),
+    host: Optional[str] = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
+    port: Optional[int] = typer.Option(None, help="Port (default 8000; 0 picks a free one)."),
+    served_model_name: Optional[str] = typer.Option(None, help="Model id clients send (default: the --model value)."),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 2GiB (default: a share of free memory, at most 4 GiB on CPU)."),
+    num_blocks: Optional[int] = typer.Option(None, help="Exact KV pool size in blocks (overrides --kv-cache-memory)."),
+    block_size: Optional[int] = typer.Option(None, help="Tokens per KV block (default 16)."),
+    max_num_seqs: Optional[int] = typer.Option(None, help="Most sequences in a step's batch (default 64)."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget per step (default 1024)."),
+    max_waiting_requests: Optional[int] = typer.Option(None, help="Admission: most requests waiting for their first token (default 256)."),
+    max_waiting_tokens: Optional[int] = typer.Option(None, help="Admission: most prompt tokens waiting (default 262144)."),
+    max_pending_tokens: Optional[int] = typer.Option(None, help="Unread tokens past which a slow client's request is cancelled (default 4096)."),
+    ping_interval: Optional[float] = typer.Option(None, help="Seconds between SSE pings on an idle stream (default 5)."),
+    max_body_bytes: Optional[int] = typer.Option(None, help="Largest request body (default 4 MiB)."),
+    tenants: Optional[str] = typer.Option(None, "--tenants", help="Tenants TOML file (API key hashes, limits, admin key)."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="Serving preset: a name in profiles/ (cpu-smollm2, ci, gpu-llama-8b) or a TOML file; flags override it."),
+    insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback bind without API keys."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log to stderr."),
+):
+    """Start the streaming gateway: Anthropic and OpenAI APIs over the engine."""
+    _setup_logging(verbose)
+    from tokstream.server.config import load_profile
+    from tokstream.server.settings import build_settings
+
+    preset = load_profile(profile) if profile else {}
+    flags = {
+        "engine": {"model": model, "dtype": dtype, "device": device},
+        "cache": {"kv_cache_memory": kv_cache_memory, "num_blocks": num_blocks,
+                  "block_size": block_size},
+        "scheduler": {"max_num_seqs": max_num_seqs,
+                      "max_num_batched_tokens": max_num_batched_tokens},
+        "server": {"host": host, "port": port, "served_model_name": served_model_name,
+                   "tenants_file": tenants, "insecure": insecure or None,
+                   "max_pending_tokens": max_pending_tokens, "ping_interval_s": ping_interval,
+                   "max_body_bytes": max_body_bytes},
+        "admission": {"max_waiting_requests": max_waiting_requests,
+                      "max_waiting_tokens": max_waiting_tokens},
+    }
+    engine_config, server_config = build_settings(preset, flags)
+    from tokstream.server.app import run
+
+    run(engine_config, server_config, log_level="info" if verbose else "warning")
+
+
+@app.command("hash-key")
+def hash_key_command(key: str = typer.Argument(..., help="An API key to store in a tenants file.")):
+    """Print the sha256 hex a tenants file stores for KEY (key_sha256 / admin_key_sha256)."""
+    from tokstream.server.tenants import hash_key
+
+    typer.echo(hash_key(key))
+
+
 def main() -> None:
     app()
 

@@ -26,5 +26,9 @@ class PromptTooLongError(UserInputError):
     """The prompt (plus at least one output token) does not fit in the model's context."""
 
 
+class OverloadedError(TokstreamError):
+    """The replica is healthy but has no room for this now (KV pool, queue); retry later."""
+
+
 class ReplicaError(TokstreamError, RuntimeError):
     """The engine or one of its ranks failed; the replica cannot serve until it recovers."""

@@ -1,20 +1,28 @@
-"""The async engine API the server uses: submit a request, iterate its deltas, abort it.
+"""The async engine API the server uses: submit a request, receive its deltas, abort it, ask
+the core for a state snapshot or a score pass.
 
-The engine core runs in a child process; a reader thread turns its messages into per-request
-asyncio queues, so the event loop never blocks on the engine.
+The engine core runs in a child process. Two threads stand between it and the event loop: a
+reader that hands each message to the loop, and a sender that writes to the pipe, so the event
+loop never blocks on the engine in either direction (a pipe write blocks while the core is busy
+in a long step and the pipe buffer is full).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing as mp
+import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from tokstream.config import EngineConfig
 from tokstream.engine.core_process import core_main
-from tokstream.engine.messages import EngineRequest, RequestDelta
-from tokstream.errors import ReplicaError, UserInputError
+from tokstream.engine.messages import EngineRequest, RequestDelta, ScoreResult
+from tokstream.errors import OverloadedError, ReplicaError, UserInputError
+
+DeltaSink = Callable[[RequestDelta], None]
+"""Called on the event loop thread with each delta of one request, in order."""
 
 
 class AsyncEngine:
@@ -22,9 +30,14 @@ class AsyncEngine:
         self.config = config
         self.info: dict = {}
         self.dead: str | None = None
-        self._streams: dict[str, asyncio.Queue[RequestDelta]] = {}
-        self._send_lock = threading.Lock()
+        self._sinks: dict[str, DeltaSink] = {}
+        self._replies: dict[int, asyncio.Future] = {}
+        self._tokens = itertools.count(1)
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self.on_dead: Callable[[str], None] | None = None
+        """Called on the event loop thread once, when the core process is found dead."""
 
     async def start(self) -> "AsyncEngine":
         self._loop = asyncio.get_running_loop()
@@ -38,10 +51,20 @@ class AsyncEngine:
         message = await asyncio.to_thread(self._recv_first)
         if message[0] == "failed":
             _, user_error, text = message
+            self.process.join(5)
             raise (UserInputError if user_error else ReplicaError)(text)
         self.info = message[1]
         threading.Thread(target=self._read, name="tokstream-engine-reader", daemon=True).start()
+        threading.Thread(target=self._write, name="tokstream-engine-sender", daemon=True).start()
         return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    @property
+    def num_live(self) -> int:
+        return len(self._sinks)
 
     def _recv_first(self):
         try:
@@ -57,59 +80,125 @@ class AsyncEngine:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 message = ("dead", "engine core process exited")
-            self._loop.call_soon_threadsafe(self._dispatch, message)
+            try:
+                self._loop.call_soon_threadsafe(self._dispatch, message)
+            except RuntimeError:
+                return  # the loop is closed: nobody is listening any more
             if message[0] == "dead":
+                return
+
+    def _write(self) -> None:
+        while True:
+            message = self._outbox.get()
+            if message is None:
+                return
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):
+                return  # the reader reports the death
+            if message[0] == "shutdown":
                 return
 
     def _dispatch(self, message) -> None:
         kind = message[0]
         if kind == "deltas":
             for delta in message[1]:
-                queue = self._streams.get(delta.request_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
+                sink = self._sinks.get(delta.request_id)
+                if sink is None:
+                    continue
+                if delta.finished:
+                    del self._sinks[delta.request_id]
+                sink(delta)
+        elif kind in ("state", "score"):
+            future = self._replies.pop(message[1], None)
+            if future is not None and not future.done():
+                future.set_result(message[2:])
         elif kind == "dead":
+            if self.dead is not None:
+                return
             self.dead = message[1]
-            for request_id, queue in self._streams.items():
-                queue.put_nowait(RequestDelta(request_id, [], 0, "", finish_reason="error",
-                                              error=self.dead))
+            sinks, self._sinks = self._sinks, {}
+            for request_id, sink in sinks.items():
+                sink(RequestDelta(request_id, [], 0, "", finish_reason="error", error=self.dead))
+            for future in self._replies.values():
+                if not future.done():
+                    future.set_exception(ReplicaError(f"engine is down: {self.dead}"))
+            self._replies.clear()
+            if self.on_dead is not None and not self._closing:
+                self.on_dead(self.dead)
 
     def _send(self, message) -> None:
-        with self._send_lock:
-            self._conn.send(message)
+        self._outbox.put(message)
+
+    def add_request(self, request: EngineRequest, sink: DeltaSink) -> None:
+        """Submit request; sink receives every delta of it, the last with finish_reason set.
+        Returns at once (the submission is queued for the sender thread)."""
+        if self.dead is not None:
+            raise ReplicaError(f"engine is down: {self.dead}")
+        if request.request_id in self._sinks:
+            raise UserInputError(f"duplicate request id {request.request_id!r}")
+        self._sinks[request.request_id] = sink
+        self._send(("add", request))
+
+    def abort(self, request_id: str) -> None:
+        """Stop request_id; its final delta (finish_reason 'abort') still reaches its sink."""
+        if self.dead is None:
+            self._send(("abort", request_id))
+
+    def forget(self, request_id: str) -> None:
+        """Abort request_id and drop its sink: nothing more is delivered for it."""
+        if self._sinks.pop(request_id, None) is not None:
+            self.abort(request_id)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestDelta]:
         """Submit request and yield its deltas until the last one (finish_reason set)."""
-        if self.dead is not None:
-            raise ReplicaError(f"engine is down: {self.dead}")
-        if request.request_id in self._streams:
-            raise UserInputError(f"duplicate request id {request.request_id!r}")
-        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self._streams[request.request_id] = queue
+        deltas: asyncio.Queue[RequestDelta] = asyncio.Queue()
+        self.add_request(request, deltas.put_nowait)
         finished = False
         try:
-            self._send(("add", request))
             while not finished:
-                delta = await queue.get()
+                delta = await deltas.get()
                 finished = delta.finished
                 yield delta
         finally:
-            del self._streams[request.request_id]
-            if not finished and self.dead is None:
-                self.abort(request.request_id)  # the caller stopped listening
+            if not finished:
+                self.forget(request.request_id)  # the caller stopped listening
 
-    def abort(self, request_id: str) -> None:
+    async def _ask(self, *message):
+        if self.dead is not None:
+            raise ReplicaError(f"engine is down: {self.dead}")
+        token = next(self._tokens)
+        future = self._loop.create_future()
+        self._replies[token] = future
+        self._send((message[0], token, *message[1:]))
         try:
-            self._send(("abort", request_id))
-        except OSError:
-            pass
+            return await future
+        finally:
+            self._replies.pop(token, None)
+
+    async def state(self) -> dict:
+        """The core's snapshot (scheduler, block map, requests, events, pids); answered
+        between steps, so it waits at most one step."""
+        (snapshot,) = await self._ask("state")
+        return snapshot
+
+    async def score(self, token_ids: list[int], start: int = 1) -> ScoreResult:
+        """One teacher-forced pass over token_ids (see EngineCore.score)."""
+        result, error_kind, text = await self._ask("score", list(token_ids), start)
+        if error_kind == "user":
+            raise UserInputError(text)
+        if error_kind == "overloaded":
+            raise OverloadedError(text)
+        if error_kind is not None:
+            raise ReplicaError(text)
+        return result
 
     async def shutdown(self) -> None:
-        try:
-            self._send(("shutdown",))
-        except OSError:
-            pass
+        self._closing = True
+        self._send(("shutdown",))
         await asyncio.to_thread(self.process.join, 15)
         if self.process.is_alive():
             self.process.kill()
+            await asyncio.to_thread(self.process.join, 5)
+        self._outbox.put(None)
         self._conn.close()

@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from tokstream.config import EngineConfig
@@ -15,14 +17,20 @@ from tokstream.detokenizer import IncrementalDetokenizer
 from tokstream.engine.block_manager import BlockManager
 from tokstream.engine.executor import Executor
 from tokstream.engine.messages import (EngineRequest, NewRequestData, RequestDelta,
-                                       ScheduledChunk, StepPlan)
+                                       ScheduledChunk, ScoreRequest, ScoreResult, StepPlan,
+                                       token_digest)
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduler import Scheduler, SchedulerOutput
-from tokstream.errors import PromptTooLongError, UserInputError
+from tokstream.sampling_params import SamplingParams
+from tokstream.errors import OverloadedError, PromptTooLongError, UserInputError
 from tokstream.model.source import resolve_model
 from tokstream.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("tokstream.engine")
+
+MAX_EVENTS = 64
+"""Recent engine events (preemptions, capacity finishes) kept for state snapshots."""
+REF_COUNT_CHARS = "0123456789"
 
 
 @dataclass
@@ -48,6 +56,7 @@ class EngineCore:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.step_id = 0
         self.last_step: StepStats | None = None
+        self.events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self._rng = random.Random()
         log.info("%s", self.capacity_summary())
 
@@ -102,6 +111,10 @@ class EngineCore:
         deltas = [self._final_delta(r, "") for r in scheduled.finished]
         if not scheduled.work and not scheduled.forgotten_ids:
             return deltas
+        for request in scheduled.preempted:
+            self._event("preempted", request.request_id)
+        for request in scheduled.finished:
+            self._event("finished", request.request_id, reason=request.stop_reason)
         result = self.executor.execute(self._plan(scheduled))
         advanced = self.scheduler.update(scheduled, result.sampled_token_ids)
         deltas += [self._emit(request) for request in advanced]
@@ -141,16 +154,102 @@ class EngineCore:
         index = request.num_output_tokens - 1
         return RequestDelta(request.request_id, request.output_token_ids[-1:], index, text,
                             num_prompt_tokens=len(request.prompt_token_ids),
-                            num_output_tokens=request.num_output_tokens)
+                            num_output_tokens=request.num_output_tokens, step_id=self.step_id)
 
     def _final_delta(self, request: Request, text: str, last_token: bool = False) -> RequestDelta:
         self.detokenizers.pop(request.request_id, None)
         tokens = request.output_token_ids[-1:] if last_token else []
+        queue_s = (request.first_scheduled - request.arrival
+                   if request.first_scheduled is not None else None)
         return RequestDelta(
             request.request_id, tokens, request.num_output_tokens - len(tokens), text,
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             num_prompt_tokens=len(request.prompt_token_ids),
-            num_output_tokens=request.num_output_tokens)
+            num_output_tokens=request.num_output_tokens,
+            step_id=self.step_id if last_token else 0,
+            output_digest=token_digest(request.output_token_ids), queue_s=queue_s)
+
+    def _event(self, kind: str, request_id: str, **fields) -> None:
+        self.events.append({"time": time.time(), "kind": kind, "request_id": request_id,
+                            **fields})
+
+    def score(self, token_ids: list[int], start: int = 1) -> ScoreResult:
+        """Teacher-forced pass over token_ids on blocks lent from the pool: for positions
+        start..n-1, the logit of the token there and the top logit, after the tokens before."""
+        n = len(token_ids)
+        if n < 2:
+            raise UserInputError("token_ids: need at least 2 tokens to score")
+        if not 1 <= start < n:
+            raise UserInputError(f"start: must be in [1, {n - 1}], got {start}")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise UserInputError(f"token_ids: every id must be in [0, {vocab})")
+        if n > self.max_model_len:
+            raise PromptTooLongError(f"token_ids: {n} tokens exceed the model's context of "
+                                     f"{self.max_model_len}")
+        if self.block_manager.blocks_for(n) > self.block_manager.num_blocks:
+            raise UserInputError(f"token_ids: {n} tokens do not fit in the KV pool")
+        borrower = Request("score", list(token_ids), SamplingParams(max_tokens=1), 0,
+                           time.monotonic())
+        block_ids = self.block_manager.allocate(
+            borrower, n, reserve=self.config.scheduler.watermark_blocks)
+        if block_ids is None:
+            raise OverloadedError(f"KV pool busy: no room to score {n} tokens now")
+        try:
+            return self.executor.score(ScoreRequest(list(token_ids), block_ids, start))
+        finally:
+            self.block_manager.free(borrower)
+
+    def snapshot(self) -> dict:
+        """Plain-data state for /v1/state: scheduler, block map, requests, events, pids."""
+        now = time.monotonic()
+        scheduler, blocks = self.scheduler, self.block_manager
+        requests = []
+        for request in scheduler.requests.values():
+            requests.append({
+                "id": request.request_id, "state": request.status.name.lower(),
+                "prompt_tokens": len(request.prompt_token_ids),
+                "output_tokens": request.num_output_tokens,
+                "computed_tokens": request.num_computed_tokens,
+                "blocks": len(request.block_ids), "preemptions": request.num_preemptions,
+                "age_s": now - request.arrival,
+                "queue_s": (request.first_scheduled - request.arrival
+                            if request.first_scheduled is not None else None)})
+        last = self.last_step
+        return {
+            "pid": os.getpid(),
+            "worker_pids": self.executor.pids,
+            "step_id": self.step_id,
+            "last_step": ({"num_tokens": last.num_tokens, "num_seqs": last.num_seqs,
+                           "step_ms": last.step_s * 1000} if last else None),
+            "running": len(scheduler.running),
+            "waiting": len(scheduler.waiting),
+            "max_num_seqs": self.config.scheduler.max_num_seqs,
+            "token_budget": self.config.scheduler.max_num_batched_tokens,
+            "num_preemptions": scheduler.num_preemptions,
+            "kv": {"block_size": blocks.block_size, "num_blocks": blocks.num_blocks,
+                   "free_blocks": blocks.num_free_blocks, "used_blocks": blocks.num_used_blocks,
+                   "cached_blocks": 0, "usage": blocks.usage,
+                   "block_map": self._block_map()},
+            "requests": requests,
+            "events": list(self.events),
+        }
+
+    def _block_map(self) -> dict:
+        """Compact per-block map: one character per block for its reference count ('0'-'9',
+        '+' past 9) and, per owner, its block ids as [first, count] runs."""
+        ref_counts = "".join(REF_COUNT_CHARS[c] if c < 10 else "+"
+                             for c in self.block_manager.ref_counts)
+        owners = {}
+        for request in self.scheduler.running:
+            runs: list[list[int]] = []
+            for block_id in request.block_ids:
+                if runs and runs[-1][0] + runs[-1][1] == block_id:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([block_id, 1])
+            owners[request.request_id] = runs
+        return {"ref_counts": ref_counts, "owners": owners}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

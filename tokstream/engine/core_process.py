@@ -1,8 +1,11 @@
 """The engine core in its own process, talking plain messages over a pipe.
 
 client -> core: ("add", EngineRequest) | ("abort", request_id) | ("shutdown",)
+                | ("state", token) | ("score", token, token_ids, start)
 core -> client: ("ready", info) | ("failed", user_error, message) | ("deltas", [RequestDelta])
-                | ("dead", message)
+                | ("state", token, snapshot dict) | ("score", token, ScoreResult | None,
+                  error kind None|"user"|"overloaded"|"error", message) | ("dead", message)
+State and score requests are answered between steps, so a reply waits at most one step.
 The core exits when the pipe closes, so it never outlives the process that started it.
 """
 
@@ -32,6 +35,7 @@ def core_main(conn, config: EngineConfig) -> None:
         "model": core.model_config.name, "dtype": core.dtype, "pid": os.getpid(),
         "worker_pids": core.executor.pids, "num_blocks": core.block_manager.num_blocks,
         "block_size": core.block_manager.block_size, "max_model_len": core.max_model_len,
+        "vocab_size": core.model_config.vocab_size,
         "capacity": core.capacity_summary()}))
     try:
         _serve(conn, core)
@@ -73,7 +77,26 @@ def _serve(conn, core) -> None:
                 delta = core.abort(message[1])
                 if delta is not None:
                     out.append(delta)
+            elif kind == "state":
+                conn.send(("state", message[1], core.snapshot()))
+            elif kind == "score":
+                conn.send(("score", message[1], *_score(core, message[2], message[3])))
         if core.has_work:
             out.extend(core.step())
         if out:
             conn.send(("deltas", out))
+
+
+def _score(core, token_ids, start):
+    """(result, error kind, message) for a score request; replica failures propagate."""
+    from tokstream.errors import OverloadedError, UserInputError
+
+    try:
+        result = core.score(token_ids, start)
+    except UserInputError as exc:
+        return None, "user", str(exc)
+    except OverloadedError as exc:
+        return None, "overloaded", str(exc)
+    if result.error is not None:
+        return None, "error", result.error
+    return result, None, None

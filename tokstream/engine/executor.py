@@ -11,7 +11,7 @@ import multiprocessing as mp
 import os
 
 from tokstream.config import EngineConfig
-from tokstream.engine.messages import StepPlan, StepResult
+from tokstream.engine.messages import ScoreRequest, ScoreResult, StepPlan, StepResult
 from tokstream.errors import ReplicaError, UserInputError
 from tokstream.worker.worker import WorkerFailed, WorkerReady, worker_main
 
@@ -75,6 +75,14 @@ class Executor:
             return self.conn.recv()
         except (EOFError, OSError, BrokenPipeError) as exc:
             raise ReplicaError(f"worker died during a step: {exc!r}") from exc
+
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        try:
+            self.conn.send(request)
+            result = self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError) as exc:
+            raise ReplicaError(f"worker died while scoring: {exc!r}") from exc
+        return result
 
     @property
     def pids(self) -> list[int]:

@@ -1,13 +1,25 @@
 """Plain data crossing process boundaries. Only what changed since the last step crosses.
 
-core -> worker: StepPlan.  worker -> core: StepResult.  core -> clients: RequestDelta.
+core -> worker: StepPlan | ScoreRequest.  worker -> core: StepResult | ScoreResult.
+core -> clients: RequestDelta.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass, field
 
 from tokstream.sampling_params import SamplingParams
+
+
+def token_digest(token_ids: list[int]) -> str:
+    """The integrity digest of an output: sha256 over the ids as little-endian uint32.
+
+    The engine core computes it from its own record of a request's output; a client recomputes
+    it from the tokens it received (tokstream.checker), so the path between cannot vouch for
+    itself."""
+    return "sha256:" + hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()
 
 
 @dataclass
@@ -79,6 +91,12 @@ class RequestDelta:
     """Output tokens counted so far, including this delta."""
     error: str | None = None
     """Why the request failed, when finish_reason is 'error'."""
+    step_id: int = 0
+    """The engine step that produced token_ids (0 for a delta no step produced)."""
+    output_digest: str | None = None
+    """On the last delta: token_digest() of every output token, from the core's own record."""
+    queue_s: float | None = None
+    """On the last delta: seconds from arrival to first scheduling (None if never scheduled)."""
 
     @property
     def finished(self) -> bool:
@@ -95,3 +113,27 @@ class EngineRequest:
     output_token_ids: list[int] = field(default_factory=list)
     """Tokens already delivered to the caller, when a request is resumed after a failure:
     the engine re-prefills prompt + these and continues at the next output index."""
+
+
+@dataclass
+class ScoreRequest:
+    """core -> worker: run token_ids through the model in one teacher-forced pass."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    """Pool blocks lent by the core's block manager for this pass (enough for every token);
+    the core takes them back afterwards."""
+    start: int
+    """Score positions start..len(token_ids)-1: token i against the logits after token i-1."""
+
+
+@dataclass
+class ScoreResult:
+    """worker -> core: per scored position, the chosen token's logit and the top logit."""
+
+    token_logits: list[float]
+    top_logits: list[float]
+    top_token_ids: list[int]
+    execute_s: float = 0.0
+    error: str | None = None
+    """Set when the pass failed on the worker (the replica itself is still fine)."""

@@ -10,6 +10,7 @@ unchanged. Pure Python, no torch.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -124,6 +125,8 @@ class Scheduler:
             self.waiting.popleft()
             bisect.insort(self.running, request, key=lambda r: r.arrival)
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled is None:
+                request.first_scheduled = time.monotonic()
             prefills.append(ScheduledWork(request, 0, num_new, new_blocks, True))
             budget -= num_new
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from tokstream.config import EngineConfig, ModelConfig
-from tokstream.engine.messages import NewRequestData, StepPlan, StepResult
+from tokstream.engine.messages import (NewRequestData, ScoreRequest, ScoreResult, StepPlan,
+                                       StepResult)
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.sampler import SamplingRow, sample
@@ -19,6 +20,11 @@ from tokstream.worker.sampler import SamplingRow, sample
 log = logging.getLogger("tokstream.worker")
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SCORE_CHUNK_TOKENS = 1024
+"""A score pass runs the sequence through the model this many tokens at a time (chunked
+prefill over the lent blocks), so its activations stay bounded whatever the length."""
+SCORE_LOGIT_ROWS = 256
+"""Rows of (rows, vocab) logits materialised at once while scoring."""
 DEFAULT_CPU_KV_MEMORY = 4 * 2**30
 """Default KV pool on CPU when no budget is given (as vLLM's CPU backend defaults to 4 GiB)."""
 
@@ -49,6 +55,45 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])  # (S, vocab)
         tokens = sample(logits.cpu(), rows)
         return StepResult(plan.step_id, tokens, time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        """Teacher-forced pass: for positions start..n-1 the logit of the given token and the
+        top logit, from the hidden state one position earlier. Writes K/V only into the blocks
+        lent for this pass."""
+        started = time.perf_counter()
+        try:
+            token_logits, top_logits, top_ids = self._score(request)
+        except Exception as exc:  # reported to the core; the worker keeps serving
+            log.exception("score pass failed")
+            return ScoreResult([], [], [], error=f"{type(exc).__name__}: {exc}")
+        return ScoreResult(token_logits, top_logits, top_ids, time.perf_counter() - started)
+
+    def _score(self, request: ScoreRequest):
+        bs, n = self.block_size, len(request.token_ids)
+        ids = torch.tensor(request.token_ids, dtype=torch.int64, device=self.device)
+        table = torch.tensor(request.block_ids, dtype=torch.int64)
+        hidden_parts = []
+        for begin in range(0, n, SCORE_CHUNK_TOKENS):
+            end = min(begin + SCORE_CHUNK_TOKENS, n)
+            pos = torch.arange(begin, end)
+            meta = AttentionMetadata(
+                slot_mapping=(table[pos // bs] * bs + pos % bs).to(self.device), num_decodes=0,
+                decode_block_tables=None, decode_key_bias=None,
+                prefills=[PrefillSeq(0, end - begin, end, table.to(self.device))])
+            hidden_parts.append(self.model(ids[begin:end], pos.to(self.device),
+                                           self.kv_caches, meta))  # (chunk, hidden)
+        hidden = torch.cat(hidden_parts)[request.start - 1:n - 1]  # (scored, hidden)
+        targets = ids[request.start:]  # (scored,)
+        token_logits, top_logits, top_ids = [], [], []
+        for row in range(0, hidden.shape[0], SCORE_LOGIT_ROWS):
+            logits = self.model.compute_logits(hidden[row:row + SCORE_LOGIT_ROWS])  # (R, vocab)
+            chosen = targets[row:row + SCORE_LOGIT_ROWS, None]
+            token_logits += logits.gather(1, chosen).squeeze(1).tolist()
+            top = logits.max(dim=-1)
+            top_logits += top.values.tolist()
+            top_ids += top.indices.tolist()
+        return token_logits, top_logits, top_ids
 
     def update_requests(self, plan: StepPlan) -> None:
         """Forget finished requests, learn new ones, extend block tables."""

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 
 from tokstream.config import EngineConfig
+from tokstream.engine.messages import ScoreRequest
 
 
 @dataclass
@@ -63,6 +64,9 @@ def worker_main(conn, config: EngineConfig, rank: int) -> None:
             return  # the core is gone: never outlive it
         if plan is None:
             return
+        if isinstance(plan, ScoreRequest):
+            conn.send(runner.score(plan))
+            continue
         conn.send(runner.execute(plan))
 
 

@@ -1,0 +1,221 @@
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API."""
+
+from __future__ import annotations
+
+import uuid
+
+from starlette.responses import JSONResponse
+
+from tokstream.errors import UserInputError
+from tokstream.server.errors import ANTHROPIC, api_route, bad_request
+from tokstream.server.sse import EventStreamResponse, final_integrity, integrity, sse
+from tokstream.server.state import Prompt, Server
+from tokstream.server.streams import Batch, Stream
+from tokstream.server.validation import (check_fits, get_bool, get_int, get_number, get_object,
+                                         get_strings, read_json, reject_unsupported,
+                                         sampling_params, _kind)
+from tokstream.server.responses import collect
+
+ROLES = ("user", "assistant")
+
+
+def _text_blocks(value, path: str, allow_empty: bool = False) -> str:
+    """A string, or a list of {"type": "text", "text": ...} blocks, as one string."""
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, list):
+        parts = []
+        for n, block in enumerate(value):
+            at = f"{path}.{n}"
+            if not isinstance(block, dict):
+                raise bad_request(at, f"must be a content block object, not {_kind(block)}")
+            kind = block.get("type")
+            if kind != "text":
+                raise bad_request(f"{at}.type", f"only 'text' blocks are supported, got "
+                                                f"{kind!r}")
+            if not isinstance(block.get("text"), str):
+                raise bad_request(f"{at}.text", "must be a string")
+            parts.append(block["text"])
+        text = "".join(parts)
+        if not value and not allow_empty:
+            raise bad_request(path, "must not be an empty list")
+    else:
+        raise bad_request(path, f"must be a string or an array of text blocks, not "
+                                f"{_kind(value)}")
+    if not text and not allow_empty:
+        raise bad_request(path, "must not be empty")
+    return text
+
+
+def chat_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("messages", "required")
+    if not isinstance(messages, list):
+        raise bad_request("messages", f"must be an array, not {_kind(messages)}")
+    if not messages:
+        raise bad_request("messages", "must contain at least one message")
+    chat = []
+    system = body.get("system")
+    if system is not None:
+        text = _text_blocks(system, "system", allow_empty=True)
+        if text:
+            chat.append({"role": "system", "content": text})
+    for n, message in enumerate(messages):
+        at = f"messages.{n}"
+        if not isinstance(message, dict):
+            raise bad_request(at, f"must be an object, not {_kind(message)}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{at}.role", f"must be 'user' or 'assistant', got {role!r}")
+        if "content" not in message:
+            raise bad_request(f"{at}.content", "required")
+        chat.append({"role": role, "content": _text_blocks(message["content"],
+                                                           f"{at}.content")})
+    if chat[-1]["role"] == "assistant" and len(chat) == 1:
+        raise bad_request("messages.0.role", "the first message must be from the user")
+    return chat
+
+
+def encode_messages(server: Server, chat: list[dict]) -> list[int]:
+    """Prompt ids; a final assistant message is a prefill the model continues."""
+    tokenizer = server.tokenizer
+    try:
+        if chat[-1]["role"] == "assistant":
+            prefix = tokenizer.encode_chat(chat[:-1])
+            return prefix + tokenizer.encode(chat[-1]["content"])
+        return tokenizer.encode_chat(chat)
+    except UserInputError as error:
+        raise bad_request("messages", str(error)) from None
+
+
+def parse(body: dict, server: Server) -> Prompt:
+    server.check_model(body.get("model"))
+    max_tokens = get_int(body, "max_tokens", required=True, minimum=1)
+    reject_unsupported(body, {"tools": bool, "tool_choice": lambda v: True,
+                              "thinking": lambda v: not (isinstance(v, dict)
+                                                         and v.get("type") == "disabled")})
+    get_object(body, "metadata")
+    temperature = get_number(body, "temperature", 1.0, minimum=0.0, maximum=1.0)
+    top_p = get_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True)
+    top_k = get_int(body, "top_k", 0, minimum=0)
+    stop = get_strings(body, "stop_sequences", allow_single=False)
+    seed = get_int(body, "seed", None, minimum=0, maximum=2**63 - 1)
+    ignore_eos = get_bool(body, "ignore_eos")
+    stream = get_bool(body, "stream")
+    token_ids = encode_messages(server, chat_messages(body))
+    check_fits(len(token_ids), max_tokens, server.max_model_len, "messages")
+    params = sampling_params({"stop": "stop_sequences"}, max_tokens=max_tokens,
+                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                             stop=stop, ignore_eos=ignore_eos)
+    return Prompt(token_ids, params, stream)
+
+
+def stop_reason(stream: Stream) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) for a finished stream."""
+    final = stream.final
+    if final.finish_reason == "stop":
+        if isinstance(final.stop_reason, str):
+            return "stop_sequence", final.stop_reason
+        return "end_turn", None
+    if final.stop_reason == "kv_cache_capacity" or \
+            final.num_output_tokens < stream.params.max_tokens:
+        return "model_context_window_exceeded", None
+    return "max_tokens", None
+
+
+def _failure(stream: Stream) -> tuple[str, str] | None:
+    final = stream.final
+    if final.finish_reason == "error":
+        down = "engine" in (final.error or "")
+        return ("overloaded_error" if down else "api_error"), final.error or "request failed"
+    if final.finish_reason == "abort":
+        return "api_error", "request aborted by the server"
+    return None
+
+
+class AnthropicFormatter:
+    def __init__(self, stream: Stream, model: str):
+        self.stream = stream
+        self.model = model
+
+    def start(self) -> bytes:
+        message = {"id": self.stream.request_id, "type": "message", "role": "assistant",
+                   "content": [], "model": self.model, "stop_reason": None,
+                   "stop_sequence": None,
+                   "usage": {"input_tokens": self.stream.num_prompt_tokens, "output_tokens": 0}}
+        return (sse("message_start", {"type": "message_start", "message": message})
+                + sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                              "content_block": {"type": "text", "text": ""}})
+                + self.ping())
+
+    def tokens(self, batch: Batch) -> bytes:
+        data = {"type": "content_block_delta", "index": 0,
+                "delta": {"type": "text_delta", "text": batch.text}}
+        if batch.token_ids:
+            data["tokstream"] = integrity(batch)
+            return sse("content_block_delta", data, batch.indices[-1])
+        return sse("content_block_delta", data)
+
+    def finish(self, batch: Batch) -> bytes:
+        failure = _failure(self.stream)
+        if failure is not None:
+            return self.error(*failure)
+        reason, sequence = stop_reason(self.stream)
+        final = self.stream.final
+        return (sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+                + sse("message_delta", {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": {"input_tokens": final.num_prompt_tokens,
+                              "output_tokens": final.num_output_tokens},
+                    "tokstream": final_integrity(self.stream)})
+                + sse("message_stop", {"type": "message_stop"}))
+
+    def error(self, error_type: str, message: str) -> bytes:
+        return sse("error", {"type": "error", "error": {"type": error_type, "message": message}})
+
+    def ping(self) -> bytes:
+        return sse("ping", {"type": "ping"})
+
+
+def message_body(stream: Stream, batch: Batch, model: str) -> dict:
+    reason, sequence = stop_reason(stream)
+    final = stream.final
+    return {"id": stream.request_id, "type": "message", "role": "assistant", "model": model,
+            "content": [{"type": "text", "text": batch.text}],
+            "stop_reason": reason, "stop_sequence": sequence,
+            "usage": {"input_tokens": final.num_prompt_tokens,
+                      "output_tokens": final.num_output_tokens},
+            "tokstream": {**final_integrity(stream), "token_ids": batch.token_ids}}
+
+
+@api_route(ANTHROPIC)
+async def create_message(request):
+    server: Server = request.app.state.server
+    tenant = server.authenticate(request.headers)
+    body = await read_json(request, server.config.max_body_bytes)
+    prompt = parse(body, server)
+    request_id = f"msg_{uuid.uuid4().hex[:24]}"
+    stream = server.submit(request_id, prompt, tenant, ANTHROPIC)
+    headers = {"request-id": request_id}
+    if prompt.stream:
+        return EventStreamResponse(stream, AnthropicFormatter(stream, body["model"]),
+                                   server.registry, server.config.ping_interval_s, headers)
+    batch = await collect(stream, request.receive, server.registry)
+    failure = _failure(stream)
+    if failure is not None:
+        from tokstream.server.errors import ApiError
+        raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
+    return JSONResponse(message_body(stream, batch, body["model"]), headers=headers)
+
+
+@api_route(ANTHROPIC)
+async def count_tokens(request):
+    server: Server = request.app.state.server
+    server.authenticate(request.headers)
+    body = await read_json(request, server.config.max_body_bytes)
+    server.check_model(body.get("model"))
+    reject_unsupported(body, {"tools": bool})
+    token_ids = encode_messages(server, chat_messages(body))
+    return JSONResponse({"input_tokens": len(token_ids)})

@@ -1,0 +1,126 @@
+"""The gateway: a Starlette app in front of the engine core, served by uvicorn.
+
+    tokstream serve --model dummy:tiny --port 0
+
+The engine core (and its workers) start in the app's lifespan; the event loop only routes,
+validates, tokenises and streams. A ready line goes to stderr once the engine is up:
+`tokstream serve: ready on http://HOST:PORT ...` (tests read the port from it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import sys
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from tokstream.config import EngineConfig
+from tokstream.engine.async_engine import AsyncEngine
+from tokstream.server import admin_routes, anthropic_routes, openai_routes
+from tokstream.server.config import ServerConfig
+from tokstream.server.errors import ApiError, api_for_path, error_response
+from tokstream.server.openapi import openapi_schema
+from tokstream.server.state import Server
+
+log = logging.getLogger("tokstream.server")
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/messages", anthropic_routes.create_message, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic_routes.count_tokens, methods=["POST"]),
+        Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
+        Route("/v1/completions", openai_routes.completions, methods=["POST"]),
+        Route("/v1/models", openai_routes.models, methods=["GET"]),
+        Route("/health", admin_routes.health, methods=["GET"]),
+        Route("/metrics", admin_routes.metrics, methods=["GET"]),
+        Route("/v1/state", admin_routes.state, methods=["GET"]),
+        Route("/v1/state/requests/{request_id}", admin_routes.request_state, methods=["GET"]),
+        Route("/v1/score", admin_routes.score, methods=["POST"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+
+
+async def openapi(request):
+    return JSONResponse(openapi_schema())
+
+
+async def http_error(request, exc: HTTPException):
+    """Routing errors (unknown path, wrong method) in the API's error shape."""
+    kinds = {404: "not_found_error", 405: "method_not_allowed", 413: "request_too_large"}
+    error = ApiError(kinds.get(exc.status_code, "invalid_request_error"),
+                     f"{request.method} {request.url.path}: {exc.detail}",
+                     status=exc.status_code)
+    return error_response(api_for_path(request.url.path), error)
+
+
+def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id: str,
+              aliases: set[str], tokenizer, url: str | None = None) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine = await AsyncEngine(engine_config).start()
+        try:
+            app.state.server = Server(server_config, engine, tokenizer, model_id, aliases)
+            if url is not None:
+                print(f"tokstream serve: ready on {url} (model {model_id}, "
+                      f"{engine.info.get('dtype')}, {engine.info.get('num_blocks')} KV blocks; "
+                      f"gateway pid {__import__('os').getpid()}, engine pid {engine.pid})",
+                      file=sys.stderr, flush=True)
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = Starlette(routes=routes(), lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error})
+    return app
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        from tokstream.errors import UserInputError
+        raise UserInputError(f"cannot bind {host}:{port}: {error.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "warning"):
+    """Serve until SIGINT/SIGTERM. Bad settings raise UserInputError before anything starts."""
+    import uvicorn
+
+    from tokstream.model.source import resolve_model
+    from tokstream.tokenizer import load_tokenizer
+
+    server_config.check_bind()
+    if server_config.tenants_file:
+        from tokstream.server.tenants import load_tenants
+        load_tenants(server_config.tenants_file)  # fail fast on a bad file
+    source = resolve_model(engine_config.model)
+    tokenizer = load_tokenizer(source)
+    model_id = server_config.served_model_name or engine_config.model
+    aliases = {engine_config.model, source.config.name}
+    sock = bind_socket(server_config.host, server_config.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    app = build_app(engine_config, server_config, model_id, aliases, tokenizer,
+                    url=f"http://{shown}:{port}")
+    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=3, timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not server.started:
+        from tokstream.errors import ReplicaError
+        raise ReplicaError("server failed to start (see the log above)")

@@ -1,0 +1,98 @@
+"""The gateway's settings (the engine's are tokstream.config.EngineConfig), and serving profiles:
+TOML presets under profiles/ that `--profile NAME|FILE` loads and flags override."""
+
+from __future__ import annotations
+
+import ipaddress
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from tokstream.errors import UserInputError
+from tokstream.server.admission import AdmissionConfig
+
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "profiles"
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Address to bind; a non-loopback one needs a tenants file or `insecure`."""
+    port: int = 8000
+    """0 picks a free port (printed on the ready line)."""
+    served_model_name: str | None = None
+    """The model id clients send and /v1/models lists (default: the --model value)."""
+    tenants_file: str | None = None
+    insecure: bool = False
+    """Allow a non-loopback bind without API keys."""
+    max_pending_tokens: int = 4096
+    """A stream's unread tokens past which its request is cancelled (slow caller)."""
+    slow_client_grace_s: float = 30.0
+    """After such a cancel, how long the caller has to read the rest before it is cut off."""
+    ping_interval_s: float = 5.0
+    """Keep-alive on an idle stream (SSE ping), well under common 10 s proxy timeouts."""
+    max_body_bytes: int = 4 * 2**20
+    """Largest request body; larger ones get 413."""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise UserInputError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_pending_tokens < 1:
+            raise UserInputError("max_pending_tokens must be >= 1")
+        if not self.ping_interval_s > 0:
+            raise UserInputError("ping_interval_s must be > 0")
+        if self.max_body_bytes < 1024:
+            raise UserInputError("max_body_bytes must be >= 1024")
+
+    def check_bind(self) -> None:
+        """Refuse to expose an open (keyless) server beyond this machine unless told to."""
+        if self.tenants_file or self.insecure or is_loopback(self.host):
+            return
+        raise UserInputError(
+            f"refusing to bind {self.host} without API keys: pass --tenants FILE, or --insecure "
+            "to serve an open endpoint on the network")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+PROFILE_SECTIONS = ("engine", "cache", "scheduler", "server", "admission")
+
+
+def load_profile(name_or_path: str) -> dict[str, dict]:
+    """A serving profile: {section: {field: value}} for the sections above. NAME looks in
+    profiles/ for NAME.toml; anything with a slash or a .toml suffix is a path."""
+    path = Path(name_or_path)
+    if not (path.suffix == ".toml" or "/" in name_or_path):
+        path = PROFILE_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        available = sorted(p.stem for p in PROFILE_DIR.glob("*.toml")
+                           if _is_serving_profile(p))
+        raise UserInputError(f"profile {name_or_path!r} not found (available: "
+                             f"{', '.join(available) or 'none'})")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as error:
+        raise UserInputError(f"profile {path}: {error}") from None
+    unknown = set(data) - set(PROFILE_SECTIONS) - {"description", "kind"}
+    if unknown:
+        raise UserInputError(f"profile {path}: unknown section(s) {', '.join(sorted(unknown))}")
+    return {section: dict(data.get(section, {})) for section in PROFILE_SECTIONS}
+
+
+def _is_serving_profile(path: Path) -> bool:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8")).get("kind") == "serve"
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+
+
+def field_names(cls) -> set[str]:
+    return {f.name for f in fields(cls)}

@@ -1,0 +1,133 @@
+"""Prometheus metrics: vLLM's names where vLLM has one (dashboards and Kubernetes inference
+gateways already read them), `tokstream_*` for the rest. One registry per server, so two
+servers in one process never collide.
+
+Latency histograms and token counters are updated by the gateway as tokens pass the demux;
+engine-side values (running, waiting, KV blocks, preemptions) come from the core's state
+snapshot, refreshed at each scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineCollector:
+    """Engine-side gauges and counters from the latest core snapshot."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.snapshot: dict | None = None
+        self.status = "starting"
+
+    def collect(self):
+        labels = ["model_name"]
+        snap = self.snapshot or {}
+        kv = snap.get("kv", {})
+
+        def gauge(name, doc, value):
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric([self.model], value)
+            return family
+
+        def counter(name, doc, value):
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric([self.model], value)
+            return family
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.",
+                    snap.get("running", 0))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting in the engine.",
+                    snap.get("waiting", 0))
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", kv.get("usage", 0.0))
+        yield counter("vllm:num_preemptions", "Preemptions (recompute).",
+                      snap.get("num_preemptions", 0))
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries (tokens).", 0)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits (tokens).", 0)
+        blocks = GaugeMetricFamily("tokstream_kv_blocks", "KV blocks by state.",
+                                   labels=["model_name", "state"])
+        for state in ("used", "free", "cached"):
+            blocks.add_metric([self.model, state], kv.get(f"{state}_blocks", 0))
+        yield blocks
+        yield gauge("tokstream_kv_blocks_total", "KV blocks in the pool.", kv.get("num_blocks", 0))
+        last = snap.get("last_step") or {}
+        yield gauge("tokstream_last_step_seconds", "Duration of the latest engine step.",
+                    last.get("step_ms", 0.0) / 1000)
+        yield counter("tokstream_engine_steps", "Engine steps run.", snap.get("step_id", 0))
+        status = GaugeMetricFamily("tokstream_replica_status", "1 for the replica's status.",
+                                   labels=["model_name", "status"])
+        for name in ("starting", "ready", "recovering", "down"):
+            status.add_metric([self.model, name], 1.0 if self.status == name else 0.0)
+        yield status
+
+
+class Metrics:
+    def __init__(self, model: str):
+        self.model = model
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
+                              m, buckets=TTFT_BUCKETS, registry=r).labels(model)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Gap between output tokens.",
+                             m, buckets=ITL_BUCKETS, registry=r).labels(model)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.",
+                             m, buckets=E2E_BUCKETS, registry=r).labels(model)
+        self.queue = Histogram("vllm:request_queue_time_seconds",
+                               "Arrival to first scheduling in the engine.",
+                               m, buckets=E2E_BUCKETS, registry=r).labels(model)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished and "
+                                     "running requests.", m, registry=r).labels(model)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens delivered.",
+                                         m, registry=r).labels(model)
+        self.success = Counter("vllm:request_success", "Requests finished, by reason.",
+                               m + ["finished_reason"], registry=r)
+        self.tenant_tokens = Counter("tokstream_tenant_tokens", "Tokens per tenant.",
+                                     ["tenant", "kind"], registry=r)
+        self.errors = Counter("tokstream_errors", "Error responses and error events, by type.",
+                              ["type"], registry=r)
+        self.cancels = Counter("tokstream_cancelled_requests",
+                               "Requests the gateway cancelled, by reason.", ["reason"],
+                               registry=r)
+        self.live = Gauge("tokstream_live_streams", "Requests the gateway is serving.",
+                          registry=r)
+        self.restarts = Counter("tokstream_restarts", "Engine restarts.", registry=r)
+        self.resumes = Counter("tokstream_resumes", "Requests resumed after a restart.",
+                               registry=r)
+        self.engine = EngineCollector(model)
+        r.register(self.engine)
+
+    def on_first_token(self, stream, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def on_token_gap(self, gap_s: float) -> None:
+        self.itl.observe(gap_s)
+
+    def on_tokens(self, stream, n: int) -> None:
+        self.generation_tokens.inc(n)
+        if stream.tenant is not None:
+            self.tenant_tokens.labels(stream.tenant, "generation").inc(n)
+
+    def on_admit(self, stream) -> None:
+        self.prompt_tokens.inc(stream.num_prompt_tokens)
+        if stream.tenant is not None:
+            self.tenant_tokens.labels(stream.tenant, "prompt").inc(stream.num_prompt_tokens)
+
+    def on_finish(self, stream, delta, e2e_s: float) -> None:
+        if delta.finish_reason == "error":
+            self.errors.labels("api_error").inc()
+            return
+        self.success.labels(self.model, delta.finish_reason).inc()
+        self.e2e.observe(e2e_s)
+        if delta.queue_s is not None:
+            self.queue.observe(delta.queue_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,255 @@
+"""POST /v1/chat/completions and /v1/completions: the OpenAI-compatible API, and GET /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from starlette.responses import JSONResponse
+
+from tokstream.errors import UserInputError
+from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
+from tokstream.server.responses import collect
+from tokstream.server.sse import EventStreamResponse, final_integrity, integrity, sse
+from tokstream.server.state import Prompt, Server
+from tokstream.server.streams import Batch, Stream
+from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_number,
+                                         get_object, get_strings, read_json, reject_unsupported,
+                                         sampling_params)
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+UNSUPPORTED = {
+    "n": lambda v: v != 1,
+    "best_of": lambda v: v != 1,
+    "logprobs": lambda v: v not in (False, 0),
+    "top_logprobs": lambda v: v not in (0,),
+    "echo": bool,
+    "suffix": bool,
+    "tools": bool,
+    "functions": bool,
+    "logit_bias": bool,
+    "presence_penalty": lambda v: v != 0,
+    "frequency_penalty": lambda v: v != 0,
+    "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
+}
+
+
+def _content(value, path: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for n, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise bad_request(f"{path}.{n}", "only {'type': 'text', 'text': ...} parts are "
+                                                 "supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(path, f"must be a string or an array of text parts, not {_kind(value)}")
+
+
+def chat_prompt(body: dict, server: Server) -> list[int]:
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("messages", "required")
+    if not isinstance(messages, list):
+        raise bad_request("messages", f"must be an array, not {_kind(messages)}")
+    if not messages:
+        raise bad_request("messages", "must contain at least one message")
+    chat = []
+    for n, message in enumerate(messages):
+        at = f"messages.{n}"
+        if not isinstance(message, dict):
+            raise bad_request(at, f"must be an object, not {_kind(message)}")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"{at}.role", f"must be one of {', '.join(CHAT_ROLES)}, got "
+                                            f"{role!r}")
+        content = message.get("content")
+        if content is None:
+            raise bad_request(f"{at}.content", "required")
+        chat.append({"role": "system" if role == "developer" else role,
+                     "content": _content(content, f"{at}.content")})
+    try:
+        return server.tokenizer.encode_chat(chat)
+    except UserInputError as error:
+        raise bad_request("messages", str(error)) from None
+
+
+def completion_prompt(body: dict, server: Server) -> list[int]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise bad_request("prompt", "required")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return server.tokenizer.encode(prompt)
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab = server.engine.info.get("vocab_size") or server.tokenizer.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise bad_request("prompt", "only one prompt per request is supported")
+    raise bad_request("prompt", "must be a string, an array of token ids, or an array holding "
+                                "one of those")
+
+
+def parse(body: dict, server: Server, chat: bool) -> Prompt:
+    server.check_model(body.get("model"))
+    reject_unsupported(body, UNSUPPORTED)
+    max_tokens = get_int(body, "max_completion_tokens", None, minimum=1) if chat else None
+    max_tokens = get_int(body, "max_tokens", max_tokens, minimum=1)
+    temperature = get_number(body, "temperature", 1.0, minimum=0.0, maximum=2.0)
+    top_p = get_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True)
+    top_k = get_int(body, "top_k", 0, minimum=-1)
+    stop = get_strings(body, "stop", allow_single=True)
+    seed = get_int(body, "seed", None, minimum=0, maximum=2**63 - 1)
+    ignore_eos = get_bool(body, "ignore_eos")
+    stream = get_bool(body, "stream")
+    options = get_object(body, "stream_options") or {}
+    get_bool(options, "include_usage")
+    token_ids = chat_prompt(body, server) if chat else completion_prompt(body, server)
+    max_tokens = check_fits(len(token_ids), max_tokens, server.max_model_len,
+                            "messages" if chat else "prompt")
+    params = sampling_params({}, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                             top_k=max(top_k, 0), seed=seed, stop=stop, ignore_eos=ignore_eos)
+    return Prompt(token_ids, params, stream)
+
+
+def finish_reason(stream: Stream) -> str:
+    return "stop" if stream.final.finish_reason == "stop" else "length"
+
+
+def _failure(stream: Stream) -> tuple[str, str] | None:
+    final = stream.final
+    if final.finish_reason == "error":
+        down = "engine" in (final.error or "")
+        return ("overloaded_error" if down else "api_error"), final.error or "request failed"
+    if final.finish_reason == "abort":
+        return "api_error", "request aborted by the server"
+    return None
+
+
+def usage(stream: Stream) -> dict:
+    final = stream.final
+    return {"prompt_tokens": final.num_prompt_tokens,
+            "completion_tokens": final.num_output_tokens,
+            "total_tokens": final.num_prompt_tokens + final.num_output_tokens}
+
+
+class OpenAIFormatter:
+    def __init__(self, stream: Stream, model: str, chat: bool, include_usage: bool):
+        self.stream = stream
+        self.model = model
+        self.chat = chat
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        chunk = {"id": self.stream.request_id, "object": self.object, "created": self.created,
+                 "model": self.model, "choices": [choice]}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def start(self) -> bytes:
+        return sse(None, self._chunk("", role=True)) if self.chat else b""
+
+    def tokens(self, batch: Batch) -> bytes:
+        chunk = self._chunk(batch.text)
+        if batch.token_ids:
+            chunk["tokstream"] = integrity(batch)
+            return sse(None, chunk, batch.indices[-1])
+        return sse(None, chunk)
+
+    def finish(self, batch: Batch) -> bytes:
+        failure = _failure(self.stream)
+        if failure is not None:
+            return self.error(*failure)
+        chunk = self._chunk(None if self.chat else "", finish_reason(self.stream))
+        chunk["choices"][0]["stop_reason"] = self.stream.final.stop_reason
+        chunk["tokstream"] = final_integrity(self.stream)
+        body = sse(None, chunk)
+        if self.include_usage:
+            body += sse(None, {"id": self.stream.request_id, "object": self.object,
+                               "created": self.created, "model": self.model, "choices": [],
+                               "usage": usage(self.stream)})
+        return body + b"data: [DONE]\n\n"
+
+    def error(self, error_type: str, message: str) -> bytes:
+        return sse(None, {"error": {"message": message, "type": error_type, "param": None,
+                                    "code": None}}) + b"data: [DONE]\n\n"
+
+    def ping(self) -> bytes:
+        # A comment line with no blank line after it: a blank line would make the official
+        # SDK's decoder (which keeps the last event id) emit an empty event it cannot parse.
+        return b": ping\n"
+
+
+def response_body(stream: Stream, batch: Batch, model: str, chat: bool) -> dict:
+    reason = finish_reason(stream)
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": batch.text},
+                  "logprobs": None, "finish_reason": reason,
+                  "stop_reason": stream.final.stop_reason}
+    else:
+        choice = {"index": 0, "text": batch.text, "logprobs": None, "finish_reason": reason,
+                  "stop_reason": stream.final.stop_reason}
+    return {"id": stream.request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(stream.created), "model": model, "choices": [choice],
+            "usage": usage(stream),
+            "tokstream": {**final_integrity(stream), "token_ids": batch.token_ids}}
+
+
+async def _complete(request, chat: bool):
+    server: Server = request.app.state.server
+    tenant = server.authenticate(request.headers)
+    body = await read_json(request, server.config.max_body_bytes)
+    prompt = parse(body, server, chat)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    stream = server.submit(request_id, prompt, tenant, OPENAI)
+    headers = {"x-request-id": request_id}
+    if prompt.stream:
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        formatter = OpenAIFormatter(stream, body["model"], chat, include_usage)
+        return EventStreamResponse(stream, formatter, server.registry,
+                                   server.config.ping_interval_s, headers)
+    batch = await collect(stream, request.receive, server.registry)
+    failure = _failure(stream)
+    if failure is not None:
+        raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
+    return JSONResponse(response_body(stream, batch, body["model"], chat), headers=headers)
+
+
+@api_route(OPENAI)
+async def chat_completions(request):
+    return await _complete(request, chat=True)
+
+
+@api_route(OPENAI)
+async def completions(request):
+    return await _complete(request, chat=False)
+
+
+@api_route(OPENAI)
+async def models(request):
+    server: Server = request.app.state.server
+    server.authenticate(request.headers)
+    return JSONResponse({"object": "list", "data": [{
+        "id": server.model_id, "object": "model", "created": int(server.started),
+        "owned_by": "tokstream", "max_model_len": server.max_model_len}]})

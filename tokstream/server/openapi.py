@@ -1,0 +1,137 @@
+"""The published OpenAPI 3.1 schema (GET /openapi.json): every route, its body and its errors."""
+
+from __future__ import annotations
+
+import functools
+
+TEXT_BLOCKS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"],
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}
+
+SAMPLING = {
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "seed": {"type": "integer", "minimum": 0, "description": "tokstream extension"},
+    "ignore_eos": {"type": "boolean", "description": "tokstream/vLLM extension"},
+    "stream": {"type": "boolean"},
+}
+
+MESSAGES_BODY = {
+    "type": "object", "required": ["model", "max_tokens", "messages"],
+    "properties": {
+        "model": {"type": "string"},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"enum": ["user", "assistant"]}, "content": TEXT_BLOCKS}}},
+        "system": TEXT_BLOCKS,
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0},
+        "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
+        "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
+        **SAMPLING,
+    },
+}
+
+COUNT_BODY = {"type": "object", "required": ["model", "messages"],
+              "properties": {k: v for k, v in MESSAGES_BODY["properties"].items()
+                             if k in ("model", "messages", "system")}}
+
+OPENAI_COMMON = {
+    "model": {"type": "string"},
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_k": {"type": "integer", "minimum": -1, "description": "vLLM extension; -1 or 0 = off"},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "n": {"const": 1},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    **SAMPLING,
+}
+
+CHAT_BODY = {
+    "type": "object", "required": ["model", "messages"],
+    "properties": {
+        **OPENAI_COMMON,
+        "max_completion_tokens": {"type": "integer", "minimum": 1},
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role", "content"],
+            "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
+                           "content": TEXT_BLOCKS}}},
+    },
+}
+
+COMPLETION_BODY = {
+    "type": "object", "required": ["model", "prompt"],
+    "properties": {**OPENAI_COMMON, "prompt": {"oneOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        {"type": "array", "maxItems": 1, "items": {"type": "string"}}]}},
+}
+
+SCORE_BODY = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string"},
+        "token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 2},
+        "start": {"type": "integer", "minimum": 1},
+        "prompt_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "output_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    },
+}
+
+ANTHROPIC_ERROR = {"type": "object", "properties": {"type": {"const": "error"}, "error": {
+    "type": "object", "properties": {"type": {"type": "string"}, "message": {"type": "string"}}}}}
+OPENAI_ERROR = {"type": "object", "properties": {"error": {
+    "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                     "param": {"type": ["string", "null"]},
+                                     "code": {"type": ["integer", "null"]}}}}}
+
+
+def _post(summary: str, body: dict, error: dict, streams: bool, overload: int) -> dict:
+    content = {"application/json": {"schema": {"type": "object"}}}
+    if streams:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    errors = {str(code): {"description": text, "content": {"application/json":
+                                                           {"schema": error}}}
+              for code, text in ((400, "invalid request (the message names the field)"),
+                                 (401, "missing or unknown API key"), (404, "unknown model"),
+                                 (413, "body too large"),
+                                 (429, "tenant rate or concurrency limit (retry-after)"),
+                                 (overload, "overloaded or replica down (retry-after)"))}
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True,
+                                     "content": {"application/json": {"schema": body}}},
+                     "responses": {"200": {"description": "OK", "content": content}, **errors}}}
+
+
+def _get(summary: str, description: str = "OK") -> dict:
+    return {"get": {"summary": summary, "responses": {"200": {"description": description}}}}
+
+
+@functools.cache
+def openapi_schema() -> dict:
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "tokstream", "version": "0.1.0",
+                 "description": "Anthropic- and OpenAI-compatible LLM serving. Every stream "
+                                "carries a `tokstream` integrity extension."},
+        "paths": {
+            "/v1/messages": _post("Anthropic Messages API", MESSAGES_BODY, ANTHROPIC_ERROR,
+                                  True, 529),
+            "/v1/messages/count_tokens": _post("Count prompt tokens", COUNT_BODY,
+                                               ANTHROPIC_ERROR, False, 529),
+            "/v1/chat/completions": _post("OpenAI chat completions", CHAT_BODY, OPENAI_ERROR,
+                                          True, 503),
+            "/v1/completions": _post("OpenAI completions", COMPLETION_BODY, OPENAI_ERROR,
+                                     True, 503),
+            "/v1/score": _post("Teacher-forced re-scoring (admin)", SCORE_BODY, OPENAI_ERROR,
+                               False, 503),
+            "/v1/models": _get("Served models"),
+            "/health": _get("200 ready; 503 recovering or down"),
+            "/metrics": _get("Prometheus metrics"),
+            "/v1/state": _get("State snapshot (admin)"),
+            "/v1/state/requests/{request_id}": {
+                **_get("One live request with its recent text (admin)"),
+                "parameters": [{"name": "request_id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}]},
+            "/openapi.json": _get("This schema"),
+        },
+    }

@@ -1,0 +1,53 @@
+"""Non-streaming responses: wait for a request's end while watching for the caller leaving."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tokstream.server.errors import ApiError
+from tokstream.server.streams import Batch, Stream, StreamRegistry
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _wait_disconnect(receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _drain(stream: Stream) -> Batch:
+    total = Batch()
+    channel = stream.channel
+    while True:
+        await channel.ready.wait()
+        batch = channel.take()
+        total.token_ids += batch.token_ids
+        total.indices += batch.indices
+        total.step_ids += batch.step_ids
+        total.request_ids += batch.request_ids
+        total.text += batch.text
+        if batch.final is not None:
+            total.final = batch.final
+            return total
+        if batch.error is not None:
+            raise ApiError(batch.error[0], batch.error[1])
+
+
+async def collect(stream: Stream, receive, registry: StreamRegistry) -> Batch:
+    """Every token and the final delta of stream; aborts the request if the caller leaves."""
+    drain = asyncio.ensure_future(_drain(stream))
+    listener = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({drain, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (drain, listener):
+            task.cancel()
+        await asyncio.gather(drain, listener, return_exceptions=True)
+        registry.close(stream, "disconnected" if drain.cancelled() else None)
+    if drain.cancelled():
+        raise ClientGone(stream.request_id)
+    return drain.result()

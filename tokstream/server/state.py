@@ -1,0 +1,274 @@
+"""The gateway's shared state: the engine handle, the stream registry, admission, tenants,
+metrics, recent events; submitting a parsed request; and the /v1/state snapshot."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import psutil
+
+from tokstream.engine.async_engine import AsyncEngine
+from tokstream.errors import ReplicaError, UserInputError
+from tokstream.sampling_params import SamplingParams
+from tokstream.server.admission import Admission
+from tokstream.server.config import ServerConfig
+from tokstream.server.errors import ApiError
+from tokstream.server.metrics import Metrics
+from tokstream.server.streams import Stream, StreamRegistry
+from tokstream.server.tenants import Tenant, Tenants, load_tenants
+from tokstream.tokenizer import Tokenizer
+
+log = logging.getLogger("tokstream.server")
+
+MAX_EVENTS = 128
+STATE_TIMEOUT_S = 5.0
+"""How long /v1/state and /metrics wait for the core (it answers between steps)."""
+
+
+@dataclass
+class Prompt:
+    """A validated request, ready for admission."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+
+
+class Server:
+    def __init__(self, config: ServerConfig, engine: AsyncEngine, tokenizer: Tokenizer,
+                 model_id: str, aliases: set[str]):
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.model_names = {model_id} | aliases
+        self.max_model_len: int = engine.info["max_model_len"]
+        self.num_blocks: int = engine.info["num_blocks"]
+        self.block_size: int = engine.info["block_size"]
+        self.metrics = Metrics(model_id)
+        self.admission = Admission(config.admission)
+        self.tenants: Tenants | None = (load_tenants(config.tenants_file)
+                                        if config.tenants_file else None)
+        self.registry = StreamRegistry(engine, self.metrics, config.max_pending_tokens,
+                                       config.slow_client_grace_s)
+        self.registry.on_finish = self._on_finish
+        self.registry.on_cancel = self._on_cancel
+        self.registry.on_first_token = self._on_first_token
+        self.events: deque[dict] = deque(maxlen=MAX_EVENTS)
+        self.started = time.time()
+        self.status = "ready"
+        self.restarts = 0
+        self._tenant_of: dict[str, Tenant] = {}
+        self._last_snapshot: dict | None = None
+        self.metrics.engine.status = "ready"
+        engine.on_dead = self._on_engine_dead
+
+    # --- auth -------------------------------------------------------------------------------
+
+    @staticmethod
+    def presented_key(headers) -> str | None:
+        key = headers.get("x-api-key")
+        if key:
+            return key
+        auth = headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+    def authenticate(self, headers) -> Tenant | None:
+        if self.tenants is None:
+            return None
+        return self.tenants.authenticate(self.presented_key(headers))
+
+    def authenticate_admin(self, headers) -> None:
+        if self.tenants is not None:
+            self.tenants.authenticate_admin(self.presented_key(headers))
+
+    # --- model and limits -------------------------------------------------------------------
+
+    def check_model(self, model) -> None:
+        if not isinstance(model, str) or not model:
+            from tokstream.server.errors import bad_request
+            raise bad_request("model", "must be a non-empty string")
+        if model not in self.model_names:
+            raise ApiError("not_found_error", f"model: {model!r} not found; this server serves "
+                                              f"{self.model_id!r}", param="model")
+
+    def check_ready(self) -> None:
+        if self.status != "ready" or self.engine.dead is not None:
+            raise ApiError("overloaded_error", f"replica is {self.status}; retry later",
+                           retry_after=5)
+
+    # --- submit -----------------------------------------------------------------------------
+
+    def submit(self, request_id: str, prompt: Prompt, tenant: Tenant | None,
+               api: str) -> Stream:
+        """Admit and start a request; raises ApiError (429/529/503) when refused."""
+        self.check_ready()
+        n = len(prompt.token_ids)
+        try:
+            self.admission.check(n)
+            if tenant is not None:
+                tenant.admit(n)
+        except ApiError as error:
+            self.metrics.errors.labels(error.error_type).inc()
+            self.event("refused", request_id, reason=error.message,
+                       tenant=tenant.name if tenant else None)
+            raise
+        try:
+            stream = self.registry.open(request_id, prompt.token_ids, prompt.params,
+                                        tenant.name if tenant else None, api,
+                                        bounded=prompt.stream)
+        except (ReplicaError, UserInputError) as error:
+            if tenant is not None:
+                tenant.release()
+            raise ApiError("overloaded_error", str(error), retry_after=5) from error
+        self.admission.enter(n)
+        stream.in_admission = True
+        if tenant is not None:
+            self._tenant_of[request_id] = tenant
+        self.metrics.on_admit(stream)
+        return stream
+
+    def _on_first_token(self, stream: Stream) -> None:
+        self._leave_admission(stream)
+
+    def _leave_admission(self, stream: Stream) -> None:
+        if stream.in_admission:
+            stream.in_admission = False
+            waited = (stream.first_token_time - stream.arrival
+                      if stream.first_token_time is not None else None)
+            self.admission.leave(stream.num_prompt_tokens, waited)
+
+    def _on_finish(self, stream: Stream, delta) -> None:
+        self._settle(stream, delta.num_output_tokens)
+        self.metrics.on_finish(stream, delta, time.monotonic() - stream.arrival)
+        if delta.finish_reason == "error":
+            self.event("request_failed", stream.request_id, reason=delta.error)
+
+    def _on_cancel(self, stream: Stream, reason: str) -> None:
+        self._settle(stream, len(stream.delivered))
+        self.metrics.cancels.labels(reason).inc()
+        self.event("cancelled", stream.request_id, reason=reason)
+
+    def _settle(self, stream: Stream, num_output_tokens: int) -> None:
+        """Release a request's admission slot and tenant share, once."""
+        self._leave_admission(stream)
+        tenant = self._tenant_of.pop(stream.request_id, None)
+        if tenant is not None:
+            tenant.release()
+            tenant.charge_output(num_output_tokens)
+
+    def event(self, kind: str, request_id: str | None = None, **fields) -> None:
+        self.events.append({"time": time.time(), "kind": kind, "request_id": request_id,
+                            **fields})
+
+    def _on_engine_dead(self, reason: str) -> None:
+        log.error("engine core died: %s", reason)
+        self.status = "down"
+        self.metrics.engine.status = "down"
+        self.event("engine_dead", reason=reason)
+
+    # --- state ------------------------------------------------------------------------------
+
+    async def core_snapshot(self) -> dict | None:
+        """The core's latest snapshot; the previous one if the core is slow or gone."""
+        if self.engine.dead is None:
+            try:
+                self._last_snapshot = await asyncio.wait_for(self.engine.state(),
+                                                             STATE_TIMEOUT_S)
+            except (asyncio.TimeoutError, ReplicaError):
+                pass
+        self.metrics.engine.snapshot = self._last_snapshot
+        return self._last_snapshot
+
+    async def snapshot(self) -> dict:
+        core = await self.core_snapshot() or {}
+        now = time.monotonic()
+        engine_rows = {row["id"]: row for row in core.get("requests", [])}
+        requests = []
+        for stream in self.registry.streams.values():
+            row = stream.row(now)
+            engine_row = engine_rows.get(stream.request_id, {})
+            row["state"] = engine_row.get("state", "finishing" if stream.final else "submitted")
+            row["blocks"] = engine_row.get("blocks", 0)
+            row["preemptions"] = engine_row.get("preemptions", 0)
+            row["computed_tokens"] = engine_row.get("computed_tokens")
+            requests.append(row)
+        kv = dict(core.get("kv", {}))
+        last = core.get("last_step") or {}
+        worker_pids = core.get("worker_pids", self.engine.info.get("worker_pids", []))
+        ranks = [{"rank": rank, "pid": pid, "alive": _alive(pid)}
+                 for rank, pid in enumerate(worker_pids)]
+        events = sorted(list(self.events) + [
+            {**e, "source": "engine"} for e in core.get("events", [])],
+            key=lambda e: e["time"])[-MAX_EVENTS:]
+        return {
+            "replica": {"status": self.status, "restarts": self.restarts,
+                        "model": self.model_id, "dtype": self.engine.info.get("dtype"),
+                        "device": self.engine.config.device, "tp": self.engine.config.tp,
+                        "max_model_len": self.max_model_len,
+                        "uptime_s": time.time() - self.started,
+                        "error": self.engine.dead},
+            "ranks": ranks,
+            "kv": kv,
+            "batch": {"running": core.get("running", 0), "waiting": core.get("waiting", 0),
+                      "max_num_seqs": core.get("max_num_seqs"),
+                      "token_budget": core.get("token_budget"),
+                      "last_step_tokens": last.get("num_tokens", 0),
+                      "last_step_seqs": last.get("num_seqs", 0),
+                      "last_step_ms": last.get("step_ms"),
+                      "step_id": core.get("step_id", 0),
+                      "num_preemptions": core.get("num_preemptions", 0)},
+            "admission": self.admission.snapshot(),
+            "requests": requests,
+            "tenants": [t.row() for t in self.tenants.tenants] if self.tenants else [],
+            "events": events,
+            "engine": {"pid": self.engine.pid, "alive": _alive(self.engine.pid)},
+            "gateway": {"pid": os.getpid()},
+            "memory": _memory([("gateway", os.getpid()), ("engine", self.engine.pid)]
+                              + [(f"rank{r['rank']}", r["pid"]) for r in ranks],
+                              self.engine.config.device),
+        }
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _memory(processes: list[tuple[str, int | None]], device: str) -> dict:
+    host = psutil.virtual_memory()
+    rows = []
+    for role, pid in processes:
+        try:
+            rss = psutil.Process(pid).memory_info().rss if pid else None
+        except psutil.Error:
+            rss = None
+        rows.append({"role": role, "pid": pid, "rss_bytes": rss})
+    return {"host": {"total_bytes": host.total, "available_bytes": host.available},
+            "processes": rows, "devices": _device_memory() if device == "cuda" else []}
+
+
+def _device_memory() -> list[dict]:
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+        out = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+            out.append({"index": index, "total_bytes": info.total, "used_bytes": info.used})
+        return out
+    except pynvml.NVMLError:
+        return []

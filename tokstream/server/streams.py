@@ -1,0 +1,300 @@
+"""The stream registry and demux: every live request's prompt, delivered tokens and channel.
+
+Deltas from the engine arrive on the event loop (AsyncEngine's reader thread hands them over)
+and go, each to its own request's channel, in order, exactly once. A channel is bounded: while
+its caller lags, new deltas merge into the pending batch (one event carries them all when the
+caller catches up); past `max_pending_tokens` the request is cancelled in the engine and the
+stream ends with an error, so a slow caller never stalls the batch or grows memory.
+
+The gateway owns each live request (prompt ids + every token delivered), which is what a
+restarted engine needs to resume it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokstream.engine.async_engine import AsyncEngine
+from tokstream.engine.messages import EngineRequest, RequestDelta
+from tokstream.sampling_params import SamplingParams
+
+log = logging.getLogger("tokstream.server")
+
+RECENT_TEXT_CHARS = 2000
+"""Tail of each stream's text kept for /v1/state/requests/{id}."""
+MUTATION_ENV = "TOKSTREAM_DEMUX_MUTATION"
+MUTATIONS = ("drop", "repeat", "swap", "misroute")
+
+
+@dataclass
+class Batch:
+    """What a caller has not been sent yet: merged deltas, in delivery order."""
+
+    token_ids: list[int] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    step_ids: list[int] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    """The engine's request id stamped on each token (differs only after a misroute)."""
+    text: str = ""
+    final: RequestDelta | None = None
+    """The last delta (finish_reason set), once it has arrived."""
+    error: tuple[str, str] | None = None
+    """(error type, message) when the gateway ends the stream with an error."""
+
+    def add(self, delta: RequestDelta) -> None:
+        n = len(delta.token_ids)
+        if n:
+            self.token_ids.extend(delta.token_ids)
+            self.indices.extend(range(delta.first_index, delta.first_index + n))
+            self.step_ids.extend([delta.step_id] * n)
+            self.request_ids.extend([delta.request_id] * n)
+        self.text += delta.text
+        if delta.finished:
+            self.final = delta
+
+    @property
+    def ended(self) -> bool:
+        return self.final is not None or self.error is not None
+
+
+class Channel:
+    """Bounded hand-off from the demux to one caller's writer."""
+
+    def __init__(self, max_pending_tokens: int | None):
+        self.max_pending_tokens = max_pending_tokens
+        self.pending = Batch()
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.pending.token_ids)
+
+    def put(self, delta: RequestDelta) -> bool:
+        """Queue delta; False when the caller is past the pending limit."""
+        self.pending.add(delta)
+        self.ready.set()
+        limit = self.max_pending_tokens
+        return limit is None or len(self.pending.token_ids) <= limit
+
+    def fail(self, error_type: str, message: str) -> None:
+        self.pending.error = (error_type, message)
+        self.ready.set()
+
+    def take(self) -> Batch:
+        batch, self.pending = self.pending, Batch()
+        self.ready.clear()
+        return batch
+
+
+@dataclass
+class Stream:
+    """One live request, as the gateway owns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str | None
+    api: str
+    channel: Channel
+    arrival: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.time)
+    delivered: list[int] = field(default_factory=list)
+    """Every output token handed to the caller's channel, in output order."""
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    itl_sum: float = 0.0
+    itl_count: int = 0
+    recent_text: deque = field(default_factory=lambda: deque(maxlen=64))
+    final: RequestDelta | None = None
+    cancelled: str | None = None
+    """Why the gateway ended it early (slow caller, disconnect), if it did."""
+    in_admission: bool = False
+    """Counted in the admission queue (until its first token or its end)."""
+    writer: asyncio.Task | None = None
+    """The task writing this stream to its caller (cancelled if the caller never drains)."""
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def waiting(self) -> bool:
+        """No output yet: still queued or in prefill (what admission bounds)."""
+        return self.first_token_time is None and self.final is None
+
+    def row(self, now: float) -> dict:
+        """Gateway-side view for /v1/state."""
+        ttft = (self.first_token_time - self.arrival) if self.first_token_time else None
+        decode_s = ((self.last_token_time or now) - self.first_token_time
+                    if self.first_token_time else None)
+        n = len(self.delivered)
+        return {
+            "id": self.request_id, "tenant": self.tenant, "api": self.api,
+            "prompt_tokens": self.num_prompt_tokens, "output_tokens": n,
+            "max_tokens": self.params.max_tokens,
+            "ttft_ms": ttft * 1000 if ttft is not None else None,
+            "itl_ms": self.itl_sum / self.itl_count * 1000 if self.itl_count else None,
+            "tokens_per_s": (n - 1) / decode_s if decode_s and n > 1 else None,
+            "age_s": now - self.arrival,
+            "pending_tokens": self.channel.num_pending_tokens,
+            "cancelled": self.cancelled,
+        }
+
+
+class DemuxMutation:
+    """TEST ONLY: corrupts one token on its way from the engine to the channels, downstream of
+    the engine's stamping, so tests can show the checker catches it. Set TOKSTREAM_DEMUX_MUTATION
+    to drop, repeat, swap or misroute; it fires once, on a token at output index `at_index`."""
+
+    def __init__(self, kind: str, at_index: int = 2):
+        if kind not in MUTATIONS:
+            raise ValueError(f"{MUTATION_ENV} must be one of {', '.join(MUTATIONS)}, not {kind!r}")
+        self.kind = kind
+        self.at_index = at_index
+        self.done = False
+        self._held: RequestDelta | None = None
+
+    def route(self, delta: RequestDelta, streams: dict[str, Stream]):
+        """[(stream, delta)] to deliver instead of delta to its own stream."""
+        own = streams[delta.request_id]
+        held = self._held
+        if held is not None and held.request_id == delta.request_id:
+            self._held = None
+            if delta.finished:  # nothing to swap with: deliver in order, try again later
+                return [(own, held), (own, delta)]
+            self.done = True
+            return [(own, delta), (own, held)]  # swapped
+        if delta.finished or delta.first_index != self.at_index or len(delta.token_ids) != 1:
+            return [(own, delta)]
+        if self.kind == "drop":
+            self.done = True
+            return []
+        if self.kind == "repeat":
+            self.done = True
+            return [(own, delta), (own, delta)]
+        if self.kind == "swap":
+            if held is None:
+                self._held = delta
+                return []
+            return [(own, delta)]
+        others = [s for s in streams.values() if s is not own and s.final is None]
+        if not others:
+            return [(own, delta)]
+        self.done = True
+        return [(others[0], delta)]  # misrouted: the other caller gets this token
+
+
+class StreamRegistry:
+    def __init__(self, engine: AsyncEngine, metrics=None, max_pending_tokens: int = 4096,
+                 slow_client_grace_s: float = 30.0, mutation: str | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_pending_tokens = max_pending_tokens
+        self.slow_client_grace_s = slow_client_grace_s
+        self.streams: dict[str, Stream] = {}
+        self.on_finish = None
+        """Called with (stream, final delta) when a request ends in the engine."""
+        self.on_cancel = None
+        """Called with (stream, reason) when the gateway cancels a request."""
+        self.on_first_token = None
+        """Called with (stream) when a request's first output token arrives."""
+        mutation = mutation if mutation is not None else os.environ.get(MUTATION_ENV)
+        self.mutation = DemuxMutation(mutation) if mutation else None
+        if self.mutation:
+            log.warning("DEMUX MUTATION %r ENABLED: streams will be corrupted (tests only)",
+                        mutation)
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             tenant: str | None, api: str, bounded: bool = True) -> Stream:
+        """Register a stream and submit its request to the engine."""
+        channel = Channel(self.max_pending_tokens if bounded else None)
+        stream = Stream(request_id, prompt_token_ids, params, tenant, api, channel)
+        self.streams[request_id] = stream
+        try:
+            self.engine.add_request(EngineRequest(request_id, prompt_token_ids, params),
+                                    self._deliver)
+        except Exception:
+            del self.streams[request_id]
+            raise
+        return stream
+
+    def close(self, stream: Stream, reason: str | None = None) -> None:
+        """The caller is done with stream (finished, gone, or failed): forget it, and abort it
+        in the engine if it is still running there (its blocks free at the next step)."""
+        if self.streams.pop(stream.request_id, None) is None:
+            return
+        stream.channel.closed = True
+        if stream.final is None:
+            stream.cancelled = stream.cancelled or reason or "closed"
+            self.engine.forget(stream.request_id)
+            if self.on_cancel is not None:
+                self.on_cancel(stream, stream.cancelled)
+
+    def _deliver(self, delta: RequestDelta) -> None:
+        """The demux: called once per engine delta, on the event loop."""
+        stream = self.streams.get(delta.request_id)
+        if stream is None:
+            return
+        if self.mutation is not None and not self.mutation.done:
+            for target, routed in self.mutation.route(delta, self.streams):
+                self._put(target, routed)
+        else:
+            self._put(stream, delta)
+
+    def _put(self, stream: Stream, delta: RequestDelta) -> None:
+        if stream.channel.closed:
+            return
+        n = len(delta.token_ids)
+        if n:
+            now = time.monotonic()
+            if stream.first_token_time is None:
+                stream.first_token_time = now
+                if self.metrics is not None:
+                    self.metrics.on_first_token(stream, now - stream.arrival)
+                if self.on_first_token is not None:
+                    self.on_first_token(stream)
+            else:
+                gap = now - stream.last_token_time
+                stream.itl_sum += gap
+                stream.itl_count += 1
+                if self.metrics is not None:
+                    self.metrics.on_token_gap(gap)
+            stream.last_token_time = now
+            stream.delivered.extend(delta.token_ids)
+            if self.metrics is not None:
+                self.metrics.on_tokens(stream, n)
+        if delta.text:
+            stream.recent_text.append(delta.text)
+        if delta.finished:
+            stream.final = delta
+            if self.on_finish is not None:
+                self.on_finish(stream, delta)
+        within_limit = stream.channel.put(delta)
+        if not within_limit and stream.final is None:
+            self._cancel_slow(stream)
+
+    def _cancel_slow(self, stream: Stream) -> None:
+        limit = stream.channel.max_pending_tokens
+        message = (f"client too slow: more than {limit} tokens waiting to be read; "
+                   "request cancelled")
+        log.warning("%s: %s", stream.request_id, message)
+        stream.cancelled = "slow_client"
+        self.engine.forget(stream.request_id)
+        stream.channel.fail("overloaded_error", message)
+        if self.on_cancel is not None:
+            self.on_cancel(stream, "slow_client")
+        if stream.writer is not None:
+            # A caller that never reads would hold its writer in send() for ever.
+            asyncio.get_running_loop().call_later(self.slow_client_grace_s, stream.writer.cancel)
+
+    def recent_text(self, stream: Stream) -> str:
+        return "".join(stream.recent_text)[-RECENT_TEXT_CHARS:]

@@ -1,0 +1,184 @@
+"""Tenants and API keys, from a TOML file (`--tenants FILE`).
+
+    admin_key_sha256 = "9f86d0…"          # sha256 hex of the admin key (admin routes)
+
+    [[tenant]]
+    name = "alice"
+    key_sha256 = "2c26b4…"                # sha256 hex of alice's API key; never the key itself
+    weight = 2.0                          # share of service when backlogged (fairness)
+    priority = 0                          # higher tiers are served first
+    tokens_per_minute = 200000            # prompt + output tokens; 0 = no limit
+    max_concurrent = 32                   # live requests; 0 = no limit
+
+Keys arrive as `x-api-key` or `Authorization: Bearer`; the presented key is hashed and compared
+against every stored hash with hmac.compare_digest, without stopping at a match, so timing
+says nothing about which key or how much of it matched. `tokstream hash-key KEY` prints a hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import re
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokstream.errors import UserInputError
+from tokstream.server.errors import ApiError
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class Tenant:
+    name: str
+    key_sha256: str
+    weight: float = 1.0
+    priority: int = 0
+    tokens_per_minute: int = 0
+    """Token budget refilled continuously; 0 means unlimited."""
+    max_concurrent: int = 0
+    """Live requests at once; 0 means unlimited."""
+    live: int = 0
+    tokens: float = field(default=0.0)
+    """Current bucket balance (starts full)."""
+    refilled_at: float = field(default_factory=time.monotonic)
+    prompt_tokens_total: int = 0
+    output_tokens_total: int = 0
+    refusals: int = 0
+
+    def __post_init__(self):
+        self.tokens = float(self.tokens_per_minute)
+
+    def _refill(self, now: float) -> None:
+        if self.tokens_per_minute:
+            rate = self.tokens_per_minute / 60.0
+            self.tokens = min(float(self.tokens_per_minute),
+                              self.tokens + (now - self.refilled_at) * rate)
+        self.refilled_at = now
+
+    def admit(self, num_prompt_tokens: int) -> None:
+        """Raise 429 past a limit; otherwise count the request in and charge its prompt."""
+        if self.max_concurrent and self.live >= self.max_concurrent:
+            self.refusals += 1
+            raise ApiError("rate_limit_error",
+                           f"tenant {self.name!r} has {self.live} requests in flight (limit "
+                           f"{self.max_concurrent})", retry_after=1)
+        now = time.monotonic()
+        self._refill(now)
+        if self.tokens_per_minute:
+            # A prompt bigger than the whole budget is let in when the bucket is full.
+            needed = min(num_prompt_tokens, self.tokens_per_minute)
+            if self.tokens < needed:
+                self.refusals += 1
+                wait = (needed - self.tokens) / (self.tokens_per_minute / 60.0)
+                raise ApiError("rate_limit_error",
+                               f"tenant {self.name!r} is over its limit of "
+                               f"{self.tokens_per_minute} tokens per minute",
+                               retry_after=math.ceil(wait))
+            self.tokens -= num_prompt_tokens
+        self.live += 1
+        self.prompt_tokens_total += num_prompt_tokens
+
+    def charge_output(self, n: int) -> None:
+        self.output_tokens_total += n
+        if self.tokens_per_minute:
+            self.tokens -= n
+
+    def release(self) -> None:
+        self.live -= 1
+
+    def row(self) -> dict:
+        self._refill(time.monotonic())
+        return {"name": self.name, "weight": self.weight, "priority": self.priority,
+                "tokens_per_minute": self.tokens_per_minute,
+                "max_concurrent": self.max_concurrent, "live": self.live,
+                "tokens_available": (round(self.tokens) if self.tokens_per_minute else None),
+                "prompt_tokens": self.prompt_tokens_total,
+                "output_tokens": self.output_tokens_total, "refusals": self.refusals}
+
+
+@dataclass
+class Tenants:
+    tenants: list[Tenant]
+    admin_key_sha256: str | None = None
+
+    def authenticate(self, key: str | None) -> Tenant:
+        """The tenant whose key this is; 401 if none."""
+        if not key:
+            raise ApiError("authentication_error",
+                           "missing API key: send x-api-key or Authorization: Bearer")
+        digest = hash_key(key)
+        found = None
+        for tenant in self.tenants:  # no early exit: every comparison runs
+            if hmac.compare_digest(digest, tenant.key_sha256):
+                found = tenant
+        if found is None:
+            raise ApiError("authentication_error", "invalid API key")
+        return found
+
+    def authenticate_admin(self, key: str | None) -> None:
+        if not key:
+            raise ApiError("authentication_error",
+                           "missing admin key: send x-api-key or Authorization: Bearer")
+        if self.admin_key_sha256 is None:
+            raise ApiError("permission_error", "no admin key is configured in the tenants file")
+        if not hmac.compare_digest(hash_key(key), self.admin_key_sha256):
+            raise ApiError("permission_error", "admin routes need the admin key")
+
+
+TENANT_FIELDS = {"name", "key_sha256", "weight", "priority", "tokens_per_minute",
+                 "max_concurrent"}
+
+
+def load_tenants(path: str | Path) -> Tenants:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserInputError(f"tenants file {path} not found") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise UserInputError(f"tenants file {path}: {error}") from None
+    where = f"tenants file {path}"
+    admin = data.get("admin_key_sha256")
+    if admin is not None and not (isinstance(admin, str) and HEX64.match(admin.lower())):
+        raise UserInputError(f"{where}: admin_key_sha256 must be 64 hex digits (sha256)")
+    entries = data.get("tenant", [])
+    if not isinstance(entries, list) or not entries:
+        raise UserInputError(f"{where}: needs at least one [[tenant]] table")
+    tenants, names, hashes = [], set(), set()
+    for n, entry in enumerate(entries):
+        at = f"{where}: tenant[{n}]"
+        unknown = set(entry) - TENANT_FIELDS
+        if unknown:
+            raise UserInputError(f"{at}: unknown field(s) {', '.join(sorted(unknown))}")
+        name, key = entry.get("name"), entry.get("key_sha256")
+        if not isinstance(name, str) or not name:
+            raise UserInputError(f"{at}: name must be a non-empty string")
+        if not isinstance(key, str) or not HEX64.match(key.lower()):
+            raise UserInputError(f"{at}: key_sha256 must be 64 hex digits "
+                                 "(tokstream hash-key KEY prints it)")
+        if name in names or key.lower() in hashes:
+            raise UserInputError(f"{at}: duplicate tenant name or key")
+        names.add(name)
+        hashes.add(key.lower())
+        weight = entry.get("weight", 1.0)
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= 0:
+            raise UserInputError(f"{at}: weight must be a number > 0")
+        fields = {}
+        for int_field in ("priority", "tokens_per_minute", "max_concurrent"):
+            value = entry.get(int_field, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or \
+                    (int_field != "priority" and value < 0):
+                raise UserInputError(f"{at}: {int_field} must be an integer"
+                                     + ("" if int_field == "priority" else " >= 0"))
+            fields[int_field] = value
+        tenants.append(Tenant(name, key.lower(), float(weight), **fields))
+    return Tenants(tenants, admin.lower() if admin else None)
