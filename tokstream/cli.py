@@ -114,6 +114,11 @@ def bench(
     dtype: str = DtypeOpt,
     device: str = DeviceOpt,
     max_num_batched_tokens: int = typer.Option(1024, help="Token budget per step."),
+    max_num_seqs: Optional[int] = typer.Option(None, help="Most running sequences "
+                                               "(default: at least the concurrency)."),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 2GB "
+                                                  "(default: 4 GiB on CPU)."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
     seed: int = typer.Option(0),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the results here."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
@@ -126,9 +131,16 @@ def bench(
     from tokstream.bench import BenchSpec, bench_config, run_bench
     from tokstream.engine.llm import LLM
 
+    from tokstream.config import CacheConfig
+    from tokstream.plan import parse_size
+
     spec = BenchSpec(num_requests, input_len, output_len, concurrency, seed)
-    config = bench_config(model, dtype, device, spec)
+    cache = CacheConfig(block_size=block_size, kv_cache_memory=(
+        parse_size(kv_cache_memory) if kv_cache_memory else None))
+    config = bench_config(model, dtype, device, spec, cache=cache)
     config.scheduler.max_num_batched_tokens = max_num_batched_tokens
+    if max_num_seqs is not None:
+        config.scheduler.max_num_seqs = max_num_seqs
     console = Console(stderr=True)
     with LLM(config) as llm:
         with Progress(TextColumn("bench"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),

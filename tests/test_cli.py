@@ -1,0 +1,89 @@
+"""The `tokstream` command as a user runs it: real subprocesses, stdout vs stderr, exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "tokstream", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_generate_answers_on_stdout():
+    result = run("generate", "What is the capital of France?", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "The capital of France is Paris."
+
+
+def test_generate_raw_prompt_on_dummy_model_with_logs_on_stderr():
+    result = run("generate", "--no-chat", "hello", "--model", "dummy:tiny", "--max-tokens", "5",
+                 "-v")
+    assert result.returncode == 0, result.stderr
+    assert "finish_reason=length" in result.stderr and "output_tokens=5" in result.stderr
+    assert "finish_reason" not in result.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--model", "no-such-model"], "no-such-model"),
+    (["--model", "dummy:nope"], "dummy:nope"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    result = run("generate", "hi", *args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+
+
+def test_corrupt_gguf_and_too_long_prompt(tmp_path):
+    from tokstream.model.source import embedded_gguf_path
+
+    truncated = tmp_path / "cut.gguf"
+    with open(embedded_gguf_path(), "rb") as f:
+        truncated.write_bytes(f.read(1_000_000))
+    result = run("generate", "hi", "--model", str(truncated))
+    assert result.returncode == 2 and "truncated" in result.stderr and "Traceback" not in result.stderr
+    garbage = tmp_path / "junk.gguf"
+    garbage.write_bytes(b"not a gguf file at all" * 100)
+    result = run("generate", "hi", "--model", str(garbage))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    result = run("generate", "word " * 9000)
+    assert result.returncode == 2 and "context" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plan_json_has_the_contract_keys():
+    result = run("plan", "--model", "dummy:llama-70b", "--tp", "2", "--device-memory", "80GB",
+                 "--dtype", "float16", "--avg-context", "2000", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    for key in ("weights_bytes", "weights_bytes_per_device", "kv_bytes_per_token",
+                "kv_cache_bytes", "max_cached_tokens", "max_concurrent_requests"):
+        assert key in plan
+    assert 135e9 < plan["weights_bytes"] < 142e9
+    assert plan["kv_bytes_per_token"] == 327680
+    assert 55_000 < plan["max_cached_tokens"] < 70_000
+    assert 27 <= plan["max_concurrent_requests"] <= 35
+    refused = run("plan", "--model", "smollm2", "--tp", "2")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+
+
+def test_bench_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    result = run("bench", "--model", "dummy:tiny", "--num-requests", "6", "--input-len", "20",
+                 "--output-len", "8", "--concurrency", "3", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert data["output_tokens"] == 48
+    for key in ("output_tokens_per_s", "total_tokens_per_s"):
+        assert data[key] > 0
+    for key in ("step_ms", "ttft_s", "itl_s"):
+        assert set(data[key]) >= {"p50", "p90", "p99"}
+        assert data[key]["p50"] <= data[key]["p99"]
