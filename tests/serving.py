@@ -1,0 +1,177 @@
+"""Helpers for tests that run a real `tokstream serve` process on a free port.
+
+The server is a child of the test process: it dies with it (PR_SET_PDEATHSIG), its engine
+core exits when the gateway's pipe closes, and the worker when the core's does, so a killed
+test run leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tokstream.checker import RecordedStream, SSERecorder
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKSTREAM = [sys.executable, "-m", "tokstream"]
+READY = re.compile(r"ready on (http://\S+)")
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+class ServerProcess:
+    """`with ServerProcess("--profile", "ci") as server: httpx.get(server.url + "/health")`"""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 180):
+        self.args = ["serve", "--port", "0", *args]
+        self.env = {**os.environ, **(env or {})}
+        self.start_timeout = start_timeout
+        self.url: str | None = None
+        self.log: list[str] = []
+
+    def __enter__(self) -> "ServerProcess":
+        self.process = subprocess.Popen(
+            TOKSTREAM + self.args, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_die_with_parent)
+        ready = threading.Event()
+
+        def drain():
+            for line in self.process.stderr:
+                self.log.append(line)
+                match = READY.search(line)
+                if match and self.url is None:
+                    self.url = match.group(1)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        ready.wait(self.start_timeout)
+        if self.url is None:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "".join(self.log[-40:]))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        return self.process.returncode
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        return host, int(port)
+
+    def state(self, **headers) -> dict:
+        response = httpx.get(self.url + "/v1/state", headers=headers, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def wait_idle(self, timeout: float = 60, **headers) -> dict:
+        """Poll /v1/state until no request is live and every KV block is free."""
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.state(**headers)
+            if not state["requests"] and state["kv"]["used_blocks"] == 0 \
+                    and state["batch"]["running"] == 0 and state["batch"]["waiting"] == 0:
+                return state
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle: {json.dumps(state)[:2000]}")
+            time.sleep(0.1)
+
+
+def anthropic_body(content: str = "hello", max_tokens: int = 16, stream: bool = True,
+                   **extra) -> dict:
+    return {"model": "dummy:tiny", "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": content}], **extra}
+
+
+def openai_body(content: str = "hello", max_tokens: int = 16, stream: bool = True,
+                **extra) -> dict:
+    return {"model": "dummy:tiny", "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "user", "content": content}], **extra}
+
+
+def record(client: httpx.Client, url: str, body: dict, headers: dict | None = None
+           ) -> tuple[httpx.Response, RecordedStream]:
+    """POST a streaming request and record every SSE event until the server ends it."""
+    recorder = SSERecorder()
+    with client.stream("POST", url, json=body, headers=headers or {}) as response:
+        for chunk in response.iter_bytes():
+            recorder.feed(chunk)
+    return response, recorder.stream()
+
+
+async def arecord(client: httpx.AsyncClient, url: str, body: dict,
+                  headers: dict | None = None) -> RecordedStream:
+    recorder = SSERecorder()
+    async with client.stream("POST", url, json=body, headers=headers or {}) as response:
+        assert response.status_code == 200, await response.aread()
+        async for chunk in response.aiter_bytes():
+            recorder.feed(chunk)
+    return recorder.stream()
+
+
+def raw_request(host: str, port: int, path: str, body: dict, rcvbuf: int | None = None
+                ) -> socket.socket:
+    """Send a POST on a bare socket and return it unread (a client that stops reading)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((host, port))
+    payload = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def read_all(sock: socket.socket, timeout: float = 60) -> bytes:
+    sock.settimeout(timeout)
+    chunks = []
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        if b"event: message_stop" in chunk or b"event: error" in chunks[-1]:
+            pass
+    return b"".join(chunks)
+
+
+def dechunk(raw: bytes) -> bytes:
+    """The body of a raw HTTP/1.1 response with chunked transfer encoding."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    out = bytearray()
+    while body:
+        size_line, _, rest = body.partition(b"\r\n")
+        size = int(size_line.split(b";")[0] or b"0", 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        body = rest[size + 2:]
+    return bytes(out)
