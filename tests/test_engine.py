@@ -148,3 +148,24 @@ def test_async_engine_streams_aborts_and_rejects(reference):
         assert not engine.process.is_alive()
 
     asyncio.run(main())
+
+
+def test_prefix_cache_changes_nothing_but_the_work_done():
+    """Requests sharing a long system prefix give identical tokens with the cache on or off,
+    and with it on most of their prompt is never recomputed."""
+    system = [11 + (i * 7) % 400 for i in range(64)]
+    prompts = [system + [20 + i, 30 + i, 40 + i] for i in range(6)]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
+    results = {}
+    for caching in (False, True):
+        config = tiny()
+        config.cache.enable_prefix_caching = caching
+        with LLM(config) as llm:
+            first = llm.generate(prompts[:1], greedy)  # warms the cache with the prefix
+            rest = llm.generate(prompts[1:], greedy) + llm.generate(prompts, sampled)
+            results[caching] = [c.token_ids for c in first + rest]
+            hits = llm.core.block_manager.prefix_hits
+        assert (hits > 0) == caching
+    assert results[True] == results[False]
+    assert hits >= 5 * 64  # every later request found the whole 64-token prefix

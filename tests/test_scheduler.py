@@ -13,14 +13,17 @@ from tokstream.sampling_params import SamplingParams
 _clock = itertools.count()
 
 
-def make_request(rid, prompt_len=10, max_tokens=8, **params):
-    return Request(rid, list(range(3, 3 + prompt_len)),
+def make_request(rid, prompt_len=10, max_tokens=8, prompt=None, salt="", **params):
+    # Distinct prompts unless one is given, so prefix caching only acts where a test wants it.
+    first = 1000 * (1 + sum(map(ord, rid)) % 50)
+    return Request(rid, prompt or list(range(first, first + prompt_len)),
                    SamplingParams(max_tokens=max_tokens, temperature=0, **params),
-                   seed=0, arrival=float(next(_clock)))
+                   seed=0, arrival=float(next(_clock)), cache_salt=salt)
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=8, watermark=0):
-    bm = BlockManager(num_blocks, block_size)
+def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=8, watermark=0,
+                   caching=True):
+    bm = BlockManager(num_blocks, block_size, enable_caching=caching)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                              watermark_blocks=watermark)
     return Scheduler(config, bm, max_model_len=1000, eos_token_ids=(2,))
@@ -185,3 +188,81 @@ def test_watermark_holds_blocks_back_from_admission(watermark):
     s.add_request(make_request("b", prompt_len=8))
     out = s.schedule()
     assert len(out.work) == (2 if watermark == 0 else 1)
+
+
+def test_prefix_cache_shares_full_blocks_read_only():
+    s = make_scheduler(block_size=4)
+    prompt = list(range(500, 514))  # 14 tokens: 3 full blocks + 2
+    a = make_request("a", prompt=prompt, max_tokens=4)
+    s.add_request(a)
+    run_step(s)
+    assert s.block_manager.num_cached_blocks == 3
+    b = make_request("b", prompt=prompt + [7, 7], max_tokens=4)
+    s.add_request(b)
+    out = run_step(s)
+    work_b = [w for w in out.work if w.request is b][0]
+    # b reuses a's three full blocks and computes only the rest; the worker learns them all.
+    assert (work_b.start, work_b.num_tokens) == (12, 4)
+    assert b.block_ids[:3] == a.block_ids[:3] and work_b.new_block_ids == b.block_ids
+    assert [s.block_manager.ref_counts[i] for i in a.block_ids[:3]] == [2, 2, 2]
+    # New tokens never land in a shared block: b's 4th block is its own.
+    assert b.block_ids[3] not in a.block_ids
+    assert s.block_manager.prefix_hits == 12
+
+
+def test_whole_prompt_cached_still_computes_its_last_token():
+    s = make_scheduler(block_size=4)
+    prompt = list(range(600, 608))  # exactly 2 blocks
+    a = make_request("a", prompt=prompt, max_tokens=1)
+    s.add_request(a)
+    run_step(s)
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    b = make_request("b", prompt=prompt, max_tokens=1)
+    s.add_request(b)
+    out = run_step(s)
+    assert [(w.start, w.num_tokens) for w in out.work] == [(4, 4)]
+    assert b.output_token_ids == [7]
+
+
+def test_freed_cached_blocks_are_evicted_least_recently_freed_first():
+    s = make_scheduler(num_blocks=4, block_size=4)
+    a = make_request("a", prompt=list(range(700, 708)), max_tokens=1)
+    s.add_request(a)
+    run_step(s)
+    bm = s.block_manager
+    assert bm.num_cached_blocks == 2 and bm.num_free_blocks == 4 and bm.num_used_blocks == 0
+    # A 12-token newcomer needs 3 blocks: the two never-used ones, then one of a's cached
+    # blocks, the tail first (freed in reverse, so the shareable head survives longest).
+    c = make_request("c", prompt=list(range(800, 812)), max_tokens=1)
+    s.add_request(c)
+    run_step(s)
+    assert bm.num_cached_blocks == 4  # c's three, plus a's head
+    again = make_request("a2", prompt=list(range(700, 708)) + [5], max_tokens=1)
+    s.add_request(again)
+    run_step(s)
+    assert bm.prefix_hits == 4  # a's first block was still there; its second was not
+
+
+def test_salts_keep_tenants_apart_and_caching_can_be_off():
+    for caching, salt_b, expected in ((True, "", 4), (True, "tenant-b", 0), (False, "", 0)):
+        s = make_scheduler(block_size=4, caching=caching)
+        prompt = list(range(900, 910))
+        s.add_request(make_request("a", prompt=prompt, max_tokens=2))
+        run_step(s)
+        s.add_request(make_request("b", prompt=prompt, max_tokens=2, salt=salt_b))
+        run_step(s)
+        assert s.block_manager.prefix_hits == expected * 2, (caching, salt_b)
+
+
+def test_preempted_request_reuses_its_own_cached_blocks():
+    s = make_scheduler(num_blocks=6, block_size=4)
+    a = make_request("a", prompt_len=8, max_tokens=14)
+    b = make_request("b", prompt_len=8, max_tokens=14)
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(60):
+        if not s.has_work:
+            break
+        run_step(s)
+    assert b.num_preemptions >= 1 and s.block_manager.prefix_hits > 0
+    assert a.output_token_ids == [7] * 14 and b.output_token_ids == [7] * 14

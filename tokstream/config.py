@@ -81,6 +81,8 @@ class CacheConfig:
     """Share of free device memory (after weights) given to the pool when no budget is set."""
     num_blocks: int | None = None
     """Exact pool size in blocks; overrides the memory budget (tests use tiny pools)."""
+    enable_prefix_caching: bool = True
+    """Share full blocks of identical prefixes between requests (read-only, hashed)."""
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -1,31 +1,64 @@
-"""Paged KV bookkeeping: which blocks are free, who holds which. Pure Python, no torch.
+"""Paged KV bookkeeping: which blocks are free, who holds which, which hold a known prefix.
+Pure Python, no torch.
 
-The pool itself (per-layer tensors of shape (num_blocks, block_size, kv_heads, head_dim)) lives
+The pool itself (per-layer tensors of shape (kv_heads, num_blocks, block_size, head_dim)) lives
 in the workers; this class only hands out block ids. A request's block table maps its token
 position p to slot block_ids[p // block_size] * block_size + p % block_size.
+
+Prefix caching: once a block is full and computed, its content is named by a hash chained
+through the previous block's hash (and a salt, so tenants can be kept apart). A new request
+takes every cached block of its prefix read-only (reference counts); a block is only ever
+written by the one request that filled it. Blocks nobody holds keep their content and are
+reused least-recently-freed first, so a popular prefix survives while the pool has room.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 from tokstream.engine.request import Request
 
 
+def chain_hash(parent: bytes, tokens: list[int], salt: str) -> bytes:
+    """Name of a full block: its tokens, everything before it (parent) and the salt."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(salt.encode())
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        """Blocks holding nothing worth keeping."""
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        """Blocks nobody holds that still hold a cached prefix, least recently freed first."""
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
+        self.prefix_queries = 0
+        """Prompt tokens looked up in the prefix cache (vllm:prefix_cache_queries)."""
+        self.prefix_hits = 0
+        """Of those, tokens found (vllm:prefix_cache_hits)."""
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a request can be given now (truly free or evictable)."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks whose content is registered in the prefix cache (held or evictable)."""
+        return len(self._hash_of)
 
     @property
     def usage(self) -> float:
@@ -40,25 +73,82 @@ class BlockManager:
         return max(0, needed - len(request.block_ids))
 
     def can_allocate(self, request: Request, num_new_tokens: int, reserve: int = 0) -> bool:
-        return self.num_new_blocks(request, num_new_tokens) + reserve <= len(self._free)
+        return self.num_new_blocks(request, num_new_tokens) + reserve <= self.num_free_blocks
+
+    def match_prefix(self, request: Request) -> int:
+        """Give a request with no blocks every cached block of its prefix; returns the tokens
+        now counted as computed. At least one token is always left to compute, so the model
+        produces the logits of the next one."""
+        if not self.enable_caching or request.block_ids:
+            return 0
+        usable = (request.num_tokens - 1) // self.block_size
+        self.prefix_queries += request.num_tokens
+        parent = b""
+        hashes = []
+        for index in range(usable):
+            start = index * self.block_size
+            parent = chain_hash(parent, request.token_slice(start, start + self.block_size),
+                                request.cache_salt)
+            block_id = self._block_of.get(parent)
+            if block_id is None:
+                break
+            hashes.append(parent)
+            self._hold(block_id)
+            request.block_ids.append(block_id)
+        request.block_hashes = hashes
+        request.num_computed_tokens = len(hashes) * self.block_size
+        self.prefix_hits += request.num_computed_tokens
+        return request.num_computed_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the blocks request has filled since the last call (after a step)."""
+        if not self.enable_caching:
+            return
+        full = request.num_computed_tokens // self.block_size
+        parent = request.block_hashes[-1] if request.block_hashes else b""
+        for index in range(len(request.block_hashes), full):
+            start = index * self.block_size
+            parent = chain_hash(parent, request.token_slice(start, start + self.block_size),
+                                request.cache_salt)
+            request.block_hashes.append(parent)
+            block_id = request.block_ids[index]
+            if parent not in self._block_of and block_id not in self._hash_of:
+                self._block_of[parent] = block_id
+                self._hash_of[block_id] = parent
 
     def allocate(self, request: Request, num_new_tokens: int, reserve: int = 0) -> list[int] | None:
         """Grow request's block table for num_new_tokens more tokens; None if the pool is short."""
         count = self.num_new_blocks(request, num_new_tokens)
-        if count + reserve > len(self._free):
+        if count + reserve > self.num_free_blocks:
             return None
-        new_ids = [self._free.popleft() for _ in range(count)]
-        for block_id in new_ids:
-            self.ref_counts[block_id] = 1
+        new_ids = [self._take() for _ in range(count)]
         request.block_ids.extend(new_ids)
         return new_ids
 
     def free(self, request: Request) -> None:
         """Return request's blocks; a block goes back to the pool when nobody holds it."""
-        # Reversed, so the tail of a sequence (least likely to be shared later) is reused first.
+        # Reversed, so a sequence's tail (the least shareable part) is evicted first.
         for block_id in reversed(request.block_ids):
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
-                self._free.append(block_id)
+                if block_id in self._hash_of:
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
         request.block_ids = []
+        request.block_hashes = []
         request.num_computed_tokens = 0
+
+    def _hold(self, block_id: int) -> None:
+        if self.ref_counts[block_id] == 0:
+            del self._evictable[block_id]
+        self.ref_counts[block_id] += 1
+
+    def _take(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._hash_of.pop(block_id)]
+        self.ref_counts[block_id] = 1
+        return block_id

@@ -49,7 +49,8 @@ class EngineCore:
         self.executor = Executor(config)
         ready = self.executor.ready
         self.dtype = ready.dtype
-        self.block_manager = BlockManager(ready.num_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(ready.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
         self.max_model_len = self.model_config.max_position
         eos = tuple(self.model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos)
@@ -92,7 +93,7 @@ class EngineCore:
         params = submitted.params
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(submitted.request_id, list(prompt), params, seed, time.monotonic(),
-                          output_token_ids=list(outputs))
+                          output_token_ids=list(outputs), cache_salt=submitted.cache_salt)
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
             prompt_ids=prompt, delivered_ids=list(outputs))
@@ -229,7 +230,9 @@ class EngineCore:
             "num_preemptions": scheduler.num_preemptions,
             "kv": {"block_size": blocks.block_size, "num_blocks": blocks.num_blocks,
                    "free_blocks": blocks.num_free_blocks, "used_blocks": blocks.num_used_blocks,
-                   "cached_blocks": 0, "usage": blocks.usage,
+                   "cached_blocks": blocks.num_cached_blocks, "usage": blocks.usage,
+                   "prefix_cache_queries": blocks.prefix_queries,
+                   "prefix_cache_hits": blocks.prefix_hits,
                    "block_map": self._block_map()},
             "requests": requests,
             "events": list(self.events),

@@ -113,6 +113,9 @@ class EngineRequest:
     output_token_ids: list[int] = field(default_factory=list)
     """Tokens already delivered to the caller, when a request is resumed after a failure:
     the engine re-prefills prompt + these and continues at the next output index."""
+    cache_salt: str = ""
+    """Prefix-cache salt: requests share cached KV blocks only when their salts are equal
+    (the gateway sets one per tenant to keep tenants from probing each other's prompts)."""
 
 
 @dataclass

@@ -47,6 +47,10 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     stop_reason: str | int | None = None
     """The stop string or stop token that ended it, if any."""
+    cache_salt: str = ""
+    """Mixed into prefix-cache hashes: requests share cached blocks only with equal salts."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Chain hashes of this request's full, computed blocks (prefix caching)."""
     num_preemptions: int = 0
     first_scheduled: float | None = None
 

@@ -117,17 +117,20 @@ class Scheduler:
                 self.finish(request, RequestStatus.FINISHED_LENGTH, "kv_cache_capacity")
                 out.finished.append(request)
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self.block_manager.allocate(
-                request, num_new, reserve=self.config.watermark_blocks)
-            if new_blocks is None:
+            self.block_manager.match_prefix(request)  # cached prefix blocks count as computed
+            start = request.num_computed_tokens
+            num_new = min(request.num_tokens - start, budget)
+            if self.block_manager.allocate(
+                    request, num_new, reserve=self.config.watermark_blocks) is None:
+                self.block_manager.free(request)  # give the prefix back until it fits
                 break
             self.waiting.popleft()
             bisect.insort(self.running, request, key=lambda r: r.arrival)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled is None:
                 request.first_scheduled = time.monotonic()
-            prefills.append(ScheduledWork(request, 0, num_new, new_blocks, True))
+            # New to the worker: it learns the whole block table, cached prefix included.
+            prefills.append(ScheduledWork(request, start, num_new, list(request.block_ids), True))
             budget -= num_new
 
         out.work = decodes + prefills
@@ -171,6 +174,7 @@ class Scheduler:
         for work in out.work:
             request = work.request
             request.num_computed_tokens = work.start + work.num_tokens
+            self.block_manager.cache_full_blocks(request)
             if not work.samples:
                 continue
             token = next(sampled)
