@@ -105,6 +105,13 @@ class SchedulerConfig:
     """Token budget per step: decode tokens first, then prefill chunks."""
     watermark_blocks: int = 1
     """Free blocks kept back when admitting a new request, so running ones can grow."""
+    policy: str = "fair"
+    """Admission order within a priority tier: 'fair' (tenants' virtual token counters) or
+    'fcfs' (arrival only)."""
+    long_request_tokens: int = 8192
+    """Prompts at least this long count as long requests."""
+    max_long_requests_per_tenant: int = 0
+    """Most long requests one tenant may have running at once (0 = no limit)."""
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -113,6 +120,11 @@ class SchedulerConfig:
             raise UserInputError("max_num_batched_tokens must be >= 1")
         if self.watermark_blocks < 0:
             raise UserInputError("watermark_blocks must be >= 0")
+        if self.policy not in ("fair", "fcfs"):
+            raise UserInputError(f"policy must be 'fair' or 'fcfs', not {self.policy!r}")
+        if self.long_request_tokens < 1 or self.max_long_requests_per_tenant < 0:
+            raise UserInputError("long_request_tokens must be >= 1 and "
+                                 "max_long_requests_per_tenant >= 0")
 
 
 @dataclass

@@ -90,10 +90,14 @@ class EngineCore:
             raise PromptTooLongError(
                 f"prompt is {len(prompt) + len(outputs)} tokens; the model's context is "
                 f"{self.max_model_len} tokens, leaving no room for output")
+        if not submitted.weight > 0:
+            raise UserInputError(f"tenant weight must be > 0, got {submitted.weight}")
         params = submitted.params
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         request = Request(submitted.request_id, list(prompt), params, seed, time.monotonic(),
-                          output_token_ids=list(outputs), cache_salt=submitted.cache_salt)
+                          output_token_ids=list(outputs), cache_salt=submitted.cache_salt,
+                          tenant=submitted.tenant, priority=submitted.priority,
+                          weight=submitted.weight)
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
             prompt_ids=prompt, delivered_ids=list(outputs))
@@ -209,6 +213,7 @@ class EngineCore:
         for request in scheduler.requests.values():
             requests.append({
                 "id": request.request_id, "state": request.status.name.lower(),
+                "tenant": request.tenant, "priority": request.priority,
                 "prompt_tokens": len(request.prompt_token_ids),
                 "output_tokens": request.num_output_tokens,
                 "computed_tokens": request.num_computed_tokens,
@@ -235,6 +240,8 @@ class EngineCore:
                    "prefix_cache_hits": blocks.prefix_hits,
                    "block_map": self._block_map()},
             "requests": requests,
+            "tenants": scheduler.ledger.snapshot(),
+            "policy": self.config.scheduler.policy,
             "events": list(self.events),
         }
 

@@ -116,6 +116,12 @@ class EngineRequest:
     cache_salt: str = ""
     """Prefix-cache salt: requests share cached KV blocks only when their salts are equal
     (the gateway sets one per tenant to keep tenants from probing each other's prompts)."""
+    tenant: str = "default"
+    """Who asked: fair scheduling shares the engine between tenants."""
+    priority: int = 0
+    """Tier: lower is admitted first and preempted last."""
+    weight: float = 1.0
+    """The tenant's weight in fair scheduling (twice the weight, twice the share)."""
 
 
 @dataclass

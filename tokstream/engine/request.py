@@ -47,6 +47,11 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     stop_reason: str | int | None = None
     """The stop string or stop token that ended it, if any."""
+    tenant: str = "default"
+    priority: int = 0
+    """Tier: lower is served first and preempted last (e.g. 0 interactive, 1 batch)."""
+    weight: float = 1.0
+    """The tenant's share weight in fair scheduling."""
     cache_salt: str = ""
     """Mixed into prefix-cache hashes: requests share cached blocks only with equal salts."""
     block_hashes: list[bytes] = field(default_factory=list)

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from tokstream.config import SchedulerConfig
 from tokstream.engine.block_manager import BlockManager
+from tokstream.engine.fairness import FairnessLedger
 from tokstream.engine.request import Request, RequestStatus
+from tokstream.engine.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -52,6 +53,10 @@ class SchedulerOutput:
         return sum(w.num_tokens for w in self.work)
 
 
+def running_order(request: Request) -> tuple:
+    return (request.priority, request.arrival)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = ()):
@@ -59,10 +64,12 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.block_manager = block_manager
         self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
+        self.ledger = FairnessLedger()
+        self.waiting = WaitingQueue(config.policy, self.ledger)
         self.running: list[Request] = []
-        """Kept in arrival order, so a step visits older requests first and the preemption
-        victim (the latest arrival, running[-1]) has never been scheduled earlier in the step."""
+        """Kept in (priority, arrival) order, so a step visits the most important requests
+        first and the preemption victim (lowest priority, latest arrival: running[-1]) has
+        never been scheduled earlier in the step."""
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._forgotten: list[str] = []
@@ -73,7 +80,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.ledger.on_arrival(request.tenant)
+        self.waiting.add(request)
 
     def finish(self, request: Request, status: RequestStatus, stop_reason=None) -> None:
         """End a request for good: free its blocks and tell the workers to forget it."""
@@ -87,6 +95,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = status
         request.stop_reason = stop_reason
+        self.ledger.on_departure(request.tenant)
         del self.requests[request.request_id]
 
     def schedule(self) -> SchedulerOutput:
@@ -112,7 +121,9 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]
+            request = self.waiting.peek(self._may_start)
+            if request is None:
+                break
             if self._can_never_fit(request):
                 self.finish(request, RequestStatus.FINISHED_LENGTH, "kv_cache_capacity")
                 out.finished.append(request)
@@ -124,11 +135,13 @@ class Scheduler:
                     request, num_new, reserve=self.config.watermark_blocks) is None:
                 self.block_manager.free(request)  # give the prefix back until it fits
                 break
-            self.waiting.popleft()
-            bisect.insort(self.running, request, key=lambda r: r.arrival)
+            self.waiting.remove(request)
+            bisect.insort(self.running, request, key=running_order)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled is None:
                 request.first_scheduled = time.monotonic()
+                self.ledger.charge_input(request.tenant, len(request.prompt_token_ids),
+                                         request.weight)
             # New to the worker: it learns the whole block table, cached prefix included.
             prefills.append(ScheduledWork(request, start, num_new, list(request.block_ids), True))
             budget -= num_new
@@ -159,9 +172,18 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push_front(request)
         self._forgotten.append(request.request_id)
         out.preempted.append(request)
+
+    def _may_start(self, request: Request) -> bool:
+        """Per-tenant cap on long requests, so one tenant's long prompts cannot fill the pool."""
+        cap = self.config.max_long_requests_per_tenant
+        if not cap or len(request.prompt_token_ids) < self.config.long_request_tokens:
+            return True
+        running_long = sum(1 for r in self.running if r.tenant == request.tenant
+                           and len(r.prompt_token_ids) >= self.config.long_request_tokens)
+        return running_long < cap
 
     def _can_never_fit(self, request: Request) -> bool:
         usable = self.block_manager.num_blocks - self.config.watermark_blocks
@@ -181,6 +203,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.output_token_ids.append(token)
+            self.ledger.charge_output(request.tenant, 1, request.weight)
             advanced.append(request)
             self._check_stop(request, token)
         return advanced
