@@ -108,6 +108,8 @@ class StreamReport:
     """complete | failed | cut"""
     token_ids: list[int] = field(default_factory=list)
     """Received tokens in index order (first occurrence of each index)."""
+    received: list[int] = field(default_factory=list)
+    """Every token received, in arrival order (what the digest is checked against)."""
     problems: list[tuple[str, str]] = field(default_factory=list)
     """(kind, detail) for every problem found."""
     finish_reason: str | None = None
@@ -159,6 +161,7 @@ def _stream_id(event: SSEEvent, data: dict) -> str | None:
 def check_stream(stream: RecordedStream) -> StreamReport:
     report = StreamReport(stream.request_id, "cut")
     by_index: dict[int, int] = {}
+    received: list[int] = []  # every token as it arrived, duplicates and strays included
     max_index = -1
     ended = 0
     final: dict | None = None
@@ -201,6 +204,7 @@ def check_stream(stream: RecordedStream) -> StreamReport:
             problem("malformed", f"{len(token_ids)} token ids but {len(indices)} indices")
         if token_ids and event.id is None:
             problem("malformed", "token-carrying event without an id line")
+        received.extend(token_ids)
         for token, index in zip(token_ids, indices):
             if foreign:
                 problem("foreign", f"token {token} at index {index} stamped for {stamped_id}")
@@ -221,6 +225,7 @@ def check_stream(stream: RecordedStream) -> StreamReport:
             report.finish_reason = ext.get("finish_reason")
 
     report.token_ids = [by_index[i] for i in sorted(by_index)]
+    report.received = received
     report.text = "".join(text_parts)
     expected = final.get("num_output_tokens") if final else None
     top = (expected if expected is not None else max_index + 1)
@@ -230,10 +235,11 @@ def check_stream(stream: RecordedStream) -> StreamReport:
     if report.status == "cut":
         problem("never_ended", f"no final or error event after {len(stream.events)} events")
     if final is not None:
-        if expected is not None and expected != len(by_index):
-            problem("count_mismatch", f"final count {expected}, received {len(by_index)}")
-        if final.get("digest") != token_digest(report.token_ids):
-            problem("digest_mismatch", "the received tokens' digest differs from the engine's")
+        if expected is not None and expected != len(received):
+            problem("count_mismatch", f"final count {expected}, received {len(received)}")
+        if final.get("digest") != token_digest(received):
+            problem("digest_mismatch", "the digest of the tokens received, in arrival order, "
+                                       "differs from the engine's")
     return report
 
 

@@ -80,17 +80,22 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id
     return app
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, send_buffer_bytes: int | None = None) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes:
+        # Accepted connections inherit it from the listening socket.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     try:
         sock.bind((host, port))
     except OSError as error:
         sock.close()
         from tokstream.errors import UserInputError
         raise UserInputError(f"cannot bind {host}:{port}: {error.strerror}") from None
-    sock.set_inheritable(True)
+    # Listen now: connections made as soon as the ready line appears wait in the backlog
+    # until uvicorn starts accepting, instead of being refused.
+    sock.listen(2048)
     return sock
 
 
@@ -109,7 +114,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, log_level: str
     tokenizer = load_tokenizer(source)
     model_id = server_config.served_model_name or engine_config.model
     aliases = {engine_config.model, source.config.name}
-    sock = bind_socket(server_config.host, server_config.port)
+    sock = bind_socket(server_config.host, server_config.port, server_config.send_buffer_bytes)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     app = build_app(engine_config, server_config, model_id, aliases, tokenizer,

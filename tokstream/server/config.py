@@ -33,6 +33,11 @@ class ServerConfig:
     """Keep-alive on an idle stream (SSE ping), well under common 10 s proxy timeouts."""
     max_body_bytes: int = 4 * 2**20
     """Largest request body; larger ones get 413."""
+    send_buffer_bytes: int | None = 65536
+    """SO_SNDBUF of client connections (the kernel doubles it). Token streams are a few KB/s
+    each; a fixed buffer bounds kernel memory per connection and lets a caller that stopped
+    reading show up as backpressure within a few hundred KB instead of after megabytes of
+    autotuned buffer. None keeps the kernel's autotuning."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self):

@@ -120,9 +120,13 @@ class Server:
                        tenant=tenant.name if tenant else None)
             raise
         try:
+            # Tenants share the engine fairly by weight, in priority tiers, and never share
+            # prefix-cache blocks (a cache hit would tell one tenant about another's prompts).
+            fields = ({"tenant": tenant.name, "priority": tenant.priority,
+                       "weight": tenant.weight, "cache_salt": tenant.name} if tenant else {})
             stream = self.registry.open(request_id, prompt.token_ids, prompt.params,
                                         tenant.name if tenant else None, api,
-                                        bounded=prompt.stream)
+                                        bounded=prompt.stream, **fields)
         except (ReplicaError, UserInputError) as error:
             if tenant is not None:
                 tenant.release()

@@ -214,14 +214,15 @@ class StreamRegistry:
         return len(self.streams)
 
     def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             tenant: str | None, api: str, bounded: bool = True) -> Stream:
-        """Register a stream and submit its request to the engine."""
+             tenant: str | None, api: str, bounded: bool = True, **engine_fields) -> Stream:
+        """Register a stream and submit its request to the engine (engine_fields: the
+        EngineRequest's tenant, priority, weight, cache_salt)."""
         channel = Channel(self.max_pending_tokens if bounded else None)
         stream = Stream(request_id, prompt_token_ids, params, tenant, api, channel)
         self.streams[request_id] = stream
         try:
-            self.engine.add_request(EngineRequest(request_id, prompt_token_ids, params),
-                                    self._deliver)
+            self.engine.add_request(EngineRequest(request_id, prompt_token_ids, params,
+                                                  **engine_fields), self._deliver)
         except Exception:
             del self.streams[request_id]
             raise
@@ -233,8 +234,8 @@ class StreamRegistry:
         if self.streams.pop(stream.request_id, None) is None:
             return
         stream.channel.closed = True
-        if stream.final is None:
-            stream.cancelled = stream.cancelled or reason or "closed"
+        if stream.final is None and stream.cancelled is None:
+            stream.cancelled = reason or "closed"
             self.engine.forget(stream.request_id)
             if self.on_cancel is not None:
                 self.on_cancel(stream, stream.cancelled)

@@ -6,7 +6,7 @@
     name = "alice"
     key_sha256 = "2c26b4…"                # sha256 hex of alice's API key; never the key itself
     weight = 2.0                          # share of service when backlogged (fairness)
-    priority = 0                          # higher tiers are served first
+    priority = 0                          # tier: lower is admitted first, preempted last
     tokens_per_minute = 200000            # prompt + output tokens; 0 = no limit
     max_concurrent = 32                   # live requests; 0 = no limit
 
