@@ -126,7 +126,7 @@ class Server:
                        "weight": tenant.weight, "cache_salt": tenant.name} if tenant else {})
             stream = self.registry.open(request_id, prompt.token_ids, prompt.params,
                                         tenant.name if tenant else None, api,
-                                        bounded=prompt.stream, **fields)
+                                        bounded=prompt.stream, engine_fields=fields)
         except (ReplicaError, UserInputError) as error:
             if tenant is not None:
                 tenant.release()

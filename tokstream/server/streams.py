@@ -214,7 +214,8 @@ class StreamRegistry:
         return len(self.streams)
 
     def open(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             tenant: str | None, api: str, bounded: bool = True, **engine_fields) -> Stream:
+             tenant: str | None, api: str, bounded: bool = True,
+             engine_fields: dict | None = None) -> Stream:
         """Register a stream and submit its request to the engine (engine_fields: the
         EngineRequest's tenant, priority, weight, cache_salt)."""
         channel = Channel(self.max_pending_tokens if bounded else None)
@@ -222,7 +223,7 @@ class StreamRegistry:
         self.streams[request_id] = stream
         try:
             self.engine.add_request(EngineRequest(request_id, prompt_token_ids, params,
-                                                  **engine_fields), self._deliver)
+                                                  **(engine_fields or {})), self._deliver)
         except Exception:
             del self.streams[request_id]
             raise
