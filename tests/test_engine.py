@@ -10,6 +10,7 @@ from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.llm import LLM
 from tokstream.engine.messages import EngineRequest
 from tokstream.errors import PromptTooLongError, UserInputError
+from tokstream.model.source import resolve_model
 from tokstream.sampling_params import SamplingParams
 
 PROMPTS = [[5 + i, 17, 99, 3 + i] * (i + 1) for i in range(8)]
@@ -169,3 +170,47 @@ def test_prefix_cache_changes_nothing_but_the_work_done():
         assert (hits > 0) == caching
     assert results[True] == results[False]
     assert hits >= 5 * 64  # every later request found the whole 64-token prefix
+
+
+@pytest.mark.parametrize("swap_blocks", [64, 3])
+def test_swap_preemption_leaves_outputs_unchanged(reference, swap_blocks):
+    """The tiny pool again, in swap mode: a preempted request's blocks are copied to host memory
+    and back, and it continues without recomputing. With host room for only 3 blocks most
+    preemptions fall back to recompute. Either way every token is what the prompt gives alone."""
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    config = tiny(num_blocks=24)
+    block_bytes = 4 * resolve_model("dummy:tiny").config.kv_bytes_per_token("float32")
+    config.cache.preemption_mode = "swap"
+    config.cache.swap_space = swap_blocks * block_bytes
+    with LLM(config) as llm:
+        assert llm.core.swap_space.num_blocks == swap_blocks
+        greedy_out = llm.generate(PROMPTS, greedy)
+        sampled_out = llm.generate(PROMPTS, sampled)
+        scheduler = llm.core.scheduler
+        snapshot = llm.core.snapshot()
+        assert llm.core.block_manager.num_free_blocks == 24
+        assert llm.core.swap_space.num_free_blocks == swap_blocks
+    assert [c.token_ids for c in greedy_out] == reference["greedy"]
+    assert [c.token_ids for c in sampled_out] == reference["sampled"]
+    assert snapshot["preemption_mode"] == "swap"
+    assert snapshot["num_swap_preemptions"] == scheduler.num_swap_outs
+    if swap_blocks == 64:
+        assert scheduler.num_swap_outs > 0
+    else:
+        assert scheduler.num_preemptions > scheduler.num_swap_outs
+
+
+@pytest.mark.parametrize("chunking", [dict(chunked_prefill=False, max_num_batched_tokens=8),
+                                      dict(max_prefill_chunk=3)])
+def test_chunk_policy_changes_only_the_steps(reference, chunking):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    config = tiny()
+    for name, value in chunking.items():
+        setattr(config.scheduler, name, value)
+    with LLM(config) as llm:
+        out = llm.generate(PROMPTS, greedy)
+        snapshot = llm.core.snapshot()
+    assert [c.token_ids for c in out] == reference["greedy"]
+    assert snapshot["chunked_prefill"] == chunking.get("chunked_prefill", True)
+    assert snapshot["max_prefill_chunk"] == chunking.get("max_prefill_chunk")  # None: whole

@@ -4,10 +4,11 @@ import itertools
 
 import pytest
 
-from tokstream.config import SchedulerConfig
-from tokstream.engine.block_manager import BlockManager
+from tokstream.config import CacheConfig, SchedulerConfig
+from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduler import Scheduler
+from tokstream.errors import UserInputError
 from tokstream.sampling_params import SamplingParams
 
 _clock = itertools.count()
@@ -22,11 +23,12 @@ def make_request(rid, prompt_len=10, max_tokens=8, prompt=None, salt="", **param
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=8, watermark=0,
-                   caching=True):
+                   caching=True, swap_blocks=None, **config):
     bm = BlockManager(num_blocks, block_size, enable_caching=caching)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                             watermark_blocks=watermark)
-    return Scheduler(config, bm, max_model_len=1000, eos_token_ids=(2,))
+                             watermark_blocks=watermark, **config)
+    swap = SwapSpace(swap_blocks) if swap_blocks is not None else None
+    return Scheduler(config, bm, max_model_len=1000, eos_token_ids=(2,), swap_space=swap)
 
 
 def run_step(s, token=7):
@@ -362,3 +364,116 @@ def test_long_requests_are_capped_per_tenant():
     assert "long1" not in started
     order = admitted_order(s)
     assert "long1" in order
+
+
+def chunks(out):
+    return [(w.request.request_id, w.start, w.num_tokens) for w in out.work]
+
+
+def test_chunking_off_prefills_a_prompt_whole_past_the_budget():
+    s = make_scheduler(num_blocks=128, budget=8, chunked_prefill=False)
+    a = make_request("a", prompt_len=4, max_tokens=50)
+    s.add_request(a)
+    run_step(s)
+    b = make_request("b", prompt_len=30)
+    c = make_request("c", prompt_len=6)
+    s.add_request(b)
+    s.add_request(c)
+    # The decode goes first; b is taken whole (30 tokens against a budget of 8); c, which
+    # would fit the budget on its own, waits: one over-budget prompt closes the step.
+    assert chunks(run_step(s)) == [("a", 4, 1), ("b", 0, 30)]
+    assert b.output_token_ids == [7]
+    assert chunks(run_step(s)) == [("a", 5, 1), ("b", 30, 1), ("c", 0, 6)]
+
+
+def test_chunk_size_caps_each_prompt_per_step():
+    s = make_scheduler(budget=64, max_prefill_chunk=8)
+    a, b = make_request("a", prompt_len=20), make_request("b", prompt_len=12)
+    s.add_request(a)
+    s.add_request(b)
+    assert chunks(run_step(s)) == [("a", 0, 8), ("b", 0, 8)]
+    assert chunks(run_step(s)) == [("a", 8, 8), ("b", 8, 4)]  # b's last chunk samples
+    assert chunks(run_step(s)) == [("b", 12, 1), ("a", 16, 4)]  # decodes come first
+
+
+@pytest.mark.parametrize("bad", [
+    dict(max_prefill_chunk=-1), dict(chunked_prefill=False, max_prefill_chunk=16)])
+def test_bad_chunk_settings_are_refused(bad):
+    with pytest.raises(UserInputError, match="max_prefill_chunk"):
+        SchedulerConfig(**bad)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(preemption_mode="disk"), dict(preemption_mode="swap", swap_space=0),
+    dict(swap_space=-1)])
+def test_bad_preemption_settings_are_refused(bad):
+    with pytest.raises(UserInputError, match="preemption_mode|swap_space"):
+        CacheConfig(**bad)
+
+
+def run_to_end(s, steps=200):
+    outs = []
+    for _ in range(steps):
+        if not s.has_work:
+            break
+        outs.append(run_step(s))
+    return outs
+
+
+def test_swap_keeps_the_kv_and_resumes_without_recompute():
+    # Same squeeze as the recompute test: 6 blocks of 4 tokens, two growing requests.
+    s = make_scheduler(num_blocks=6, block_size=4, swap_blocks=16)
+    a = make_request("a", prompt_len=8, max_tokens=14)
+    b = make_request("b", prompt_len=8, max_tokens=14)
+    s.add_request(a)
+    s.add_request(b)
+    swapped_out, swapped_in, resumed = [], [], []
+    while s.has_work:
+        out = run_step(s)
+        for r in out.preempted:
+            assert r is b and r.is_swapped
+            # The host copy covers exactly the tokens computed so far, which stay counted.
+            assert len(r.swapped_block_ids) == s.block_manager.blocks_for(r.num_computed_tokens)
+            swapped_out.append([host for _, host in out.swap_out])
+            assert r.swapped_block_ids == swapped_out[-1]
+        if out.swap_in:
+            swapped_in.append([host for host, _ in out.swap_in])
+            work = [w for w in out.work if w.is_new and w.request is b]
+            assert work and [pool for _, pool in out.swap_in] == b.block_ids[:len(out.swap_in)]
+            resumed.append((work[0].start, work[0].num_tokens, work[0].samples))
+    assert swapped_out and swapped_in == swapped_out
+    # Re-admitted where it left off: only the last sampled token is computed, no prompt.
+    assert resumed and all(start > 8 and num == 1 and samples
+                       for start, num, samples in resumed)
+    assert a.output_token_ids == [7] * 14 and b.output_token_ids == [7] * 14
+    assert s.num_swap_outs == s.num_preemptions > 0
+    assert s.swap_space.num_free_blocks == 16 and s.block_manager.num_free_blocks == 6
+
+
+def test_swap_falls_back_to_recompute_when_host_space_is_short():
+    s = make_scheduler(num_blocks=6, block_size=4, swap_blocks=1)
+    a = make_request("a", prompt_len=8, max_tokens=14)
+    b = make_request("b", prompt_len=8, max_tokens=14)
+    s.add_request(a)
+    s.add_request(b)
+    outs = run_to_end(s)
+    assert s.num_preemptions > 0 and s.num_swap_outs == 0
+    assert not any(out.swap_out or out.swap_in for out in outs)
+    assert b.output_token_ids == [7] * 14 and s.swap_space.num_free_blocks == 1
+
+
+def test_aborting_a_swapped_request_frees_its_host_blocks():
+    s = make_scheduler(num_blocks=6, block_size=4, swap_blocks=16)
+    a = make_request("a", prompt_len=8, max_tokens=14)
+    b = make_request("b", prompt_len=8, max_tokens=14)
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(40):
+        run_step(s)
+        if b.is_swapped:
+            break
+    assert b.is_swapped and s.swap_space.num_free_blocks < 16
+    s.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert s.swap_space.num_free_blocks == 16 and not b.is_swapped
+    run_to_end(s)
+    assert a.output_token_ids == [7] * 14

@@ -83,6 +83,12 @@ class CacheConfig:
     """Exact pool size in blocks; overrides the memory budget (tests use tiny pools)."""
     enable_prefix_caching: bool = True
     """Share full blocks of identical prefixes between requests (read-only, hashed)."""
+    preemption_mode: str = "recompute"
+    """What a preempted request's KV becomes: 'recompute' (dropped; prompt + output are
+    prefilled again on re-admission) or 'swap' (copied to host memory and back)."""
+    swap_space: int = 4 * 2**30
+    """Bytes of host memory per replica for swapped-out KV blocks (swap mode only); when it is
+    full, preemption falls back to recompute."""
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -93,6 +99,11 @@ class CacheConfig:
             raise UserInputError("memory_fraction must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise UserInputError("num_blocks must be >= 1")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise UserInputError("preemption_mode must be 'recompute' or 'swap', "
+                                 f"not {self.preemption_mode!r}")
+        if self.swap_space < 0 or (self.preemption_mode == "swap" and self.swap_space == 0):
+            raise UserInputError("swap_space must be > 0 bytes in swap mode (and never < 0)")
 
 
 @dataclass
@@ -103,6 +114,12 @@ class SchedulerConfig:
     """Most sequences running at once."""
     max_num_batched_tokens: int = 1024
     """Token budget per step: decode tokens first, then prefill chunks."""
+    chunked_prefill: bool = True
+    """Split prompts into chunks under the budget, mixed with decodes. Off: a prompt is
+    prefilled whole in one step, past the budget if need be (as engines without chunking do),
+    and running streams wait for all of it."""
+    max_prefill_chunk: int = 0
+    """Most prompt tokens of one request per step (0 = whatever the budget has left)."""
     watermark_blocks: int = 1
     """Free blocks kept back when admitting a new request, so running ones can grow."""
     policy: str = "fair"
@@ -118,6 +135,11 @@ class SchedulerConfig:
             raise UserInputError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise UserInputError("max_num_batched_tokens must be >= 1")
+        if self.max_prefill_chunk < 0:
+            raise UserInputError("max_prefill_chunk must be >= 0 (0 = the token budget)")
+        if self.max_prefill_chunk and not self.chunked_prefill:
+            raise UserInputError("max_prefill_chunk needs chunked_prefill: without chunking a "
+                                 "prompt is prefilled whole")
         if self.watermark_blocks < 0:
             raise UserInputError("watermark_blocks must be >= 0")
         if self.policy not in ("fair", "fcfs"):

@@ -152,3 +152,24 @@ class BlockManager:
             del self._block_of[self._hash_of.pop(block_id)]
         self.ref_counts[block_id] = 1
         return block_id
+
+
+class SwapSpace:
+    """Host-memory blocks that hold preempted requests' KV in swap mode. Ids index the workers'
+    host buffers (same per-layer layout as the pool); contents are never shared."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int] | None:
+        if count > len(self._free):
+            return None
+        return [self._free.popleft() for _ in range(count)]
+
+    def free(self, block_ids: list[int]) -> None:
+        self._free.extend(block_ids)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tokstream.config import EngineConfig
 from tokstream.detokenizer import IncrementalDetokenizer
-from tokstream.engine.block_manager import BlockManager
+from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.executor import Executor
 from tokstream.engine.messages import (EngineRequest, NewRequestData, RequestDelta,
                                        ScheduledChunk, ScoreRequest, ScoreResult, StepPlan,
@@ -53,7 +53,10 @@ class EngineCore:
                                           config.cache.enable_prefix_caching)
         self.max_model_len = self.model_config.max_position
         eos = tuple(self.model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos)
+        self.swap_space = (SwapSpace(ready.num_swap_blocks)
+                           if config.cache.preemption_mode == "swap" else None)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos,
+                                   swap_space=self.swap_space)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.step_id = 0
         self.last_step: StepStats | None = None
@@ -129,7 +132,8 @@ class EngineCore:
 
     def _plan(self, scheduled: SchedulerOutput) -> StepPlan:
         self.step_id += 1
-        plan = StepPlan(self.step_id, finished_ids=scheduled.forgotten_ids)
+        plan = StepPlan(self.step_id, finished_ids=scheduled.forgotten_ids,
+                        swap_out=scheduled.swap_out, swap_in=scheduled.swap_in)
         for work in scheduled.work:
             request = work.request
             if work.is_new:
@@ -209,6 +213,7 @@ class EngineCore:
         """Plain-data state for /v1/state: scheduler, block map, requests, events, pids."""
         now = time.monotonic()
         scheduler, blocks = self.scheduler, self.block_manager
+        sched = self.config.scheduler
         requests = []
         for request in scheduler.requests.values():
             requests.append({
@@ -218,6 +223,7 @@ class EngineCore:
                 "output_tokens": request.num_output_tokens,
                 "computed_tokens": request.num_computed_tokens,
                 "blocks": len(request.block_ids), "preemptions": request.num_preemptions,
+                "swapped_blocks": len(request.swapped_block_ids),
                 "age_s": now - request.arrival,
                 "queue_s": (request.first_scheduled - request.arrival
                             if request.first_scheduled is not None else None)})
@@ -231,13 +237,22 @@ class EngineCore:
             "running": len(scheduler.running),
             "waiting": len(scheduler.waiting),
             "max_num_seqs": self.config.scheduler.max_num_seqs,
-            "token_budget": self.config.scheduler.max_num_batched_tokens,
+            "token_budget": sched.max_num_batched_tokens,
+            "chunked_prefill": sched.chunked_prefill,
+            # Most prompt tokens of one request per step; None: prompts go whole.
+            "max_prefill_chunk": ((sched.max_prefill_chunk or sched.max_num_batched_tokens)
+                                  if sched.chunked_prefill else None),
             "num_preemptions": scheduler.num_preemptions,
+            "preemption_mode": self.config.cache.preemption_mode,
+            "num_swap_preemptions": scheduler.num_swap_outs,
             "kv": {"block_size": blocks.block_size, "num_blocks": blocks.num_blocks,
                    "free_blocks": blocks.num_free_blocks, "used_blocks": blocks.num_used_blocks,
                    "cached_blocks": blocks.num_cached_blocks, "usage": blocks.usage,
                    "prefix_cache_queries": blocks.prefix_queries,
                    "prefix_cache_hits": blocks.prefix_hits,
+                   "swap_blocks": self.swap_space.num_blocks if self.swap_space else 0,
+                   "free_swap_blocks": (self.swap_space.num_free_blocks
+                                        if self.swap_space else 0),
                    "block_map": self._block_map()},
             "requests": requests,
             "tenants": scheduler.ledger.snapshot(),

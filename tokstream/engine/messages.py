@@ -56,6 +56,12 @@ class StepPlan:
     """Decode chunks (one token) first, then prefill chunks."""
     finished_ids: list[str] = field(default_factory=list)
     """Requests the worker should forget (finished, aborted or preempted)."""
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(pool block, host block): copy to host memory first, before anything else this step;
+    the pool blocks may already belong to another request in this step's chunks."""
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(host block, pool block): copy back into the pool after swap_out, before the forward
+    pass."""
 
     @property
     def num_tokens(self) -> int:

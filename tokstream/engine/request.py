@@ -58,6 +58,13 @@ class Request:
     """Chain hashes of this request's full, computed blocks (prefix caching)."""
     num_preemptions: int = 0
     first_scheduled: float | None = None
+    swapped_block_ids: list[int] = field(default_factory=list)
+    """Host blocks holding this request's computed KV while it is swapped out (swap-mode
+    preemption); block i of the cache is swapped_block_ids[i]. Empty otherwise."""
+
+    @property
+    def is_swapped(self) -> bool:
+        return bool(self.swapped_block_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -2,8 +2,10 @@
 
 A step is a token budget filled with running requests first (decodes, and prompts part-way
 through a chunked prefill), then new prompts while blocks, the budget and the sequence cap
-allow. When the pool runs dry mid-generation the latest-arrived running request is preempted:
-its blocks are freed and it is recomputed from prompt + output later, so its stream is
+allow. With chunking off a prompt is taken whole, past the budget if need be. When the pool
+runs dry mid-generation the lowest-priority, latest-arrived running request is preempted: its
+blocks are freed and it is recomputed from prompt + output later, or, in swap mode, its blocks
+are copied to host memory first and copied back on re-admission. Either way its stream is
 unchanged. Pure Python, no torch.
 """
 
@@ -14,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from tokstream.config import SchedulerConfig
-from tokstream.engine.block_manager import BlockManager
+from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.fairness import FairnessLedger
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.waiting_queue import WaitingQueue
@@ -47,6 +49,10 @@ class SchedulerOutput:
     """Requests ended while scheduling (too big for the whole pool)."""
     forgotten_ids: list[str] = field(default_factory=list)
     """Requests the workers should drop: finished, aborted or preempted since the last step."""
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(pool block, host block) copies for requests swapped out in this step."""
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(host block, pool block) copies for swapped requests re-admitted in this step."""
 
     @property
     def num_tokens(self) -> int:
@@ -59,8 +65,10 @@ def running_order(request: Request) -> tuple:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), swap_space: SwapSpace | None = None):
         self.config = config
+        self.swap_space = swap_space
+        """Host blocks for swap-mode preemption; None means recompute only."""
         self.eos_token_ids = eos_token_ids
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -72,6 +80,8 @@ class Scheduler:
         never been scheduled earlier in the step."""
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swap_outs = 0
+        """Of the preemptions, those that kept their KV in host memory."""
         self._forgotten: list[str] = []
 
     @property
@@ -93,6 +103,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.block_manager.free(request)
+        self._release_swap(request)
         request.status = status
         request.stop_reason = stop_reason
         self.ledger.on_departure(request.tenant)
@@ -109,13 +120,13 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(request, budget)
             new_blocks = self._allocate_or_preempt(request, num_new, out)
             if new_blocks is None:
                 continue
             work = ScheduledWork(request, request.num_computed_tokens, num_new, new_blocks, False)
             (decodes if num_new == 1 and work.samples else prefills).append(work)
-            budget -= num_new
+            budget = max(0, budget - num_new)
 
         # No admissions in a step that had to preempt: the pool is tight.
         while self.waiting and budget > 0 and not out.preempted:
@@ -128,13 +139,23 @@ class Scheduler:
                 self.finish(request, RequestStatus.FINISHED_LENGTH, "kv_cache_capacity")
                 out.finished.append(request)
                 continue
-            self.block_manager.match_prefix(request)  # cached prefix blocks count as computed
+            swapped = request.is_swapped
+            if not swapped:
+                self.block_manager.match_prefix(request)  # cached prefix blocks count as computed
             start = request.num_computed_tokens
-            num_new = min(request.num_tokens - start, budget)
+            num_new = self._num_new_tokens(request, budget)
+            if num_new > budget and prefills:
+                break  # chunking off: a whole prompt past the budget goes first in a later step
             if self.block_manager.allocate(
                     request, num_new, reserve=self.config.watermark_blocks) is None:
-                self.block_manager.free(request)  # give the prefix back until it fits
+                if not swapped:
+                    self.block_manager.free(request)  # give the prefix back until it fits
                 break
+            if swapped:
+                # Host blocks are copied back into the first new pool blocks before the forward
+                # pass. They can be freed now: no swap-out follows an admission in one step.
+                out.swap_in += zip(request.swapped_block_ids, request.block_ids)
+                self._release_swap(request)
             self.waiting.remove(request)
             bisect.insort(self.running, request, key=running_order)
             request.status = RequestStatus.RUNNING
@@ -144,11 +165,18 @@ class Scheduler:
                                          request.weight)
             # New to the worker: it learns the whole block table, cached prefix included.
             prefills.append(ScheduledWork(request, start, num_new, list(request.block_ids), True))
-            budget -= num_new
+            budget = max(0, budget - num_new)
 
         out.work = decodes + prefills
         out.forgotten_ids, self._forgotten = self._forgotten, []
         return out
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        """Tokens of request to compute this step: one for a decode, else a prefill chunk."""
+        remaining = request.num_tokens - request.num_computed_tokens
+        if not self.config.chunked_prefill:
+            return remaining
+        return min(remaining, budget, self.config.max_prefill_chunk or budget)
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
                              out: SchedulerOutput) -> list[int] | None:
@@ -168,13 +196,38 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
-        self.block_manager.free(request)
+        if not self._swap_out(request, out):
+            self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push_front(request)
         self._forgotten.append(request.request_id)
         out.preempted.append(request)
+
+    def _swap_out(self, request: Request, out: SchedulerOutput) -> bool:
+        """Free request's pool blocks but keep their content in host blocks; False (recompute)
+        when swap is off or the host blocks are short."""
+        num_blocks = self.block_manager.blocks_for(request.num_computed_tokens)
+        if self.swap_space is None or num_blocks == 0:
+            return False
+        host_ids = self.swap_space.allocate(num_blocks)
+        if host_ids is None:
+            return False
+        # The worker copies these out before the step's forward pass, so the freed pool blocks
+        # may be handed to another request in this same step.
+        out.swap_out += zip(request.block_ids[:num_blocks], host_ids)
+        computed = request.num_computed_tokens
+        self.block_manager.free(request)
+        request.num_computed_tokens = computed
+        request.swapped_block_ids = host_ids
+        self.num_swap_outs += 1
+        return True
+
+    def _release_swap(self, request: Request) -> None:
+        if request.swapped_block_ids:
+            self.swap_space.free(request.swapped_block_ids)
+            request.swapped_block_ids = []
 
     def _may_start(self, request: Request) -> bool:
         """Per-tenant cap on long requests, so one tenant's long prompts cannot fill the pool."""

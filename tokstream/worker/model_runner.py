@@ -37,9 +37,12 @@ class RequestState:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device):
+                 block_size: int, device: torch.device,
+                 swap_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
         self.model = model
         self.kv_caches = kv_caches
+        self.swap_caches = swap_caches
+        """Host copies of the pool's layout with their own block count (swap mode), else None."""
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, RequestState] = {}
@@ -48,6 +51,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         started = time.perf_counter()
         self.update_requests(plan)
+        self.swap(plan)
         if not plan.chunks:
             return StepResult(plan.step_id, [])
         input_ids, positions, meta, sample_rows, rows = self.prepare(plan)
@@ -94,6 +98,24 @@ class ModelRunner:
             top_logits += top.values.tolist()
             top_ids += top.indices.tolist()
         return token_logits, top_logits, top_ids
+
+    def swap(self, plan: StepPlan) -> None:
+        """Copy swapped-out blocks to host memory, then swapped-in ones back into the pool.
+        Out before in: a pool block freed by a swap-out may be the target of a swap-in."""
+        for pairs, out in ((plan.swap_out, True), (plan.swap_in, False)):
+            if not pairs:
+                continue
+            src = torch.tensor([a for a, _ in pairs], dtype=torch.int64)
+            dst = torch.tensor([b for _, b in pairs], dtype=torch.int64)
+            for pool, host in zip(self.kv_caches, self.swap_caches):
+                for pool_cache, host_cache in zip(pool, host):
+                    # Both (kv_heads, num_blocks, block_size, head_dim): blocks are dim 1.
+                    if out:
+                        blocks = pool_cache.index_select(1, src.to(self.device))
+                        host_cache.index_copy_(1, dst, blocks.cpu())
+                    else:
+                        blocks = host_cache.index_select(1, src)
+                        pool_cache.index_copy_(1, dst.to(self.device), blocks.to(self.device))
 
     def update_requests(self, plan: StepPlan) -> None:
         """Forget finished requests, learn new ones, extend block tables."""
@@ -199,6 +221,16 @@ def kv_pool_blocks(config: EngineConfig, model_config: ModelConfig, dtype: str,
     else:
         budget //= config.tp  # the budget is per replica
     return max(1, budget // per_block), per_block
+
+
+def allocate_swap_space(model_config: ModelConfig, num_blocks: int, block_size: int, tp: int,
+                        dtype: torch.dtype, pin: bool):
+    """Host buffers in the pool's layout for swapped-out blocks; pinned when the pool is on a
+    GPU so copies can use DMA. Left uninitialised: only swapped-out blocks are ever read."""
+    shape = (model_config.num_kv_heads // tp, num_blocks, block_size, model_config.head_dim)
+    return [(torch.empty(shape, dtype=dtype, pin_memory=pin),
+             torch.empty(shape, dtype=dtype, pin_memory=pin))
+            for _ in range(model_config.num_layers)]
 
 
 def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int,

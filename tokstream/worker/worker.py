@@ -26,6 +26,8 @@ class WorkerReady:
     weight_bytes: int
     """Bytes of this rank's weights."""
     load_s: float
+    num_swap_blocks: int = 0
+    """Host-memory blocks for swapped-out KV (swap mode; 0 otherwise)."""
 
 
 @dataclass
@@ -77,7 +79,8 @@ def _load(config: EngineConfig, rank: int):
     from tokstream.model.weights import load_state_dict
     from tokstream.worker.model import LlamaModel
     from tokstream.worker.model_runner import (TORCH_DTYPES, ModelRunner, allocate_kv_caches,
-                                               kv_pool_blocks, resolve_dtype)
+                                               allocate_swap_space, kv_pool_blocks,
+                                               resolve_dtype)
 
     started = time.perf_counter()
     set_threads(config)
@@ -95,7 +98,13 @@ def _load(config: EngineConfig, rank: int):
     num_blocks, block_bytes = kv_pool_blocks(config, source.config, dtype, device)
     kv_caches = allocate_kv_caches(source.config, num_blocks, config.cache.block_size,
                                    config.tp, torch_dtype, device)
-    runner = ModelRunner(model, kv_caches, config.cache.block_size, device)
+    swap_caches, num_swap_blocks = None, 0
+    if config.cache.preemption_mode == "swap":
+        num_swap_blocks = config.cache.swap_space // config.tp // block_bytes
+        swap_caches = allocate_swap_space(source.config, num_swap_blocks,
+                                          config.cache.block_size, config.tp, torch_dtype,
+                                          pin=device.type == "cuda")
+    runner = ModelRunner(model, kv_caches, config.cache.block_size, device, swap_caches)
     ready = WorkerReady(rank, os.getpid(), dtype, str(device), num_blocks, block_bytes,
-                        weight_bytes, time.perf_counter() - started)
+                        weight_bytes, time.perf_counter() - started, num_swap_blocks)
     return runner, ready
