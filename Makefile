@@ -1,5 +1,6 @@
 # make setup  - .venv with every package and the embedded model (idempotent)
-# make serve  - setup, then start the server
+# make serve  - setup, then start the server (ARGS="--profile cpu-smollm2 --port 8080" etc.)
+# make serve-bench - setup, then bench/serve_bench.py (serve vs bench at 64 streams; JSON)
 # make test   - setup, then the whole test suite
 
 PYTHON ?= python3
@@ -8,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.tokstream-setup
 ARGS ?=
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve serve-bench test bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +29,9 @@ serve: setup
 
 test: setup
 	$(BIN)/python -m pytest -q $(ARGS)
+
+serve-bench: setup
+	$(BIN)/python bench/serve_bench.py $(ARGS)
 
 bench: setup
 	$(BIN)/python bench/compare_hf.py $(ARGS)
