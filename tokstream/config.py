@@ -61,6 +61,16 @@ class ModelConfig:
         embeddings = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h
 
+    def check_tp(self, tp: int) -> None:
+        """Refuse a tensor-parallel size that does not split the heads evenly."""
+        if self.num_heads % tp or self.num_kv_heads % tp or self.intermediate_size % tp:
+            valid = [n for n in range(1, self.num_kv_heads + 1)
+                     if not (self.num_heads % n or self.num_kv_heads % n
+                             or self.intermediate_size % n)]
+            raise UserInputError(
+                f"--tp {tp} does not divide {self.name}'s {self.num_heads} query heads and "
+                f"{self.num_kv_heads} KV heads; valid sizes: {', '.join(map(str, valid))}")
+
     def kv_bytes_per_token(self, dtype: str) -> int:
         """Bytes of K and V cache one token takes across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
@@ -165,6 +175,14 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None
     """Torch threads per worker; None divides the cores between the ranks."""
+    step_timeout_s: float = 120.0
+    """A step (or load) that takes longer means a hung rank: the group is torn down."""
+    collective_timeout_s: float = 300.0
+    """torch.distributed timeout inside a rank group (a backstop; the core acts first)."""
+    max_recovery_attempts: int = 3
+    """Failed restarts in a row before the replica is declared down."""
+    spare: bool = False
+    """Keep a standby rank group loaded, so a failure swaps groups instead of respawning."""
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda", "auto"):
@@ -173,3 +191,7 @@ class EngineConfig:
             dtype_bytes(self.dtype)
         if self.tp < 1:
             raise UserInputError("tp must be >= 1")
+        if self.step_timeout_s <= 0 or self.collective_timeout_s <= 0:
+            raise UserInputError("step_timeout_s and collective_timeout_s must be > 0")
+        if self.max_recovery_attempts < 1:
+            raise UserInputError("max_recovery_attempts must be >= 1")

@@ -139,6 +139,15 @@ class BlockManager:
         request.block_hashes = []
         request.num_computed_tokens = 0
 
+    def reset(self) -> None:
+        """Forget every block (the pool's contents are gone: its rank group was replaced).
+        Every request must have given its blocks back first."""
+        self.ref_counts = [0] * self.num_blocks
+        self._free = deque(range(self.num_blocks))
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+
     def _hold(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
             del self._evictable[block_id]
@@ -173,3 +182,6 @@ class SwapSpace:
 
     def free(self, block_ids: list[int]) -> None:
         self._free.extend(block_ids)
+
+    def reset(self) -> None:
+        self._free = deque(range(self.num_blocks))

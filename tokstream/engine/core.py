@@ -22,12 +22,14 @@ from tokstream.engine.messages import (EngineRequest, NewRequestData, RequestDel
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduler import Scheduler, SchedulerOutput
 from tokstream.sampling_params import SamplingParams
-from tokstream.errors import OverloadedError, PromptTooLongError, UserInputError
+from tokstream.errors import OverloadedError, PromptTooLongError, ReplicaError, UserInputError
 from tokstream.model.source import resolve_model
 from tokstream.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("tokstream.engine")
 
+DOWN_RETRY_S = 10.0
+"""While down, seconds between attempts to start a rank group again."""
 MAX_EVENTS = 64
 """Recent engine events (preemptions, capacity finishes) kept for state snapshots."""
 REF_COUNT_CHARS = "0123456789"
@@ -46,6 +48,7 @@ class EngineCore:
         source = resolve_model(config.model)
         self.model_config = source.config
         self.tokenizer = tokenizer or load_tokenizer(source)
+        self.model_config.check_tp(config.tp)
         self.executor = Executor(config)
         ready = self.executor.ready
         self.dtype = ready.dtype
@@ -62,6 +65,18 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self._rng = random.Random()
+        self.status = "ready"
+        """ready | recovering | down (see recover())."""
+        self.on_status = None
+        """Called with (status, reason) whenever the status changes (the core process
+        forwards it to the gateway)."""
+        self.restarts = 0
+        self.resumed_requests = 0
+        self.pending_deltas: list[RequestDelta] = []
+        """Deltas produced outside step() (a recovery during a score pass), sent with the next
+        step's."""
+        self.recovery_seconds: list[float] = []
+        self._next_retry = 0.0
         log.info("%s", self.capacity_summary())
 
     def capacity_summary(self) -> str:
@@ -93,6 +108,8 @@ class EngineCore:
             raise PromptTooLongError(
                 f"prompt is {len(prompt) + len(outputs)} tokens; the model's context is "
                 f"{self.max_model_len} tokens, leaving no room for output")
+        if self.status == "down":
+            raise OverloadedError("replica is down; retry later")
         if not submitted.weight > 0:
             raise UserInputError(f"tenant weight must be > 0, got {submitted.weight}")
         params = submitted.params
@@ -106,6 +123,70 @@ class EngineCore:
             prompt_ids=prompt, delivered_ids=list(outputs))
         self.scheduler.add_request(request)
 
+    def recover(self, reason: str) -> list[RequestDelta]:
+        """The rank group failed (a rank died, hung or broke a collective): tear it down, start
+        another (the warm spare if there is one), and put every live request back in line to
+        be re-prefilled from prompt + the tokens it already has. Streams continue at their
+        next index; sampling is a function of (seed, position), so nothing changes but time.
+        After max_recovery_attempts failures in a row the replica is down: every live request
+        ends with an error delta (returned) and new ones are refused until retry_when_down()
+        brings a group back."""
+        started = time.monotonic()
+        self._set_status("recovering", reason)
+        self._event("rank_failure", "", reason=reason, pids=self.executor.pids)
+        self.scheduler.requeue_all()
+        self.block_manager.reset()  # the pool's contents died with the ranks
+        if self.swap_space is not None:
+            self.swap_space.reset()
+        for attempt in range(1, self.config.max_recovery_attempts + 1):
+            try:
+                self.executor.restart()
+            except ReplicaError as exc:
+                self._event("restart_failed", "", reason=str(exc), attempt=attempt)
+                reason = str(exc)
+                continue
+            self.restarts += 1
+            self.resumed_requests += len(self.scheduler.requests)
+            seconds = time.monotonic() - started
+            self.recovery_seconds.append(seconds)
+            self._event("restarted", "", seconds=round(seconds, 3), pids=self.executor.pids,
+                        resumed=len(self.scheduler.requests))
+            self._set_status("ready", None)
+            return []
+        return self._go_down(reason)
+
+    def _go_down(self, reason: str) -> list[RequestDelta]:
+        self._set_status("down", reason)
+        self._next_retry = time.monotonic() + DOWN_RETRY_S
+        deltas = []
+        for request in list(self.scheduler.requests.values()):
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self.detokenizers.pop(request.request_id, None)
+            deltas.append(RequestDelta(request.request_id, [], request.num_output_tokens, "",
+                                       finish_reason="error", error=f"replica down: {reason}",
+                                       num_prompt_tokens=len(request.prompt_token_ids),
+                                       num_output_tokens=request.num_output_tokens))
+        return deltas
+
+    def retry_when_down(self) -> None:
+        """While down, try a fresh rank group now and then; back to ready when one starts."""
+        if self.status != "down" or time.monotonic() < self._next_retry:
+            return
+        try:
+            self.executor.restart()
+        except ReplicaError as exc:
+            self._next_retry = time.monotonic() + DOWN_RETRY_S
+            self._event("restart_failed", "", reason=str(exc), attempt=0)
+            return
+        self.restarts += 1
+        self._event("restarted", "", seconds=None, pids=self.executor.pids, resumed=0)
+        self._set_status("ready", None)
+
+    def _set_status(self, status: str, reason: str | None) -> None:
+        self.status = status
+        if self.on_status is not None:
+            self.on_status(status, reason)
+
     def abort(self, request_id: str) -> RequestDelta | None:
         request = self.scheduler.requests.get(request_id)
         if request is None:
@@ -115,15 +196,22 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         started = time.perf_counter()
+        deltas, self.pending_deltas = self.pending_deltas, []
+        if self.status == "down":
+            self.retry_when_down()
+            return deltas
         scheduled = self.scheduler.schedule()
-        deltas = [self._final_delta(r, "") for r in scheduled.finished]
+        deltas += [self._final_delta(r, "") for r in scheduled.finished]
         if not scheduled.work and not scheduled.forgotten_ids:
             return deltas
         for request in scheduled.preempted:
             self._event("preempted", request.request_id)
         for request in scheduled.finished:
             self._event("finished", request.request_id, reason=request.stop_reason)
-        result = self.executor.execute(self._plan(scheduled))
+        try:
+            result = self.executor.execute(self._plan(scheduled))
+        except ReplicaError as exc:
+            return deltas + self.recover(str(exc))
         advanced = self.scheduler.update(scheduled, result.sampled_token_ids)
         deltas += [self._emit(request) for request in advanced]
         self.last_step = StepStats(scheduled.num_tokens, len(scheduled.work),
@@ -206,8 +294,13 @@ class EngineCore:
             raise OverloadedError(f"KV pool busy: no room to score {n} tokens now")
         try:
             return self.executor.score(ScoreRequest(list(token_ids), block_ids, start))
-        finally:
+        except ReplicaError as exc:
             self.block_manager.free(borrower)
+            self.pending_deltas += self.recover(str(exc))
+            raise OverloadedError(f"scoring interrupted by a rank failure: {exc}") from exc
+        finally:
+            if borrower.block_ids:
+                self.block_manager.free(borrower)
 
     def snapshot(self) -> dict:
         """Plain-data state for /v1/state: scheduler, block map, requests, events, pids."""
@@ -230,6 +323,11 @@ class EngineCore:
         last = self.last_step
         return {
             "pid": os.getpid(),
+            "status": self.status,
+            "restarts": self.restarts,
+            "resumed_requests": self.resumed_requests,
+            "recovery_s": self.recovery_seconds[-1] if self.recovery_seconds else None,
+            "worker_alive": self.executor.alive(),
             "worker_pids": self.executor.pids,
             "step_id": self.step_id,
             "last_step": ({"num_tokens": last.num_tokens, "num_seqs": last.num_seqs,

@@ -5,6 +5,7 @@ client -> core: ("add", EngineRequest) | ("abort", request_id) | ("shutdown",)
 core -> client: ("ready", info) | ("failed", user_error, message) | ("deltas", [RequestDelta])
                 | ("state", token, snapshot dict) | ("score", token, ScoreResult | None,
                   error kind None|"user"|"overloaded"|"error", message) | ("dead", message)
+                | ("status", "ready"|"recovering"|"down", reason, {restarts, worker_pids, ...})
 State and score requests are answered between steps, so a reply waits at most one step.
 The core exits when the pipe closes, so it never outlives the process that started it.
 """
@@ -37,6 +38,9 @@ def core_main(conn, config: EngineConfig) -> None:
         "block_size": core.block_manager.block_size, "max_model_len": core.max_model_len,
         "vocab_size": core.model_config.vocab_size,
         "capacity": core.capacity_summary()}))
+    core.on_status = lambda status, reason: conn.send(("status", status, reason, {
+        "restarts": core.restarts, "worker_pids": core.executor.pids,
+        "recovery_s": core.recovery_seconds[-1] if core.recovery_seconds else None}))
     try:
         _serve(conn, core)
     except (EOFError, OSError):
@@ -55,7 +59,7 @@ def core_main(conn, config: EngineConfig) -> None:
 
 
 def _serve(conn, core) -> None:
-    from tokstream.errors import UserInputError
+    from tokstream.errors import OverloadedError, UserInputError
 
     while True:
         timeout = 0 if core.has_work else IDLE_POLL_S
@@ -70,7 +74,7 @@ def _serve(conn, core) -> None:
                 request = message[1]
                 try:
                     core.add_request(request)
-                except UserInputError as exc:
+                except (UserInputError, OverloadedError) as exc:
                     out.append(RequestDelta(request.request_id, [], 0, "",
                                             finish_reason="error", error=str(exc)))
             elif kind == "abort":
@@ -81,7 +85,7 @@ def _serve(conn, core) -> None:
                 conn.send(("state", message[1], core.snapshot()))
             elif kind == "score":
                 conn.send(("score", message[1], *_score(core, message[2], message[3])))
-        if core.has_work:
+        if core.has_work or core.status == "down" or core.pending_deltas:
             out.extend(core.step())
         if out:
             conn.send(("deltas", out))

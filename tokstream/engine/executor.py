@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
+import pickle
+import shutil
+import tempfile
+import time
 
 from tokstream.config import EngineConfig
 from tokstream.engine.messages import ScoreRequest, ScoreResult, StepPlan, StepResult
@@ -46,55 +51,150 @@ def worker_environment(config: EngineConfig):
                 os.environ[key] = value
 
 
-class Executor:
+class RankGroup:
+    """The tensor-parallel ranks of one replica: spawned together, one unit when any fails."""
+
     def __init__(self, config: EngineConfig):
         self.config = config
         context = mp.get_context("spawn")
-        self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=worker_main, args=(child_conn, config, 0),
-                                       name="tokstream-rank0")
+        # A rendezvous file unique to this group: two servers (or a group and its spare)
+        # never meet by accident, and no port is claimed.
+        self._tmpdir = tempfile.mkdtemp(prefix="tokstream-ranks-")
+        rendezvous = os.path.join(self._tmpdir, "rendezvous")
+        self.conns = []
+        self.processes = []
         with worker_environment(config):
-            self.process.start()
-        child_conn.close()
-        self.ready = self._wait_ready()
+            for rank in range(config.tp):
+                parent_conn, child_conn = context.Pipe()
+                process = context.Process(target=worker_main,
+                                          args=(child_conn, config, rank, rendezvous),
+                                          name=f"tokstream-rank{rank}")
+                process.start()
+                child_conn.close()
+                self.conns.append(parent_conn)
+                self.processes.append(process)
+        self.ready: list[WorkerReady] = []
 
-    def _wait_ready(self) -> WorkerReady:
-        try:
-            message = self.conn.recv()
-        except EOFError:
-            self.process.join(5)
-            raise ReplicaError(f"worker exited while loading (exit code {self.process.exitcode})")
-        if isinstance(message, WorkerFailed):
-            self.process.join(5)
-            raise (UserInputError if message.user_error else ReplicaError)(message.message)
-        return message
+    def wait_ready(self) -> list[WorkerReady]:
+        """Every rank's WorkerReady; raises on a failed or dead rank, or past the deadline."""
+        deadline = time.monotonic() + max(self.config.step_timeout_s, 600.0)
+        for rank, conn in enumerate(self.conns):
+            message = self._receive(conn, deadline, "loading")
+            if isinstance(message, WorkerFailed):
+                self.kill()
+                raise (UserInputError if message.user_error else ReplicaError)(message.message)
+            self.ready.append(message)
+        return self.ready
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        try:
-            self.conn.send(plan)
-            return self.conn.recv()
-        except (EOFError, OSError, BrokenPipeError) as exc:
-            raise ReplicaError(f"worker died during a step: {exc!r}") from exc
+    def _receive(self, conn, deadline: float, doing: str):
+        """conn's next message, watching every rank: a death or the deadline raises."""
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ReplicaError(f"rank group hung while {doing} "
+                                   f"(no answer in {self.config.step_timeout_s:g} s)")
+            ready = mp_connection.wait([conn, *sentinels], timeout=remaining)
+            if conn in ready:
+                try:
+                    return conn.recv()
+                except (EOFError, OSError):
+                    pass  # the rank died: its sentinel tells which
+            for sentinel in ready:
+                if sentinel in sentinels:
+                    rank = sentinels[sentinel]
+                    code = self.processes[rank].exitcode
+                    raise ReplicaError(f"rank {rank} (pid {self.processes[rank].pid}) died "
+                                       f"while {doing} (exit code {code})")
 
-    def score(self, request: ScoreRequest) -> ScoreResult:
+    def broadcast(self, message) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self.conn.send(request)
-            result = self.conn.recv()
-        except (EOFError, OSError, BrokenPipeError) as exc:
-            raise ReplicaError(f"worker died while scoring: {exc!r}") from exc
-        return result
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except (OSError, BrokenPipeError) as exc:
+            raise ReplicaError(f"a rank is gone: {exc!r}") from exc
+
+    def call(self, message, doing: str):
+        """Send message to every rank and return rank 0's answer (within the step deadline)."""
+        self.broadcast(message)
+        return self._receive(self.conns[0], time.monotonic() + self.config.step_timeout_s, doing)
 
     @property
     def pids(self) -> list[int]:
-        return [self.process.pid]
+        return [p.pid for p in self.processes]
+
+    def alive(self) -> list[bool]:
+        return [p.is_alive() for p in self.processes]
 
     def shutdown(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except (OSError, BrokenPipeError):
+                pass
+        for process in self.processes:
+            process.join(10)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every rank still there (also un-stops a SIGSTOPped one) and reap them."""
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        for process in self.processes:
+            process.join(5)
+        for conn in self.conns:
+            conn.close()
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+
+class Executor:
+    """The engine core's handle on its rank group (and a warm spare, with config.spare)."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.group = RankGroup(config)
+        ready = self.group.wait_ready()
+        # Ranks size their pools alike, but free memory can differ by a little between them.
+        self.ready = min(ready, key=lambda r: r.num_blocks)
+        self.spare: RankGroup | None = None
+        if config.spare:
+            self.spare = RankGroup(config)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.group.call(plan, "running a step")
+
+    def score(self, request: ScoreRequest) -> ScoreResult:
+        return self.group.call(request, "scoring")
+
+    @property
+    def pids(self) -> list[int]:
+        return self.group.pids
+
+    def alive(self) -> list[bool]:
+        return self.group.alive()
+
+    def restart(self) -> float:
+        """Replace a failed group: swap in the spare if it is ready, else spawn and load a new
+        one. Returns the seconds spent. Raises ReplicaError if the new group fails too."""
+        started = time.monotonic()
+        self.group.kill()
+        if self.spare is not None:
+            self.group, self.spare = self.spare, None
+        else:
+            self.group = RankGroup(self.config)
         try:
-            self.conn.send(None)
-        except (OSError, BrokenPipeError):
-            pass
-        self.process.join(10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        self.conn.close()
+            ready = self.group.wait_ready() if not self.group.ready else self.group.ready
+        except UserInputError as exc:  # e.g. the model files went away since the first start
+            raise ReplicaError(f"restart failed: {exc}") from exc
+        if min(r.num_blocks for r in ready) < self.ready.num_blocks:
+            raise ReplicaError("the restarted rank group has a smaller KV pool")
+        if self.config.spare:
+            self.spare = RankGroup(self.config)  # loads in the background while we serve
+        return time.monotonic() - started
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+        if self.spare is not None:
+            self.spare.shutdown()

@@ -194,6 +194,20 @@ class Scheduler:
             if victim is request:
                 return None
 
+    def requeue_all(self) -> None:
+        """The rank group is gone: every running request goes back to the front of the line,
+        in its order, to be recomputed from prompt + output; swapped-out KV is gone too."""
+        for request in reversed(list(self.running)):
+            self.running.remove(request)
+            self.block_manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.push_front(request)
+        for request in self.waiting:
+            if request.is_swapped:
+                request.swapped_block_ids = []
+                request.num_computed_tokens = 0
+        self._forgotten = []  # the new ranks know nothing to forget
+
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
         if not self._swap_out(request, out):

@@ -107,11 +107,13 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp_rank: int = 0,
-                 tp_size: int = 1, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 tp_size: int = 1, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 all_gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None):
         super().__init__()
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.all_reduce = all_reduce or (lambda x: x)
+        self.all_gather = all_gather
         self.vocab_per_rank = -(-config.vocab_size // tp_size)
         self.embed = nn.Parameter(
             torch.empty(self.vocab_per_rank, config.hidden_size, dtype=dtype), requires_grad=False)
@@ -145,12 +147,12 @@ class LlamaModel(nn.Module):
         return self.all_reduce(x.masked_fill(outside[:, None], 0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (S, hidden) -> logits (S, vocab) in float32 (this rank's slice when tp > 1;
-        the caller gathers)."""
-        logits = self.head_linear(hidden, self.lm_head).float()
-        if self.tp_size == 1:
-            return logits[:, :self.config.vocab_size]
-        return logits
+        """hidden (S, hidden) -> logits (S, vocab) in float32, on every rank (the vocab
+        shards are gathered)."""
+        logits = self.head_linear(hidden, self.lm_head).float()  # (S, vocab_per_rank)
+        if self.tp_size > 1:
+            logits = torch.cat(self.all_gather(logits), dim=-1)  # (S, vocab_per_rank * tp)
+        return logits[:, :self.config.vocab_size]
 
     def pack_weights_for_cpu(self) -> bool:
         """Reorder bfloat16 matmul weights into oneDNN's blocked layout once, instead of on

@@ -38,8 +38,11 @@ class RequestState:
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device,
-                 swap_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+                 swap_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 rank: int = 0):
         self.model = model
+        self.rank = rank
+        """Only rank 0 samples; the other ranks compute their shard and stay silent."""
         self.kv_caches = kv_caches
         self.swap_caches = swap_caches
         """Host copies of the pool's layout with their own block count (swap mode), else None."""
@@ -57,6 +60,8 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, rows = self.prepare(plan)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, hidden)
         logits = self.model.compute_logits(hidden[sample_rows])  # (S, vocab)
+        if self.rank != 0:
+            return None
         tokens = sample(logits.cpu(), rows)
         return StepResult(plan.step_id, tokens, time.perf_counter() - started)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 from dataclasses import dataclass
 
@@ -48,11 +49,13 @@ def set_threads(config: EngineConfig) -> int:
     return threads
 
 
-def worker_main(conn, config: EngineConfig, rank: int) -> None:
+def worker_main(conn, config: EngineConfig, rank: int, rendezvous: str | None = None) -> None:
+    """One rank. Plans arrive pickled once by the core and sent to every rank (send_bytes);
+    only rank 0 answers. rendezvous: a file path unique to this rank group (tp > 1)."""
     logging.basicConfig(level=os.environ.get("TOKSTREAM_LOG", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
     try:
-        runner, ready = _load(config, rank)
+        runner, ready = _load(config, rank, rendezvous)
     except Exception as exc:  # reported to the core, which turns it into a clean error
         from tokstream.errors import UserInputError
         conn.send(WorkerFailed(rank, f"{type(exc).__name__}: {exc}" if not isinstance(
@@ -61,18 +64,44 @@ def worker_main(conn, config: EngineConfig, rank: int) -> None:
     conn.send(ready)
     while True:
         try:
-            plan = conn.recv()
+            plan = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             return  # the core is gone: never outlive it
         if plan is None:
             return
         if isinstance(plan, ScoreRequest):
-            conn.send(runner.score(plan))
-            continue
-        conn.send(runner.execute(plan))
+            result = runner.score(plan)
+        else:
+            result = runner.execute(plan)
+        if rank == 0:
+            conn.send(result)
 
 
-def _load(config: EngineConfig, rank: int):
+def _init_tensor_parallel(config: EngineConfig, rank: int, rendezvous: str):
+    """Join this replica's gloo (CPU) or NCCL (CUDA) group; returns (all_reduce, all_gather)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if config.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=config.tp,
+                            timeout=datetime.timedelta(seconds=config.collective_timeout_s))
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    def all_gather(x: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(x) for _ in range(config.tp)]
+        dist.all_gather(parts, x.contiguous())
+        return parts
+
+    return all_reduce, all_gather
+
+
+def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
     import torch
 
     from tokstream.model.source import resolve_model
@@ -85,12 +114,19 @@ def _load(config: EngineConfig, rank: int):
     started = time.perf_counter()
     set_threads(config)
     device = torch.device("cuda" if config.device == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    all_reduce = all_gather = None
+    if config.tp > 1:
+        all_reduce, all_gather = _init_tensor_parallel(config, rank, rendezvous)
     dtype = resolve_dtype(config.dtype, device.type)
     torch_dtype = TORCH_DTYPES[dtype]
     source = resolve_model(config.model)
     state_dict = load_state_dict(source, torch_dtype, seed=config.seed, device=device)
     with device:  # build the parameters where they will live
-        model = LlamaModel(source.config, torch_dtype, tp_rank=rank, tp_size=config.tp)
+        model = LlamaModel(source.config, torch_dtype, tp_rank=rank, tp_size=config.tp,
+                           all_reduce=all_reduce, all_gather=all_gather)
     model.load_weights(state_dict)
     del state_dict
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -104,7 +140,8 @@ def _load(config: EngineConfig, rank: int):
         swap_caches = allocate_swap_space(source.config, num_swap_blocks,
                                           config.cache.block_size, config.tp, torch_dtype,
                                           pin=device.type == "cuda")
-    runner = ModelRunner(model, kv_caches, config.cache.block_size, device, swap_caches)
+    runner = ModelRunner(model, kv_caches, config.cache.block_size, device, swap_caches,
+                         rank=rank)
     ready = WorkerReady(rank, os.getpid(), dtype, str(device), num_blocks, block_bytes,
                         weight_bytes, time.perf_counter() - started, num_swap_blocks)
     return runner, ready
