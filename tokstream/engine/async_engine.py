@@ -36,6 +36,13 @@ class AsyncEngine:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
+        self.replica_status = "ready"
+        """ready | recovering | down, as the core last reported (see EngineCore.recover)."""
+        self.restarts = 0
+        self.recovery_seconds: list[float] = []
+        self.on_status: Callable[[str, str | None], None] | None = None
+        """Called on the event loop thread with (status, reason) when the replica's status
+        changes."""
         self.on_dead: Callable[[str], None] | None = None
         """Called on the event loop thread once, when the core process is found dead."""
 
@@ -113,6 +120,15 @@ class AsyncEngine:
             future = self._replies.pop(message[1], None)
             if future is not None and not future.done():
                 future.set_result(message[2:])
+        elif kind == "status":
+            _, status, reason, info = message
+            self.replica_status = status
+            self.restarts = info["restarts"]
+            self.info["worker_pids"] = info["worker_pids"]
+            if info.get("recovery_s") is not None and status == "ready":
+                self.recovery_seconds.append(info["recovery_s"])
+            if self.on_status is not None:
+                self.on_status(status, reason)
         elif kind == "dead":
             if self.dead is not None:
                 return
