@@ -87,3 +87,27 @@ def test_bench_writes_json(tmp_path):
     for key in ("step_ms", "ttft_s", "itl_s"):
         assert set(data[key]) >= {"p50", "p90", "p99"}
         assert data[key]["p50"] <= data[key]["p99"]
+
+
+def test_bench_sweep_writes_the_curve(tmp_path):
+    out = tmp_path / "sweep.json"
+    result = run("bench", "--model", "dummy:tiny", "--num-requests", "4", "--input-len", "12",
+                 "--output-len", "4", "--sweep", "1,4", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert data["sweep"] == "max-num-seqs" and [p["value"] for p in data["points"]] == [1, 4]
+    for point in data["points"]:
+        assert point["output_tokens_per_s"] > 0
+        assert point["itl_s"]["p50"] <= point["itl_s"]["p99"]
+        assert point["ttft_s"]["p50"] <= point["ttft_s"]["p99"]
+    png = tmp_path / "sweep.png"
+    assert data["png"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args", [["--sweep", "1,x"], ["--sweep", "0"],
+                                  ["--sweep", "2", "--sweep-param", "nope"],
+                                  ["--no-chunked-prefill", "--max-prefill-chunk", "8"]])
+def test_bench_bad_dials_are_one_line_and_exit_2(args):
+    result = run("bench", "--model", "dummy:tiny", *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

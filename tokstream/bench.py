@@ -3,11 +3,12 @@ in this process: it drives an in-process engine core whose worker runs the model
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
 
-from tokstream.config import EngineConfig
+from tokstream.config import EngineConfig, SchedulerConfig
 from tokstream.engine.llm import LLM
 from tokstream.engine.messages import EngineRequest
 from tokstream.sampling_params import SamplingParams
@@ -127,3 +128,64 @@ def bench_config(model: str, dtype: str, device: str, spec: BenchSpec, **kwargs)
     # Enough room for every sequence at once: the benchmark measures batching, not the pool.
     config.scheduler.max_num_seqs = max(config.scheduler.max_num_seqs, spec.concurrency)
     return config
+
+
+SWEEP_PARAMS = {"max-num-seqs": "max_num_seqs", "token-budget": "max_num_batched_tokens"}
+"""The dials `tokstream bench --sweep` can turn: CLI name -> SchedulerConfig field."""
+
+
+def run_sweep(llm: LLM, spec: BenchSpec, param: str, values: list[int], on_point=None) -> dict:
+    """The throughput-latency dial: the same workload once per value of one scheduler knob, on
+    one engine (the knob is read afresh every step). Each point draws its own prompts, so no
+    point finds another's prefix in the cache."""
+    field_name = SWEEP_PARAMS[param]
+    live = llm.core.config.scheduler
+    run_bench(llm, BenchSpec(num_requests=2, input_len=16, output_len=4, seed=spec.seed - 1))
+    points = []
+    for index, value in enumerate(values):
+        SchedulerConfig(**{**dataclasses.asdict(live), field_name: value})  # validate
+        setattr(live, field_name, value)
+        result = run_bench(llm, dataclasses.replace(spec, seed=spec.seed + index))
+        point = {"value": value, **{key: result[key] for key in (
+            "output_tokens_per_s", "total_tokens_per_s", "elapsed_s", "ttft_s", "itl_s",
+            "max_batch", "preemptions")}}
+        points.append(point)
+        if on_point is not None:
+            on_point(point)
+    first = points[0] if points else {}
+    return {"sweep": param, "values": list(values), "model": llm.core.model_config.name,
+            "dtype": llm.core.dtype, "device": llm.config.device,
+            "num_requests": spec.num_requests, "input_len": spec.input_len,
+            "output_len": spec.output_len, "concurrency": spec.concurrency,
+            "max_num_seqs": live.max_num_seqs if param != "max-num-seqs" else None,
+            "token_budget": live.max_num_batched_tokens if param != "token-budget" else None,
+            "points": points, "first_point_elapsed_s": first.get("elapsed_s")}
+
+
+def plot_sweep(sweep: dict, path: str) -> None:
+    """Output tokens/s against ITL (p50, p99) and TTFT (p50, p99), one marker per value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = sweep["points"]
+    x = [p["output_tokens_per_s"] for p in points]
+    fig, (itl_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, scale, unit in ((itl_ax, "itl_s", 1000, "ms"), (ttft_ax, "ttft_s", 1, "s")):
+        for quantile, style in (("p50", "o-"), ("p99", "s--")):
+            ax.plot(x, [p[key][quantile] * scale for p in points], style,
+                    label=f"{key.split('_')[0].upper()} {quantile}")
+        for p, xi in zip(points, x):
+            ax.annotate(str(p["value"]), (xi, p[key]["p99"] * scale),
+                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+        ax.set_xlabel("output tokens/s")
+        ax.set_ylabel(f"{key.split('_')[0].upper()} ({unit})")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{sweep['model']} {sweep['dtype']} {sweep['device']}: sweep over "
+                 f"{sweep['sweep']} (labels), {sweep['num_requests']} requests "
+                 f"{sweep['input_len']}->{sweep['output_len']} tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

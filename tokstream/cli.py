@@ -119,8 +119,23 @@ def bench(
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 2GB "
                                                   "(default: 4 GiB on CPU)."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
+    chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill",
+                                         help="Chunk prompts under the token budget (off: "
+                                         "each prompt is prefilled whole in one step)."),
+    max_prefill_chunk: int = typer.Option(0, min=0, help="Most prompt tokens of one request "
+                                          "per step (0 = the token budget)."),
+    preemption_mode: str = typer.Option("recompute", help="recompute or swap (to host memory)."),
+    swap_space: str = typer.Option("4GiB", help="Host memory for swapped-out KV (swap mode)."),
     seed: int = typer.Option(0),
+    sweep: Optional[str] = typer.Option(None, help="Comma-separated values of --sweep-param "
+                                        "(e.g. 1,2,4,8,16,32): one run per value, output "
+                                        "tokens/s against ITL and TTFT, JSON and a PNG."),
+    sweep_param: str = typer.Option("max-num-seqs", help="The dial --sweep turns: "
+                                    "max-num-seqs or token-budget."),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the results here."),
+    png_path: Optional[str] = typer.Option(None, "--png", help="With --sweep: the curve's PNG "
+                                           "(default: the --json path with .png, else "
+                                           "bench-sweep.png)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ):
     """Offline throughput and latency of the engine alone, on random prompts."""
@@ -131,23 +146,85 @@ def bench(
     from tokstream.bench import BenchSpec, bench_config, run_bench
     from tokstream.engine.llm import LLM
 
-    from tokstream.config import CacheConfig
+    from tokstream.config import CacheConfig, SchedulerConfig
     from tokstream.plan import parse_size
 
+    values = _parse_sweep(sweep, sweep_param) if sweep else None
+    if values and sweep_param == "max-num-seqs":
+        concurrency = max(concurrency, *values)  # enough callers to fill the largest batch
     spec = BenchSpec(num_requests, input_len, output_len, concurrency, seed)
     cache = CacheConfig(block_size=block_size, kv_cache_memory=(
-        parse_size(kv_cache_memory) if kv_cache_memory else None))
-    config = bench_config(model, dtype, device, spec, cache=cache)
-    config.scheduler.max_num_batched_tokens = max_num_batched_tokens
+        parse_size(kv_cache_memory) if kv_cache_memory else None),
+        preemption_mode=preemption_mode, swap_space=parse_size(swap_space))
+    scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                chunked_prefill=chunked_prefill,
+                                max_prefill_chunk=max_prefill_chunk)
+    config = bench_config(model, dtype, device, spec, cache=cache, scheduler=scheduler)
     if max_num_seqs is not None:
         config.scheduler.max_num_seqs = max_num_seqs
     console = Console(stderr=True)
+    if values:
+        _bench_sweep(config, spec, sweep_param, values, json_path, png_path, console)
+        return
     with LLM(config) as llm:
         with Progress(TextColumn("bench"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
                       TimeElapsedColumn(), console=console, transient=True) as progress:
             task = progress.add_task("tokens", total=num_requests * output_len)
             result = run_bench(llm, spec, on_token=lambda n: progress.advance(task, n))
     _print_bench(console, result)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def _parse_sweep(text: str, param: str) -> list[int]:
+    from tokstream.bench import SWEEP_PARAMS
+    from tokstream.errors import UserInputError
+
+    if param not in SWEEP_PARAMS:
+        raise UserInputError(f"--sweep-param must be one of {', '.join(SWEEP_PARAMS)}, "
+                             f"not {param!r}")
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserInputError(f"--sweep must be comma-separated integers, not {text!r}") from None
+    if not values or min(values) < 1:
+        raise UserInputError("--sweep needs at least one value, each >= 1")
+    return values
+
+
+def _bench_sweep(config, spec, param, values, json_path, png_path, console) -> None:
+    import os
+
+    from rich.table import Table
+
+    from tokstream.bench import plot_sweep, run_sweep
+    from tokstream.engine.llm import LLM
+
+    if param == "max-num-seqs":
+        config.scheduler.max_num_seqs = max(values)  # the pool is sized for the largest
+    table = Table(title=f"sweep over {param}: {spec.num_requests} x {spec.input_len}->"
+                        f"{spec.output_len}, {spec.concurrency} callers")
+    for column in (param, "out tok/s", "ITL p50 ms", "ITL p99 ms", "TTFT p50 s", "TTFT p99 s"):
+        table.add_column(column, justify="right")
+
+    def add_row(point):
+        console.print(f"{param}={point['value']}: {point['output_tokens_per_s']:.1f} output "
+                      "tokens/s")
+        table.add_row(str(point["value"]), f"{point['output_tokens_per_s']:.1f}",
+                      *(f"{point[key][q] * scale:.1f}" if scale == 1000 else
+                        f"{point[key][q]:.2f}" for key, scale in (("itl_s", 1000),
+                                                                  ("ttft_s", 1))
+                        for q in ("p50", "p99")))
+
+    with LLM(config) as llm:
+        result = run_sweep(llm, spec, param, values, on_point=add_row)
+    console.print(table)
+    png_path = png_path or (os.path.splitext(json_path)[0] + ".png" if json_path
+                            else "bench-sweep.png")
+    plot_sweep(result, png_path)
+    result["png"] = png_path
+    console.print(f"curve: {png_path}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
@@ -213,6 +290,10 @@ def serve(
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV block (default 16)."),
     max_num_seqs: Optional[int] = typer.Option(None, help="Most sequences in a step's batch (default 64)."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget per step (default 1024)."),
+    chunked_prefill: Optional[bool] = typer.Option(None, "--chunked-prefill/--no-chunked-prefill", help="Chunk prompts under the token budget (default on; off: each prompt is prefilled whole)."),
+    max_prefill_chunk: Optional[int] = typer.Option(None, help="Most prompt tokens of one request per step (default 0 = the token budget)."),
+    preemption_mode: Optional[str] = typer.Option(None, help="recompute (default) or swap (preempted KV to host memory)."),
+    swap_space: Optional[str] = typer.Option(None, help="Host memory for swapped-out KV, e.g. 4GiB (default; swap mode)."),
     max_waiting_requests: Optional[int] = typer.Option(None, help="Admission: most requests waiting for their first token (default 256)."),
     max_waiting_tokens: Optional[int] = typer.Option(None, help="Admission: most prompt tokens waiting (default 262144)."),
     max_pending_tokens: Optional[int] = typer.Option(None, help="Unread tokens past which a slow client's request is cancelled (default 4096)."),
@@ -233,9 +314,12 @@ def serve(
     flags = {
         "engine": {"model": model, "dtype": dtype, "device": device},
         "cache": {"kv_cache_memory": kv_cache_memory, "num_blocks": num_blocks,
-                  "block_size": block_size},
+                  "block_size": block_size, "preemption_mode": preemption_mode,
+                  "swap_space": swap_space},
         "scheduler": {"max_num_seqs": max_num_seqs,
-                      "max_num_batched_tokens": max_num_batched_tokens},
+                      "max_num_batched_tokens": max_num_batched_tokens,
+                      "chunked_prefill": chunked_prefill,
+                      "max_prefill_chunk": max_prefill_chunk},
         "server": {"host": host, "port": port, "served_model_name": served_model_name,
                    "tenants_file": tenants, "insecure": insecure or None,
                    "max_pending_tokens": max_pending_tokens, "ping_interval_s": ping_interval,

@@ -27,9 +27,10 @@ def build_settings(preset: dict[str, dict], flags: dict[str, dict]) -> tuple[Eng
         values.update({k: v for k, v in flags.get(section, {}).items() if v is not None})
         merged[section] = values
     cache = merged["cache"]
-    if "kv_cache_memory" in cache:
-        from tokstream.plan import parse_size
-        cache["kv_cache_memory"] = parse_size(cache["kv_cache_memory"])
+    from tokstream.plan import parse_size
+    for size in ("kv_cache_memory", "swap_space"):
+        if size in cache:
+            cache[size] = parse_size(cache[size])
     try:
         engine = EngineConfig(**merged["engine"], cache=CacheConfig(**cache),
                               scheduler=SchedulerConfig(**merged["scheduler"]))
