@@ -74,7 +74,7 @@ def test_concurrency_limit_is_429_with_retry_after(server):
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
             headers = {"x-api-key": ALICE}
             first = asyncio.ensure_future(arecord(client, "/v1/messages", anthropic_body(
-                max_tokens=600, ignore_eos=True), headers))
+                max_tokens=200, ignore_eos=True), headers))
             for _ in range(200):
                 state = (await client.get("/v1/state", headers={"x-api-key": ADMIN})).json()
                 if state["requests"]:

@@ -12,8 +12,8 @@ from tokstream.server.sse import EventStreamResponse, final_integrity, integrity
 from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
 from tokstream.server.validation import (check_fits, get_bool, get_int, get_number, get_object,
-                                         get_strings, read_json, reject_unsupported,
-                                         sampling_params, _kind)
+                                         get_strings, parse_off_loop, read_json,
+                                         reject_unsupported, sampling_params, _kind)
 from tokstream.server.responses import collect
 
 ROLES = ("user", "assistant")
@@ -195,7 +195,7 @@ async def create_message(request):
     server: Server = request.app.state.server
     tenant = server.authenticate(request.headers)
     body = await read_json(request, server.config.max_body_bytes)
-    prompt = parse(body, server)
+    prompt = await parse_off_loop(request, parse, body, server)
     request_id = f"msg_{uuid.uuid4().hex[:24]}"
     stream = server.submit(request_id, prompt, tenant, ANTHROPIC)
     headers = {"request-id": request_id}
@@ -217,5 +217,6 @@ async def count_tokens(request):
     body = await read_json(request, server.config.max_body_bytes)
     server.check_model(body.get("model"))
     reject_unsupported(body, {"tools": bool})
-    token_ids = encode_messages(server, chat_messages(body))
+    token_ids = await parse_off_loop(request, lambda: encode_messages(server,
+                                                                      chat_messages(body)))
     return JSONResponse({"input_tokens": len(token_ids)})

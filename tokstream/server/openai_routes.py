@@ -14,8 +14,8 @@ from tokstream.server.sse import EventStreamResponse, final_integrity, integrity
 from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
 from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_number,
-                                         get_object, get_strings, read_json, reject_unsupported,
-                                         sampling_params)
+                                         get_object, get_strings, parse_off_loop, read_json,
+                                         reject_unsupported, sampling_params)
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -220,7 +220,7 @@ async def _complete(request, chat: bool):
     server: Server = request.app.state.server
     tenant = server.authenticate(request.headers)
     body = await read_json(request, server.config.max_body_bytes)
-    prompt = parse(body, server, chat)
+    prompt = await parse_off_loop(request, parse, body, server, chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     stream = server.submit(request_id, prompt, tenant, OPENAI)
     headers = {"x-request-id": request_id}

@@ -150,19 +150,42 @@ class Stream:
 class DemuxMutation:
     """TEST ONLY: corrupts one token on its way from the engine to the channels, downstream of
     the engine's stamping, so tests can show the checker catches it. Set TOKSTREAM_DEMUX_MUTATION
-    to drop, repeat, swap or misroute; it fires once, on a token at output index `at_index`."""
+    to drop, repeat, swap or misroute (or a comma-separated sequence of them: each fires once,
+    in turn); a mutation fires on a token at output index `at_index`."""
 
-    def __init__(self, kind: str, at_index: int = 2):
-        if kind not in MUTATIONS:
-            raise ValueError(f"{MUTATION_ENV} must be one of {', '.join(MUTATIONS)}, not {kind!r}")
-        self.kind = kind
+    def __init__(self, kinds: str, at_index: int = 2):
+        self.kinds = [k.strip() for k in kinds.split(",") if k.strip()]
+        for kind in self.kinds:
+            if kind not in MUTATIONS:
+                raise ValueError(f"{MUTATION_ENV} must name mutations among "
+                                 f"{', '.join(MUTATIONS)}, not {kind!r}")
         self.at_index = at_index
-        self.done = False
         self._held: RequestDelta | None = None
+        self._spent: set[str] = set()
+        """Requests live when a mutation fired: the next one waits for newer requests, so
+        each run of a test sees one mutation."""
+        self._streams: dict[str, Stream] = {}
+
+    @property
+    def kind(self) -> str | None:
+        return self.kinds[0] if self.kinds else None
+
+    @property
+    def done(self) -> bool:
+        return not self.kinds
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        if value:
+            self.kinds.pop(0)  # this one fired; the next (if any) waits for its turn
+            self._spent = set(self._streams)
 
     def route(self, delta: RequestDelta, streams: dict[str, Stream]):
         """[(stream, delta)] to deliver instead of delta to its own stream."""
         own = streams[delta.request_id]
+        self._streams = streams
+        if delta.request_id in self._spent:
+            return [(own, delta)]
         held = self._held
         if held is not None and held.request_id == delta.request_id:
             self._held = None

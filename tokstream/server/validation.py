@@ -24,6 +24,7 @@ async def read_json(request, max_bytes: int) -> dict:
         if len(body) > max_bytes:
             raise ApiError("request_too_large",
                            f"body: more than the limit of {max_bytes} bytes")
+    request.state.body_bytes = len(body)
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -40,6 +41,19 @@ async def read_json(request, max_bytes: int) -> dict:
     if not isinstance(data, dict):
         raise bad_request("body", f"must be a JSON object, not {_kind(data)}")
     return data
+
+
+OFFLOAD_BYTES = 65536
+"""Bodies larger than this are tokenised on a worker thread, so a long prompt's chat template
+and tokenisation never hold up the event loop (and the streams it is writing)."""
+
+
+async def parse_off_loop(request, parse, *args):
+    """parse(*args) on a thread when the request body was large, inline otherwise."""
+    if getattr(request.state, "body_bytes", 0) > OFFLOAD_BYTES:
+        import asyncio
+        return await asyncio.to_thread(parse, *args)
+    return parse(*args)
 
 
 def _no_constants(name: str):
