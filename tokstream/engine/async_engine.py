@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import multiprocessing as mp
 import queue
 import threading
@@ -20,6 +21,8 @@ from tokstream.config import EngineConfig
 from tokstream.engine.core_process import core_main
 from tokstream.engine.messages import EngineRequest, RequestDelta, ScoreResult
 from tokstream.errors import OverloadedError, ReplicaError, UserInputError
+
+log = logging.getLogger("tokstream.engine")
 
 DeltaSink = Callable[[RequestDelta], None]
 """Called on the event loop thread with each delta of one request, in order."""
@@ -115,7 +118,10 @@ class AsyncEngine:
                     continue
                 if delta.finished:
                     del self._sinks[delta.request_id]
-                sink(delta)
+                try:
+                    sink(delta)
+                except Exception:  # one request's failure must not cost the others a token
+                    log.exception("delta sink for %s failed", delta.request_id)
         elif kind in ("state", "score"):
             future = self._replies.pop(message[1], None)
             if future is not None and not future.done():

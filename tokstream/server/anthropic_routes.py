@@ -8,7 +8,8 @@ from starlette.responses import JSONResponse
 
 from tokstream.errors import UserInputError
 from tokstream.server.errors import ANTHROPIC, api_route, bad_request
-from tokstream.server.sse import EventStreamResponse, final_integrity, integrity, sse
+from tokstream.server.sse import (EventStreamResponse, final_integrity, integrity, sse,
+                                  stream_failure)
 from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
 from tokstream.server.validation import (check_fits, get_bool, get_int, get_number, get_object,
@@ -124,16 +125,6 @@ def stop_reason(stream: Stream) -> tuple[str, str | None]:
     return "max_tokens", None
 
 
-def _failure(stream: Stream) -> tuple[str, str] | None:
-    final = stream.final
-    if final.finish_reason == "error":
-        down = "engine" in (final.error or "")
-        return ("overloaded_error" if down else "api_error"), final.error or "request failed"
-    if final.finish_reason == "abort":
-        return "api_error", "request aborted by the server"
-    return None
-
-
 class AnthropicFormatter:
     def __init__(self, stream: Stream, model: str):
         self.stream = stream
@@ -158,7 +149,7 @@ class AnthropicFormatter:
         return sse("content_block_delta", data)
 
     def finish(self, batch: Batch) -> bytes:
-        failure = _failure(self.stream)
+        failure = stream_failure(self.stream)
         if failure is not None:
             return self.error(*failure)
         reason, sequence = stop_reason(self.stream)
@@ -203,7 +194,7 @@ async def create_message(request):
         return EventStreamResponse(stream, AnthropicFormatter(stream, body["model"]),
                                    server.registry, server.config.ping_interval_s, headers)
     batch = await collect(stream, request.receive, server.registry)
-    failure = _failure(stream)
+    failure = stream_failure(stream)
     if failure is not None:
         from tokstream.server.errors import ApiError
         raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)

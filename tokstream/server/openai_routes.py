@@ -10,7 +10,8 @@ from starlette.responses import JSONResponse
 from tokstream.errors import UserInputError
 from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
 from tokstream.server.responses import collect
-from tokstream.server.sse import EventStreamResponse, final_integrity, integrity, sse
+from tokstream.server.sse import (EventStreamResponse, final_integrity, integrity, sse,
+                                  stream_failure)
 from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
 from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_number,
@@ -125,16 +126,6 @@ def finish_reason(stream: Stream) -> str:
     return "stop" if stream.final.finish_reason == "stop" else "length"
 
 
-def _failure(stream: Stream) -> tuple[str, str] | None:
-    final = stream.final
-    if final.finish_reason == "error":
-        down = "engine" in (final.error or "")
-        return ("overloaded_error" if down else "api_error"), final.error or "request failed"
-    if final.finish_reason == "abort":
-        return "api_error", "request aborted by the server"
-    return None
-
-
 def usage(stream: Stream) -> dict:
     final = stream.final
     return {"prompt_tokens": final.num_prompt_tokens,
@@ -178,7 +169,7 @@ class OpenAIFormatter:
         return sse(None, chunk)
 
     def finish(self, batch: Batch) -> bytes:
-        failure = _failure(self.stream)
+        failure = stream_failure(self.stream)
         if failure is not None:
             return self.error(*failure)
         chunk = self._chunk(None if self.chat else "", finish_reason(self.stream))
@@ -230,7 +221,7 @@ async def _complete(request, chat: bool):
         return EventStreamResponse(stream, formatter, server.registry,
                                    server.config.ping_interval_s, headers)
     batch = await collect(stream, request.receive, server.registry)
-    failure = _failure(stream)
+    failure = stream_failure(stream)
     if failure is not None:
         raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
     return JSONResponse(response_body(stream, batch, body["model"], chat), headers=headers)

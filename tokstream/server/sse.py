@@ -51,6 +51,22 @@ def integrity(batch: Batch) -> dict:
     return ext
 
 
+OVERLOAD_WORDS = ("engine", "replica", "down")
+
+
+def stream_failure(stream: Stream) -> tuple[str, str] | None:
+    """(error type, message) when a finished stream ended in failure, else None. A replica
+    failure is an overload (retry elsewhere or later); anything else an api_error."""
+    final = stream.final
+    if final.finish_reason == "error":
+        message = final.error or "request failed"
+        overloaded = any(word in message for word in OVERLOAD_WORDS)
+        return ("overloaded_error" if overloaded else "api_error"), message
+    if final.finish_reason == "abort":
+        return "api_error", "request aborted by the server"
+    return None
+
+
 def final_integrity(stream: Stream) -> dict:
     final = stream.final
     return {"request_id": stream.request_id, "num_output_tokens": final.num_output_tokens,

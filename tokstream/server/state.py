@@ -67,6 +67,7 @@ class Server:
         self._last_snapshot: dict | None = None
         self.metrics.engine.status = "ready"
         engine.on_dead = self._on_engine_dead
+        engine.on_status = self._on_engine_status
 
     # --- auth -------------------------------------------------------------------------------
 
@@ -99,7 +100,9 @@ class Server:
                                               f"{self.model_id!r}", param="model")
 
     def check_ready(self) -> None:
-        if self.status != "ready" or self.engine.dead is not None:
+        """Refuse new work when the replica is down. While it recovers, requests are taken
+        (they wait in the admission queue and run once it is back)."""
+        if self.status == "down" or self.engine.dead is not None:
             raise ApiError("overloaded_error", f"replica is {self.status}; retry later",
                            retry_after=5)
 
@@ -171,6 +174,14 @@ class Server:
         self.events.append({"time": time.time(), "kind": kind, "request_id": request_id,
                             **fields})
 
+    def _on_engine_status(self, status: str, reason: str | None) -> None:
+        previous, self.status = self.status, status
+        self.restarts = self.engine.restarts
+        self.metrics.engine.status = status
+        if previous == "recovering" and status == "ready":
+            self.metrics.restarts.inc()
+        self.event(f"replica_{status}", reason=reason)
+
     def _on_engine_dead(self, reason: str) -> None:
         log.error("engine core died: %s", reason)
         self.status = "down"
@@ -217,6 +228,7 @@ class Server:
                         "device": self.engine.config.device, "tp": self.engine.config.tp,
                         "max_model_len": self.max_model_len,
                         "uptime_s": time.time() - self.started,
+                        "recovery_s": list(getattr(self.engine, "recovery_seconds", [])),
                         "error": self.engine.dead},
             "ranks": ranks,
             "kv": kv,
