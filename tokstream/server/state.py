@@ -202,7 +202,9 @@ class Server:
         return self._last_snapshot
 
     async def snapshot(self) -> dict:
+        waited = time.perf_counter()
         core = await self.core_snapshot() or {}
+        started = time.perf_counter()
         now = time.monotonic()
         engine_rows = {row["id"]: row for row in core.get("requests", [])}
         requests = []
@@ -239,16 +241,22 @@ class Server:
                       "last_step_seqs": last.get("num_seqs", 0),
                       "last_step_ms": last.get("step_ms"),
                       "step_id": core.get("step_id", 0),
-                      "num_preemptions": core.get("num_preemptions", 0)},
+                      "num_preemptions": core.get("num_preemptions", 0),
+                      **{key: core[key] for key in (
+                          "chunked_prefill", "max_prefill_chunk", "preemption_mode",
+                          "num_swap_preemptions", "policy") if key in core}},
             "admission": self.admission.snapshot(),
             "requests": requests,
             "tenants": [t.row() for t in self.tenants.tenants] if self.tenants else [],
+            "fairness": core.get("tenants"),
             "events": events,
             "engine": {"pid": self.engine.pid, "alive": _alive(self.engine.pid)},
             "gateway": {"pid": os.getpid()},
             "memory": _memory([("gateway", os.getpid()), ("engine", self.engine.pid)]
                               + [(f"rank{r['rank']}", r["pid"]) for r in ranks],
                               self.engine.config.device),
+            "timing": {"core_wait_ms": (started - waited) * 1000,
+                       "gateway_build_ms": (time.perf_counter() - started) * 1000},
         }
 
 
