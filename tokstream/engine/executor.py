@@ -7,6 +7,7 @@ Workers are spawned (not forked) so they start clean, and they exit when the pip
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -158,9 +159,13 @@ class Executor:
         ready = self.group.wait_ready()
         # Ranks size their pools alike, but free memory can differ by a little between them.
         self.ready = min(ready, key=lambda r: r.num_blocks)
+        # Later groups (the spare, restarts) get exactly this pool size, whatever memory is
+        # free when they start.
+        self.group_config = dataclasses.replace(
+            config, cache=dataclasses.replace(config.cache, num_blocks=self.ready.num_blocks))
         self.spare: RankGroup | None = None
         if config.spare:
-            self.spare = RankGroup(config)
+            self.spare = RankGroup(self.group_config)
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.group.call(plan, "running a step")
@@ -183,7 +188,7 @@ class Executor:
         if self.spare is not None:
             self.group, self.spare = self.spare, None
         else:
-            self.group = RankGroup(self.config)
+            self.group = RankGroup(self.group_config)
         try:
             ready = self.group.wait_ready() if not self.group.ready else self.group.ready
         except UserInputError as exc:  # e.g. the model files went away since the first start
@@ -191,7 +196,7 @@ class Executor:
         if min(r.num_blocks for r in ready) < self.ready.num_blocks:
             raise ReplicaError("the restarted rank group has a smaller KV pool")
         if self.config.spare:
-            self.spare = RankGroup(self.config)  # loads in the background while we serve
+            self.spare = RankGroup(self.group_config)  # loads in the background meanwhile
         return time.monotonic() - started
 
     def shutdown(self) -> None:

@@ -214,12 +214,16 @@ def kv_pool_blocks(config: EngineConfig, model_config: ModelConfig, dtype: str,
     budget = config.cache.kv_cache_memory
     if budget is None:
         if device.type == "cuda":
+            # Each rank has a device of its own: its share is a fraction of that device.
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * config.cache.memory_fraction)
         else:
+            # Every rank (and a warm spare's) shares host memory: the budget is the replica's.
             import psutil
             available = psutil.virtual_memory().available
-            budget = min(DEFAULT_CPU_KV_MEMORY, int(available * config.cache.memory_fraction))
+            groups = 2 if config.spare else 1
+            budget = min(DEFAULT_CPU_KV_MEMORY,
+                         int(available * config.cache.memory_fraction) // groups) // config.tp
         # Without an explicit budget, stop at what the sequence cap could ever fill.
         blocks_per_seq = -(-model_config.max_position // config.cache.block_size)
         budget = min(budget, config.scheduler.max_num_seqs * blocks_per_seq * per_block)
