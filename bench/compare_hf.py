@@ -49,19 +49,14 @@ def section_hf(args) -> dict:
 
     from tokstream.bench import BenchSpec, random_prompts
     from tokstream.model.source import resolve_model
-    from tokstream.model.weights import load_state_dict
+    from tokstream.model.weights import hf_config_dict, load_state_dict
 
     torch.set_num_threads(os.cpu_count())
     source = resolve_model(args.model)
     c = source.config
     dtype = getattr(torch, args.dtype)
-    config = LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-        max_position_embeddings=c.max_position, rope_theta=c.rope_theta,
-        rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
-        attn_implementation="sdpa")
+    config = LlamaConfig.from_dict(hf_config_dict(c))
+    config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).to(dtype).eval()
     model.load_state_dict(load_state_dict(source, dtype), strict=False)
     model.tie_weights()

@@ -10,7 +10,7 @@ import torch
 from tokstream.config import EngineConfig
 from tokstream.engine.llm import LLM
 from tokstream.model.source import resolve_model
-from tokstream.model.weights import load_state_dict
+from tokstream.model.weights import hf_config_dict, load_state_dict
 from tokstream.sampling_params import SamplingParams
 from tokstream.tokenizer import load_tokenizer
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
@@ -55,15 +55,8 @@ def prompts(tokenizer):
 def hf_model(source, state_dict):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    c = source.config
-    hf_config = LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-        max_position_embeddings=c.max_position, rope_theta=c.rope_theta,
-        rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids),
-        attn_implementation="eager", torch_dtype=torch.float32)
+    hf_config = LlamaConfig.from_dict(hf_config_dict(source.config))
+    hf_config._attn_implementation = "eager"
     model = LlamaForCausalLM(hf_config).float().eval()
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
