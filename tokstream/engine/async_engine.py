@@ -42,7 +42,13 @@ class AsyncEngine:
         self.replica_status = "ready"
         """ready | recovering | down, as the core last reported (see EngineCore.recover)."""
         self.restarts = 0
+        """Rank-group restarts this core has done."""
+        self.resumed_requests = 0
+        """Requests this core put back in line after its rank-group restarts."""
         self.recovery_seconds: list[float] = []
+        self.keep_requests_on_death = False
+        """Set by an owner that resumes the live requests on a new engine after a death (the
+        gateway's supervisor): the sinks then get no error delta, and are simply dropped."""
         self.on_status: Callable[[str, str | None], None] | None = None
         """Called on the event loop thread with (status, reason) when the replica's status
         changes."""
@@ -130,8 +136,11 @@ class AsyncEngine:
             _, status, reason, info = message
             self.replica_status = status
             self.restarts = info["restarts"]
+            self.resumed_requests = info.get("resumed_requests", self.resumed_requests)
             self.info["worker_pids"] = info["worker_pids"]
-            if info.get("recovery_s") is not None and status == "ready":
+            # Only a new recovery's time (a retry while down reports the previous one again).
+            if info.get("recovery_s") is not None and status == "ready" \
+                    and info.get("recoveries", 1) > len(self.recovery_seconds):
                 self.recovery_seconds.append(info["recovery_s"])
             if self.on_status is not None:
                 self.on_status(status, reason)
@@ -140,8 +149,10 @@ class AsyncEngine:
                 return
             self.dead = message[1]
             sinks, self._sinks = self._sinks, {}
-            for request_id, sink in sinks.items():
-                sink(RequestDelta(request_id, [], 0, "", finish_reason="error", error=self.dead))
+            if not self.keep_requests_on_death:
+                for request_id, sink in sinks.items():
+                    sink(RequestDelta(request_id, [], 0, "", finish_reason="error",
+                                      error=self.dead))
             for future in self._replies.values():
                 if not future.done():
                     future.set_exception(ReplicaError(f"engine is down: {self.dead}"))

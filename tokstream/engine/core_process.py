@@ -5,7 +5,8 @@ client -> core: ("add", EngineRequest) | ("abort", request_id) | ("shutdown",)
 core -> client: ("ready", info) | ("failed", user_error, message) | ("deltas", [RequestDelta])
                 | ("state", token, snapshot dict) | ("score", token, ScoreResult | None,
                   error kind None|"user"|"overloaded"|"error", message) | ("dead", message)
-                | ("status", "ready"|"recovering"|"down", reason, {restarts, worker_pids, ...})
+                | ("status", "ready"|"recovering"|"down", reason, {restarts, worker_pids,
+                  resumed_requests, recoveries, recovery_s})
 State and score requests are answered between steps, so a reply waits at most one step.
 The core exits when the pipe closes, so it never outlives the process that started it.
 """
@@ -40,6 +41,7 @@ def core_main(conn, config: EngineConfig) -> None:
         "capacity": core.capacity_summary()}))
     core.on_status = lambda status, reason: conn.send(("status", status, reason, {
         "restarts": core.restarts, "worker_pids": core.executor.pids,
+        "resumed_requests": core.resumed_requests, "recoveries": len(core.recovery_seconds),
         "recovery_s": core.recovery_seconds[-1] if core.recovery_seconds else None}))
     try:
         _serve(conn, core)

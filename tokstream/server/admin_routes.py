@@ -16,9 +16,8 @@ MAX_SCORE_TOKENS = 65536
 
 async def health(request):
     server: Server = request.app.state.server
-    ready = server.status == "ready" and server.engine.dead is None
-    return JSONResponse({"status": server.status if not server.engine.dead else "down"},
-                        status_code=200 if ready else 503,
+    ready = server.status == "ready"
+    return JSONResponse({"status": server.status}, status_code=200 if ready else 503,
                         headers=None if ready else {"retry-after": "5"})
 
 

@@ -64,8 +64,10 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine = await AsyncEngine(engine_config).start()
+        server = None
         try:
-            app.state.server = Server(server_config, engine, tokenizer, model_id, aliases)
+            server = app.state.server = Server(server_config, engine, tokenizer, model_id,
+                                               aliases)
             if url is not None:
                 print(f"tokstream serve: ready on {url} (model {model_id}, "
                       f"{engine.info.get('dtype')}, {engine.info.get('num_blocks')} KV blocks; "
@@ -73,7 +75,8 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id
                       file=sys.stderr, flush=True)
             yield
         finally:
-            await engine.shutdown()
+            # The server's engine may be a later one than this (after an engine core restart).
+            await (server.close() if server is not None else engine.shutdown())
 
     app = Starlette(routes=routes(), lifespan=lifespan,
                     exception_handlers={HTTPException: http_error})

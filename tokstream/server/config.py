@@ -38,6 +38,9 @@ class ServerConfig:
     each; a fixed buffer bounds kernel memory per connection and lets a caller that stopped
     reading show up as backpressure within a few hundred KB instead of after megabytes of
     autotuned buffer. None keeps the kernel's autotuning."""
+    down_retry_s: float = 10.0
+    """While the replica is down because engine cores keep failing to start, seconds between
+    further tries."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self):
@@ -49,6 +52,8 @@ class ServerConfig:
             raise UserInputError("ping_interval_s must be > 0")
         if self.max_body_bytes < 1024:
             raise UserInputError("max_body_bytes must be >= 1024")
+        if not self.down_retry_s > 0:
+            raise UserInputError("down_retry_s must be > 0")
 
     def check_bind(self) -> None:
         """Refuse to expose an open (keyless) server beyond this machine unless told to."""

@@ -16,6 +16,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0, 40.0, 80.0)
+RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
+                    120.0, 300.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -98,11 +100,28 @@ class Metrics:
                                registry=r)
         self.live = Gauge("tokstream_live_streams", "Requests the gateway is serving.",
                           registry=r)
-        self.restarts = Counter("tokstream_restarts", "Engine restarts.", registry=r)
-        self.resumes = Counter("tokstream_resumes", "Requests resumed after a restart.",
-                               registry=r)
+        # kind: rank (the core replaced its rank group) or core (the gateway replaced the
+        # engine core process).
+        self.restarts = Counter("tokstream_restarts", "Replica restarts, by kind.", ["kind"],
+                                registry=r)
+        self.resumed = Counter("tokstream_resumed_requests", "Requests resumed (re-prefilled "
+                               "from prompt + delivered tokens) after a restart, by kind.",
+                               ["kind"], registry=r)
+        self.recovery = Histogram("tokstream_recovery_seconds", "From a failure seen to the "
+                                  "replica serving again, by kind.", ["kind"],
+                                  buckets=RECOVERY_BUCKETS, registry=r)
+        for kind in ("rank", "core"):  # both series exist from the start, at zero
+            self.restarts.labels(kind)
+            self.resumed.labels(kind)
+            self.recovery.labels(kind)
         self.engine = EngineCollector(model)
         r.register(self.engine)
+
+    def on_restart(self, kind: str, seconds: float | None, resumed: int) -> None:
+        self.restarts.labels(kind).inc()
+        self.resumed.labels(kind).inc(resumed)
+        if seconds is not None:
+            self.recovery.labels(kind).observe(seconds)
 
     def on_first_token(self, stream, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)

@@ -4,8 +4,10 @@ metrics, recent events; submitting a parsed request; and the /v1/state snapshot.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import random
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from tokstream.server.config import ServerConfig
 from tokstream.server.errors import ApiError
 from tokstream.server.metrics import Metrics
 from tokstream.server.streams import Stream, StreamRegistry
+from tokstream.server.supervisor import EngineSupervisor
 from tokstream.server.tenants import Tenant, Tenants, load_tenants
 from tokstream.tokenizer import Tokenizer
 
@@ -43,7 +46,6 @@ class Server:
     def __init__(self, config: ServerConfig, engine: AsyncEngine, tokenizer: Tokenizer,
                  model_id: str, aliases: set[str]):
         self.config = config
-        self.engine = engine
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.model_names = {model_id} | aliases
@@ -61,13 +63,27 @@ class Server:
         self.registry.on_first_token = self._on_first_token
         self.events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self.started = time.time()
-        self.status = "ready"
-        self.restarts = 0
         self._tenant_of: dict[str, Tenant] = {}
         self._last_snapshot: dict | None = None
+        self._seeds = random.SystemRandom()
         self.metrics.engine.status = "ready"
-        engine.on_dead = self._on_engine_dead
-        engine.on_status = self._on_engine_status
+        self.supervisor = EngineSupervisor(engine, self.registry, config.down_retry_s)
+        self.supervisor.on_status = self._on_status
+        self.supervisor.on_event = self.event
+        self.supervisor.on_restart = self.metrics.on_restart
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The current engine (a new one after the engine core is restarted)."""
+        return self.supervisor.engine
+
+    @property
+    def status(self) -> str:
+        """ready | recovering | down (see EngineSupervisor)."""
+        return self.supervisor.status
+
+    async def close(self) -> None:
+        await self.supervisor.close()
 
     # --- auth -------------------------------------------------------------------------------
 
@@ -101,10 +117,11 @@ class Server:
 
     def check_ready(self) -> None:
         """Refuse new work when the replica is down. While it recovers, requests are taken
-        (they wait in the admission queue and run once it is back)."""
-        if self.status == "down" or self.engine.dead is not None:
+        (they wait in the admission queue, or in the registry while the engine core itself
+        is replaced, and run once it is back)."""
+        if self.status == "down":
             raise ApiError("overloaded_error", f"replica is {self.status}; retry later",
-                           retry_after=5)
+                           retry_after=max(1, self.config.down_retry_s))
 
     # --- submit -----------------------------------------------------------------------------
 
@@ -122,12 +139,17 @@ class Server:
             self.event("refused", request_id, reason=error.message,
                        tenant=tenant.name if tenant else None)
             raise
+        params = prompt.params
+        if params.seed is None:
+            # Drawn here, not by the core, so that a request resumed on a new core after the
+            # old one died samples exactly as it would have on the old one.
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         try:
             # Tenants share the engine fairly by weight, in priority tiers, and never share
             # prefix-cache blocks (a cache hit would tell one tenant about another's prompts).
             fields = ({"tenant": tenant.name, "priority": tenant.priority,
                        "weight": tenant.weight, "cache_salt": tenant.name} if tenant else {})
-            stream = self.registry.open(request_id, prompt.token_ids, prompt.params,
+            stream = self.registry.open(request_id, prompt.token_ids, params,
                                         tenant.name if tenant else None, api,
                                         bounded=prompt.stream, engine_fields=fields)
         except (ReplicaError, UserInputError) as error:
@@ -174,25 +196,15 @@ class Server:
         self.events.append({"time": time.time(), "kind": kind, "request_id": request_id,
                             **fields})
 
-    def _on_engine_status(self, status: str, reason: str | None) -> None:
-        previous, self.status = self.status, status
-        self.restarts = self.engine.restarts
+    def _on_status(self, status: str, reason: str | None) -> None:
         self.metrics.engine.status = status
-        if previous == "recovering" and status == "ready":
-            self.metrics.restarts.inc()
         self.event(f"replica_{status}", reason=reason)
-
-    def _on_engine_dead(self, reason: str) -> None:
-        log.error("engine core died: %s", reason)
-        self.status = "down"
-        self.metrics.engine.status = "down"
-        self.event("engine_dead", reason=reason)
 
     # --- state ------------------------------------------------------------------------------
 
     async def core_snapshot(self) -> dict | None:
         """The core's latest snapshot; the previous one if the core is slow or gone."""
-        if self.engine.dead is None:
+        if self.engine.dead is None and not self.supervisor.replacing:
             try:
                 self._last_snapshot = await asyncio.wait_for(self.engine.state(),
                                                              STATE_TIMEOUT_S)
@@ -218,19 +230,27 @@ class Server:
             requests.append(row)
         kv = dict(core.get("kv", {}))
         last = core.get("last_step") or {}
-        worker_pids = core.get("worker_pids", self.engine.info.get("worker_pids", []))
+        # The current group's ranks (the core's snapshot may predate a restart).
+        worker_pids = self.engine.info.get("worker_pids") or core.get("worker_pids", [])
         ranks = [{"rank": rank, "pid": pid, "alive": _alive(pid)}
                  for rank, pid in enumerate(worker_pids)]
+        supervisor = self.supervisor
         events = sorted(list(self.events) + [
             {**e, "source": "engine"} for e in core.get("events", [])],
             key=lambda e: e["time"])[-MAX_EVENTS:]
         return {
-            "replica": {"status": self.status, "restarts": self.restarts,
+            "replica": {"status": self.status, "restarts": supervisor.total_restarts,
+                        # rank: the rank group replaced by the core; core: the engine core
+                        # process replaced by the gateway.
+                        "restarts_by_kind": dict(supervisor.restarts),
+                        "resumed_requests": dict(supervisor.resumed_requests),
+                        "recovery_s": {k: list(v) for k, v in
+                                       supervisor.recovery_seconds.items()},
                         "model": self.model_id, "dtype": self.engine.info.get("dtype"),
                         "device": self.engine.config.device, "tp": self.engine.config.tp,
+                        "spare": self.engine.config.spare,
                         "max_model_len": self.max_model_len,
                         "uptime_s": time.time() - self.started,
-                        "recovery_s": list(getattr(self.engine, "recovery_seconds", [])),
                         "error": self.engine.dead},
             "ranks": ranks,
             "kv": kv,

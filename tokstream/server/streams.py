@@ -118,10 +118,19 @@ class Stream:
     """Counted in the admission queue (until its first token or its end)."""
     writer: asyncio.Task | None = None
     """The task writing this stream to its caller (cancelled if the caller never drains)."""
+    engine_fields: dict = field(default_factory=dict)
+    """The EngineRequest's tenant, priority, weight and cache_salt (kept to resubmit it)."""
+    submissions: int = 0
+    """Engine cores this request was submitted to (more than one after a core restart)."""
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def live(self) -> bool:
+        """Still owed tokens by the engine: not finished, not cancelled by the gateway."""
+        return self.final is None and self.cancelled is None
 
     @property
     def waiting(self) -> bool:
@@ -144,6 +153,7 @@ class Stream:
             "age_s": now - self.arrival,
             "pending_tokens": self.channel.num_pending_tokens,
             "cancelled": self.cancelled,
+            "resumes": max(self.submissions - 1, 0),
         }
 
 
@@ -227,6 +237,9 @@ class StreamRegistry:
         """Called with (stream, reason) when the gateway cancels a request."""
         self.on_first_token = None
         """Called with (stream) when a request's first output token arrives."""
+        self.paused = False
+        """True while the engine core is being replaced: new streams are registered, and
+        submitted with the live ones once a new core is up (resubmit)."""
         mutation = mutation if mutation is not None else os.environ.get(MUTATION_ENV)
         self.mutation = DemuxMutation(mutation) if mutation else None
         if self.mutation:
@@ -242,15 +255,49 @@ class StreamRegistry:
         """Register a stream and submit its request to the engine (engine_fields: the
         EngineRequest's tenant, priority, weight, cache_salt)."""
         channel = Channel(self.max_pending_tokens if bounded else None)
-        stream = Stream(request_id, prompt_token_ids, params, tenant, api, channel)
+        stream = Stream(request_id, prompt_token_ids, params, tenant, api, channel,
+                        engine_fields=dict(engine_fields or {}))
         self.streams[request_id] = stream
+        if self.paused:
+            return stream
         try:
-            self.engine.add_request(EngineRequest(request_id, prompt_token_ids, params,
-                                                  **(engine_fields or {})), self._deliver)
+            self._submit(stream)
         except Exception:
             del self.streams[request_id]
             raise
         return stream
+
+    def engine_request(self, stream: Stream) -> EngineRequest:
+        """stream as an engine core takes it: prompt, params, and every token already
+        delivered (a resumed request is re-prefilled from those and goes on at the next
+        index)."""
+        return EngineRequest(stream.request_id, stream.prompt_token_ids, stream.params,
+                             output_token_ids=list(stream.delivered), **stream.engine_fields)
+
+    def _submit(self, stream: Stream) -> None:
+        self.engine.add_request(self.engine_request(stream), self._deliver)
+        stream.submissions += 1
+
+    def resubmit(self, engine: AsyncEngine) -> int:
+        """Hand every live stream, in arrival order, to engine (a new core after the last one
+        died) and stop pausing. Returns how many had been running on the old core."""
+        self.engine = engine
+        self.paused = False
+        resumed = 0
+        for stream in [s for s in self.streams.values() if s.live]:
+            resumed += stream.submissions > 0
+            self._submit(stream)
+        return resumed
+
+    def fail_live(self, message: str) -> int:
+        """End every live stream with an error (the replica is down); returns how many."""
+        live = [s for s in self.streams.values() if s.live]
+        for stream in live:
+            n = len(stream.delivered)
+            self._put(stream, RequestDelta(stream.request_id, [], n, "", finish_reason="error",
+                                           error=message, num_output_tokens=n,
+                                           num_prompt_tokens=stream.num_prompt_tokens))
+        return len(live)
 
     def close(self, stream: Stream, reason: str | None = None) -> None:
         """The caller is done with stream (finished, gone, or failed): forget it, and abort it

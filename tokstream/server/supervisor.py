@@ -1,0 +1,182 @@
+"""The gateway's supervisor of its engine core: the replica's status as callers see it, and a
+new core whenever the current one dies.
+
+A rank failure is the core's to handle (EngineCore.recover); the supervisor only follows the
+status the core reports. When the core process itself dies, the supervisor starts a new
+AsyncEngine (a new core and new ranks) and resubmits every live request as its prompt plus
+the tokens already delivered to its caller: the engine re-prefills them and goes on at the
+next output index. Sampling is a function of (seed, output position) and the gateway fixes
+each request's seed when it arrives, so a resumed stream continues exactly as it would have;
+its caller sees a pause (SSE pings), never an error. Requests that arrive meanwhile wait in
+the registry and are submitted with the others.
+
+After `max_recovery_attempts` failed starts in a row the replica is down: live streams end
+with an error event, new requests are refused, and a start is tried again every
+`retry_interval_s` until one succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import psutil
+
+from tokstream.engine.async_engine import AsyncEngine
+from tokstream.server.streams import StreamRegistry
+
+log = logging.getLogger("tokstream.server")
+
+KINDS = ("rank", "core")
+"""What a restart replaced: the rank group (by the core) or the engine core (by the gateway)."""
+
+
+class EngineSupervisor:
+    def __init__(self, engine: AsyncEngine, registry: StreamRegistry, retry_interval_s: float):
+        self.engine = engine
+        self.registry = registry
+        self.config = engine.config
+        self.retry_interval_s = retry_interval_s
+        self.status = "ready"
+        """ready | recovering | down: the core's own status, or the supervisor's while it
+        replaces the core."""
+        self.restarts = {kind: 0 for kind in KINDS}
+        self.resumed_requests = {kind: 0 for kind in KINDS}
+        self.recovery_seconds: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        """Rank: the core's time from detecting a failure to a ready group. Core: the gateway's
+        time from seeing the core dead to a new core holding every live request."""
+        self.on_status: Callable[[str, str | None], None] | None = None
+        """Called with (status, reason) on every status the replica reports or takes."""
+        self.on_event: Callable[..., None] | None = None
+        """Called with (kind, **fields) for the gateway's event log."""
+        self.on_restart: Callable[[str, float | None, int], None] | None = None
+        """Called with (kind, seconds or None, resumed requests) after each restart."""
+        self._seen = (0, 0, 0)
+        """The current core's (restarts, resumed requests, recoveries) already counted."""
+        self._task: asyncio.Task | None = None
+        self._starting: AsyncEngine | None = None
+        self._closing = False
+        self._attach(engine)
+
+    @property
+    def total_restarts(self) -> int:
+        return sum(self.restarts.values())
+
+    @property
+    def replacing(self) -> bool:
+        """True while the engine core is being replaced (or cannot be)."""
+        return self._task is not None and not self._task.done()
+
+    def _attach(self, engine: AsyncEngine) -> None:
+        engine.keep_requests_on_death = True
+        engine.on_status = self._on_core_status
+        engine.on_dead = self._on_core_dead
+        self._seen = (engine.restarts, engine.resumed_requests, len(engine.recovery_seconds))
+
+    def _set_status(self, status: str, reason: str | None) -> None:
+        self.status = status
+        if self.on_status is not None:
+            self.on_status(status, reason)
+
+    def _event(self, kind: str, **fields) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, **fields)
+
+    def _count(self, kind: str, seconds: float | None, resumed: int) -> None:
+        self.restarts[kind] += 1
+        self.resumed_requests[kind] += resumed
+        if seconds is not None:
+            self.recovery_seconds[kind].append(seconds)
+        if self.on_restart is not None:
+            self.on_restart(kind, seconds, resumed)
+
+    # --- rank failures: the core recovers, the gateway follows --------------------------------
+
+    def _on_core_status(self, status: str, reason: str | None) -> None:
+        engine = self.engine
+        restarts, resumed, recoveries = self._seen
+        self._seen = (engine.restarts, engine.resumed_requests, len(engine.recovery_seconds))
+        if engine.restarts > restarts:
+            seconds = (engine.recovery_seconds[-1] if len(engine.recovery_seconds) > recoveries
+                       else None)  # back from down: no recovery time of its own
+            self._count("rank", seconds, engine.resumed_requests - resumed)
+        self._set_status(status, reason)
+
+    # --- engine core death: the gateway starts another ---------------------------------------
+
+    def _on_core_dead(self, reason: str) -> None:
+        if self._closing:
+            return
+        log.error("engine core (pid %s) died: %s; starting another", self.engine.pid, reason)
+        self.registry.paused = True
+        self._event("engine_dead", reason=reason, pid=self.engine.pid)
+        self._set_status("recovering", f"engine core died: {reason}")
+        self._task = asyncio.get_running_loop().create_task(self._replace())
+
+    async def _replace(self) -> None:
+        started = time.monotonic()
+        await self.engine.shutdown()  # reap the dead core and close its pipe
+        failures = 0
+        while True:
+            engine, error = await self._start()
+            if engine is not None:
+                break
+            failures += 1
+            self._event("engine_restart_failed", reason=error, attempt=failures)
+            if failures == self.config.max_recovery_attempts:
+                self._go_down(error)
+            if failures >= self.config.max_recovery_attempts:
+                await asyncio.sleep(self.retry_interval_s)
+        was_down = self.status == "down"
+        self.engine = engine
+        self._attach(engine)
+        resumed = self.registry.resubmit(engine)
+        seconds = None if was_down else time.monotonic() - started
+        self._event("engine_restarted", pid=engine.pid, worker_pids=engine.info["worker_pids"],
+                    seconds=seconds, resumed=resumed)
+        self._count("core", seconds, resumed)
+        self._set_status(engine.replica_status, None)
+
+    async def _start(self) -> tuple[AsyncEngine | None, str | None]:
+        engine = AsyncEngine(self.config)
+        self._starting = engine
+        try:
+            await engine.start()
+        except Exception as exc:  # any failure to start is one failed attempt
+            log.error("engine core failed to start: %s", exc)
+            self._starting = None
+            return None, f"{type(exc).__name__}: {exc}"
+        self._starting = None
+        return engine, None
+
+    def _go_down(self, error: str) -> None:
+        attempts = self.config.max_recovery_attempts
+        message = f"replica down: the engine core failed to start {attempts} times: {error}"
+        self._set_status("down", message)
+        failed = self.registry.fail_live(message)
+        log.error("%s; %d live requests ended; retrying every %g s", message, failed,
+                  self.retry_interval_s)
+
+    async def close(self) -> None:
+        """Stop supervising and shut the engine down (and one still starting, if any)."""
+        self._closing = True
+        starting = self._starting
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if starting is not None and starting.process.is_alive():
+            # Its ranks, still loading, would only notice its death once loaded: end them too.
+            try:
+                ranks = psutil.Process(starting.process.pid).children(recursive=True)
+            except psutil.Error:
+                ranks = []
+            starting.process.kill()
+            for rank in ranks:
+                with contextlib.suppress(psutil.Error):
+                    rank.kill()
+            await asyncio.to_thread(starting.process.join, 5)
+            await asyncio.to_thread(psutil.wait_procs, ranks, 5)
+        await self.engine.shutdown()
