@@ -180,7 +180,8 @@ def plot_sweep(sweep: dict, path: str) -> None:
             ax.annotate(str(p["value"]), (xi, p[key]["p99"] * scale),
                         textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel("output tokens/s")
-        ax.set_ylabel(f"{key.split('_')[0].upper()} ({unit})")
+        ax.set_ylabel(f"{key.split('_')[0].upper()} ({unit}, log scale)")
+        ax.set_yscale("log")  # a prefill stall puts p99 an order of magnitude above p50
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{sweep['model']} {sweep['dtype']} {sweep['device']}: sweep over "
