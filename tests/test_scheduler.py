@@ -477,3 +477,19 @@ def test_aborting_a_swapped_request_frees_its_host_blocks():
     assert s.swap_space.num_free_blocks == 16 and not b.is_swapped
     run_to_end(s)
     assert a.output_token_ids == [7] * 14
+
+
+def test_requeue_after_a_lost_rank_group_drops_swapped_kv_and_its_host_blocks():
+    s = make_scheduler(num_blocks=6, block_size=4, swap_blocks=16)
+    a = make_request("a", prompt_len=8, max_tokens=14)
+    b = make_request("b", prompt_len=8, max_tokens=14)
+    s.add_request(a)
+    s.add_request(b)
+    while not b.is_swapped:
+        run_step(s)
+    s.requeue_all()  # the host copies died with the ranks
+    assert not b.is_swapped and b.num_computed_tokens == 0
+    assert s.swap_space.num_free_blocks == 16 and s.block_manager.num_free_blocks == 6
+    outs = run_to_end(s)
+    assert not any(out.swap_in for out in outs)
+    assert a.output_token_ids == [7] * 14 and b.output_token_ids == [7] * 14

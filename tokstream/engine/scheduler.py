@@ -204,7 +204,7 @@ class Scheduler:
             self.waiting.push_front(request)
         for request in self.waiting:
             if request.is_swapped:
-                request.swapped_block_ids = []
+                self._release_swap(request)  # the new ranks' host buffers start empty
                 request.num_computed_tokens = 0
         self._forgotten = []  # the new ranks know nothing to forget
 
