@@ -517,17 +517,17 @@ def main() -> None:
     if os.path.exists(args.out):
         with open(args.out) as f:
             out = json.load(f)  # a partial rerun keeps the other scenarios' last results
-    out.update({"date": time.strftime("%Y-%m-%d %H:%M:%S"), "model": args.model,
-                "dtype": args.dtype, "host_cores": os.cpu_count(),
-                "loadavg_at_start": os.getloadavg()[0], "args": vars(args)})
+    out.update({"model": args.model, "dtype": args.dtype, "host_cores": os.cpu_count()})
     started = time.perf_counter()
     for name in chosen:
         print(f"{name} ...", file=sys.stderr)
         began = time.perf_counter()
+        run_info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "loadavg_at_start": os.getloadavg()[0], "args": dict(vars(args))}
         result = globals()[name](args)
         result["wall_s"] = time.perf_counter() - began
-        result["loadavg_after"] = os.getloadavg()[0]
-        out[name] = rounded(result)
+        result["loadavg_after"] = os.getloadavg()[0]  # other users of the machine show here
+        out[name] = rounded({**run_info, **result})
         print(json.dumps(out[name]["targets"], indent=1), file=sys.stderr)
     out["wall_s"] = round(time.perf_counter() - started, 1)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
