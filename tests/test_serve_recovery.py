@@ -186,10 +186,12 @@ def model_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_folder):
-    # Prefix caching off: a prompt cached by an earlier run would skip its prefill.
+    # Prefix caching off: a prompt cached by an earlier run would skip its prefill. The step
+    # deadline is well above any step of this tiny model, even on a loaded 2-core machine
+    # (at 3 s a busy machine tripped it and counted a spurious restart).
     with ServerProcess("--profile", "ci", "--model", str(model_folder),
                        "--served-model-name", MODEL, "--tp", "2", "--spare",
-                       "--step-timeout", "3", "--max-recovery-attempts", "2",
+                       "--step-timeout", "10", "--max-recovery-attempts", "2",
                        "--down-retry-interval", "1", "--num-blocks", "2048",
                        "--max-num-batched-tokens", "32", "--no-prefix-caching") as server:
         yield server
