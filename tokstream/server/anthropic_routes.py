@@ -12,7 +12,7 @@ from tokstream.server.sse import (EventStreamResponse, final_integrity, integrit
                                   stream_failure)
 from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
-from tokstream.server.validation import (check_fits, get_bool, get_int, get_number, get_object,
+from tokstream.server.validation import (get_messages, check_fits, get_bool, get_int, get_number, get_object,
                                          get_strings, parse_off_loop, read_json,
                                          reject_unsupported, sampling_params, _kind)
 from tokstream.server.responses import collect
@@ -49,13 +49,7 @@ def _text_blocks(value, path: str, allow_empty: bool = False) -> str:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    messages = body.get("messages")
-    if messages is None:
-        raise bad_request("messages", "required")
-    if not isinstance(messages, list):
-        raise bad_request("messages", f"must be an array, not {_kind(messages)}")
-    if not messages:
-        raise bad_request("messages", "must contain at least one message")
+    messages = get_messages(body)
     chat = []
     system = body.get("system")
     if system is not None:

@@ -14,7 +14,7 @@ from tokstream.server.sse import (EventStreamResponse, final_integrity, integrit
                                   stream_failure)
 from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
-from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_number,
+from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int, get_number,
                                          get_object, get_strings, parse_off_loop, read_json,
                                          reject_unsupported, sampling_params)
 
@@ -52,13 +52,7 @@ def _content(value, path: str) -> str:
 
 
 def chat_prompt(body: dict, server: Server) -> list[int]:
-    messages = body.get("messages")
-    if messages is None:
-        raise bad_request("messages", "required")
-    if not isinstance(messages, list):
-        raise bad_request("messages", f"must be an array, not {_kind(messages)}")
-    if not messages:
-        raise bad_request("messages", "must contain at least one message")
+    messages = get_messages(body)
     chat = []
     for n, message in enumerate(messages):
         at = f"messages.{n}"

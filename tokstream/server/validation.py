@@ -129,6 +129,18 @@ def get_strings(body: dict, name: str, *, allow_single: bool, max_items: int = 1
     return value
 
 
+def get_messages(body: dict) -> list:
+    """The required, non-empty `messages` array (both APIs)."""
+    messages = body.get("messages")
+    if messages is None:
+        raise bad_request("messages", "required")
+    if not isinstance(messages, list):
+        raise bad_request("messages", f"must be an array, not {_kind(messages)}")
+    if not messages:
+        raise bad_request("messages", "must contain at least one message")
+    return messages
+
+
 def get_object(body: dict, name: str) -> dict | None:
     value = body.get(name)
     if value is not None and not isinstance(value, dict):
