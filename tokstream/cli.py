@@ -351,6 +351,16 @@ def hash_key_command(key: str = typer.Argument(..., help="An API key to store in
     typer.echo(hash_key(key))
 
 
+# Each of these modules imports only typer at the top, so `tokstream --help` stays instant.
+from tokstream.chaos.cli import app as _chaos_app  # noqa: E402
+from tokstream.loadgen.cli import loadtest as _loadtest  # noqa: E402
+from tokstream.top.cli import top as _top  # noqa: E402
+
+app.add_typer(_chaos_app, name="chaos")
+app.command("loadtest")(_loadtest)
+app.command("top")(_top)
+
+
 def main() -> None:
     app()
 
