@@ -1,6 +1,96 @@
-"""`tokstream chaos EXPERIMENT` (under construction: issue 6)."""
+"""`tokstream chaos EXPERIMENT`: fault experiments against a real server, checked by the
+stream-history checker. Exit 0 only if every invariant held; 1 if one broke; 2 on bad input."""
+
+from __future__ import annotations
+
+from typing import Optional
 
 import typer
 
 app = typer.Typer(help="Fault experiments against a real server, with a stream-history checker.",
                   no_args_is_help=True)
+
+URL = typer.Option(None, "--url", help="Target this running server (on this machine) instead "
+                   "of starting one.")
+ADMIN_KEY = typer.Option(None, "--admin-key", envvar="TOKSTREAM_ADMIN_KEY",
+                         help="With --url: the admin key for /v1/state and /v1/score.")
+API_KEY = typer.Option(None, "--api-key", envvar="TOKSTREAM_API_KEY",
+                       help="With --url: the key for the API routes (default: the admin key).")
+MODEL = typer.Option("smollm2", "--model", "-m", help="Model of the server chaos starts.")
+DEVICE = typer.Option("cpu", "--device", help="cpu or cuda (the server chaos starts).")
+DTYPE = typer.Option(None, "--dtype", help="dtype of the server chaos starts (default auto).")
+TP = typer.Option(None, "--tp", help="Ranks of the server chaos starts (default: the smallest "
+                  "of at least 2 dividing the model's heads; 3 for SmolLM2).")
+SPARE = typer.Option(False, "--spare/--no-spare", help="Start the server with a warm spare.")
+STREAMS = typer.Option(None, "--streams", help="Streams per round (default per experiment).")
+MAX_TOKENS = typer.Option(32, "--max-tokens", help="Output tokens of each decoding stream.")
+REPEAT = typer.Option(1, "--repeat", help="Rounds in a row, one fault each.")
+SEED = typer.Option(0, "--seed", help="Chooses the prompts, the seeds, which stream and which "
+                    "token index trigger the fault, who hangs up and when.")
+STEP_TIMEOUT = typer.Option(10.0, "--step-timeout", help="Step deadline of the server chaos "
+                            "starts (what catches stall-rank).")
+TIMEOUT = typer.Option(600.0, "--timeout", help="Most seconds a round's streams may take.")
+JSON = typer.Option(None, "--json", help="Write the report here.")
+
+
+def _run(experiment: str, rank: Optional[int], url, admin_key, api_key, model, device, dtype,
+         tp, spare, streams, max_tokens, repeat, seed, step_timeout, timeout, json_path) -> None:
+    from rich.console import Console
+
+    from tokstream.chaos.report import render, write_json
+    from tokstream.chaos.runner import Options, run
+    from tokstream.errors import UserInputError
+
+    try:
+        options = Options(experiment, rank, url, admin_key, api_key, model, device, dtype, tp,
+                          spare, streams, max_tokens, repeat, seed, step_timeout, timeout)
+        report = run(options)
+    except UserInputError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted: the server chaos started is stopped", err=True)
+        raise typer.Exit(130)
+    if json_path:
+        write_json(report, json_path)
+    render(report, Console())
+    raise typer.Exit(0 if report["ok"] else 1)
+
+
+def _command(name: str, doc: str, with_rank: bool):
+    """One subcommand per experiment, all with the same options."""
+    def command(url: Optional[str] = URL, admin_key: Optional[str] = ADMIN_KEY,
+                api_key: Optional[str] = API_KEY, model: str = MODEL, device: str = DEVICE,
+                dtype: Optional[str] = DTYPE, tp: Optional[int] = TP, spare: bool = SPARE,
+                streams: Optional[int] = STREAMS, max_tokens: int = MAX_TOKENS,
+                repeat: int = REPEAT, seed: int = SEED, step_timeout: float = STEP_TIMEOUT,
+                timeout: float = TIMEOUT, json_path: Optional[str] = JSON):
+        _run(name, None, url, admin_key, api_key, model, device, dtype, tp, spare,
+             streams, max_tokens, repeat, seed, step_timeout, timeout, json_path)
+
+    command.__doc__ = doc
+    if with_rank:
+        def ranked(rank: int = typer.Argument(..., help="Which rank (0-based)."),
+                   url: Optional[str] = URL, admin_key: Optional[str] = ADMIN_KEY,
+                   api_key: Optional[str] = API_KEY, model: str = MODEL, device: str = DEVICE,
+                   dtype: Optional[str] = DTYPE, tp: Optional[int] = TP, spare: bool = SPARE,
+                   streams: Optional[int] = STREAMS, max_tokens: int = MAX_TOKENS,
+                   repeat: int = REPEAT, seed: int = SEED, step_timeout: float = STEP_TIMEOUT,
+                   timeout: float = TIMEOUT, json_path: Optional[str] = JSON):
+            _run(name, rank, url, admin_key, api_key, model, device, dtype, tp, spare, streams,
+                 max_tokens, repeat, seed, step_timeout, timeout, json_path)
+
+        ranked.__doc__ = doc
+        return ranked
+    return command
+
+
+for _name, _doc, _with_rank in (
+        ("kill-rank", "SIGKILL rank N mid-batch: streams decoding, a long prompt mid-prefill.",
+         True),
+        ("stall-rank", "SIGSTOP rank N (a hang) and leave it to the step deadline.", True),
+        ("kill-engine", "SIGKILL the engine core process.", False),
+        ("disconnect-storm", "Half the clients hang up at random moments.", False),
+        ("cache-exhaustion", "A KV pool far too small for the load, forcing preemption.", False),
+        ("slow-client", "Clients that stop reading.", False)):
+    app.command(_name)(_command(_name, _doc, _with_rank))

@@ -7,9 +7,10 @@ import time
 
 from starlette.responses import JSONResponse, Response
 
+from tokstream.server.anthropic_routes import chat_messages, encode_messages
 from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
 from tokstream.server.state import Server
-from tokstream.server.validation import _kind, get_int, read_json
+from tokstream.server.validation import _kind, get_int, parse_off_loop, read_json
 
 MAX_SCORE_TOKENS = 65536
 
@@ -79,7 +80,9 @@ def _token_ids(body: dict, name: str, required: bool) -> list[int] | None:
 @api_route(OPENAI)
 async def score(request):
     """Body: {"token_ids": [...], "start": 1} scores positions start..n-1; or
-    {"prompt_token_ids": [...], "output_token_ids": [...]} scores the outputs."""
+    {"prompt_token_ids": [...], "output_token_ids": [...]} scores the outputs; or
+    {"messages": [...], "system"?: ..., "output_token_ids": [...]} (the prompt as
+    /v1/messages builds it)."""
     server: Server = request.app.state.server
     server.authenticate_admin(request.headers)
     body = await read_json(request, server.config.max_body_bytes)
@@ -87,7 +90,15 @@ async def score(request):
         server.check_model(body["model"])
     server.check_ready()
     outputs = _token_ids(body, "output_token_ids", False)
-    if outputs is not None:
+    if outputs is not None and "messages" in body:
+        # The prompt exactly as POST /v1/messages builds it (chat template, system), so a
+        # caller holding only its request and the streamed token ids can re-score them.
+        prompt = await parse_off_loop(request, lambda: encode_messages(server,
+                                                                       chat_messages(body)))
+        if not outputs:
+            raise bad_request("output_token_ids", "must not be empty")
+        token_ids, start = prompt + outputs, len(prompt)
+    elif outputs is not None:
         prompt = _token_ids(body, "prompt_token_ids", True)
         if not prompt:
             raise bad_request("prompt_token_ids", "must not be empty")

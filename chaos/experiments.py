@@ -1,0 +1,160 @@
+"""The experiments: what server each starts, what workload each sends, which fault it injects.
+
+A workload is plain StreamSpecs. Streams mix the two APIs and three kinds of sampling (greedy,
+seeded, unseeded), use ignore_eos so that their lengths are known (a fault must find them
+still decoding), and draw every choice from the experiment's seeded random generator.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from tokstream.errors import UserInputError
+
+from tokstream.chaos.workload import StreamSpec
+
+TOPICS = ("the sea", "a lighthouse keeper", "prime numbers", "a city at night", "bees",
+          "the first computer", "a mountain village", "the moon landing", "a lost key",
+          "an old library", "rain on a tin roof", "a chess match", "the northern lights",
+          "a bakery at dawn", "a paper boat", "the last train home")
+FILLER = "The quick brown fox jumps over the lazy dog while the river runs to the sea. "
+PROMPT_ESTIMATE_TOKENS = 96
+"""An upper bound on a decode stream's prompt (about 40-60 tokens with a chat template), to
+size a KV pool before the server that could count them exists."""
+SIGNALS = {"kill-rank": "SIGKILL", "stall-rank": "SIGSTOP", "kill-engine": "SIGKILL"}
+
+
+@dataclass
+class Experiment:
+    name: str
+    summary: str
+    fault: str | None
+    """kill-rank | stall-rank | kill-engine: a signal; None: the workload is the fault."""
+    default_streams: int
+    serve_args: list[str] = field(default_factory=list)
+    """Extra `tokstream serve` flags when the experiment starts its own server."""
+    reference: str | None = "batch"
+    """How the fault-free run of the greedy and seeded streams goes: batch (all at once, as
+    in the experiment), solo (one at a time: the experiment itself changes batching), None."""
+
+
+def experiment(name: str, max_tokens: int, step_timeout_s: float) -> Experiment:
+    # A small token budget spreads a long prompt's prefill over many steps, so a fault can
+    # land in the middle of it.
+    mid_batch = ["--max-num-batched-tokens", "64", "--step-timeout", str(step_timeout_s)]
+    pool = 2 * math.ceil((PROMPT_ESTIMATE_TOKENS + max_tokens) / 16)
+    return {
+        "kill-rank": Experiment("kill-rank", "SIGKILL one tensor-parallel rank mid-batch "
+                                "(streams decoding, a long prompt mid-prefill)", "kill-rank",
+                                4, mid_batch),
+        "stall-rank": Experiment("stall-rank", "SIGSTOP one rank (a hang) and leave it to the "
+                                 "step deadline", "stall-rank", 4, mid_batch),
+        "kill-engine": Experiment("kill-engine", "SIGKILL the engine core process",
+                                  "kill-engine", 4, mid_batch),
+        "disconnect-storm": Experiment("disconnect-storm", "half the clients hang up at "
+                                       "random moments", None, 8, reference=None),
+        "cache-exhaustion": Experiment("cache-exhaustion", "a KV pool far too small for the "
+                                       "load, forcing preemption", None, 8,
+                                       ["--block-size", "16", "--num-blocks", str(pool)],
+                                       reference="solo"),
+        "slow-client": Experiment("slow-client", "clients that stop reading", None, 6,
+                                  ["--max-pending-tokens", "32", "--slow-client-grace", "120"],
+                                  reference=None),
+    }[name]
+
+
+@dataclass
+class ServerFacts:
+    """What sizing a workload needs to know about the server (from /v1/state)."""
+
+    model: str
+    token_budget: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    tokens_per_filler: float
+    """Prompt tokens one FILLER sentence adds."""
+
+
+def message(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def decode_stream(i: int, rng: random.Random, model: str, max_tokens: int) -> StreamSpec:
+    """Stream i: greedy, seeded or unseeded in turn; every fourth on the OpenAI route."""
+    topic = TOPICS[i % len(TOPICS)]
+    kind = i % 3
+    sampling = ({"temperature": 0} if kind == 0 else
+                {"temperature": 0.8, "top_p": 0.95, "seed": rng.randrange(2**31)} if kind == 1
+                else {"temperature": 0.8})
+    body = {"model": model, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "messages": message(f"Write a long story about {topic}."), **sampling}
+    if i % 4 == 3:
+        return StreamSpec(f"s{i}", "/v1/chat/completions",
+                          {**body, "stream_options": {"include_usage": True}})
+    return StreamSpec(f"s{i}", "/v1/messages", body)
+
+
+def long_prompt_stream(facts: ServerFacts, round_index: int, seed: int) -> StreamSpec:
+    """A prompt of about eight token budgets (prefilled over as many steps or more), different
+    in every round so the prefix cache cannot skip its prefill."""
+    target = min(8 * facts.token_budget, facts.max_model_len // 2)
+    count = max(1, round(target / facts.tokens_per_filler))
+    text = f"Round {round_index}, seed {seed}. Summarise this text. " + FILLER * count
+    return StreamSpec("long", "/v1/messages", {
+        "model": facts.model, "max_tokens": 8, "stream": True, "ignore_eos": True,
+        "temperature": 0, "messages": message(text)}, role="long-prompt")
+
+
+def workload(exp: Experiment, facts: ServerFacts, num_streams: int, max_tokens: int, seed: int,
+             round_index: int) -> list[StreamSpec]:
+    """The round's streams; for signal experiments the long prompt is last (sent later, when
+    the trigger is near). The streams' prompts and seeds are the same in every round (so one
+    fault-free reference run serves them all); who hangs up or stops reading, and when,
+    changes from round to round."""
+    base, rng = random.Random(seed), random.Random(f"{seed}/{round_index}/workload")
+    if exp.name == "disconnect-storm":
+        specs = [decode_stream(i, base, facts.model, max_tokens) for i in range(num_streams)]
+        for spec in rng.sample(specs, num_streams // 2):
+            spec.hang_up_after = rng.randint(1, max_tokens - 1)
+        return specs
+    if exp.name == "cache-exhaustion":
+        return [decode_stream(i, base, facts.model, exhausting_max_tokens(facts, num_streams,
+                                                                          max_tokens))
+                for i in range(num_streams)]
+    if exp.name == "slow-client":
+        specs = []
+        for i in range(num_streams):
+            slow = i % 2 == 1
+            spec = decode_stream(i, base, facts.model, SLOW_MAX_TOKENS if slow else max_tokens)
+            if slow:
+                spec.stop_reading_after = rng.randint(1, 8)
+                spec.role = "slow"
+            specs.append(spec)
+        return specs
+    specs = [decode_stream(i, base, facts.model, max_tokens) for i in range(num_streams)]
+    return specs + [long_prompt_stream(facts, round_index, seed)]
+
+
+SLOW_MAX_TOKENS = 1500
+"""Long enough that a client reading nothing fills its socket and the server's pending limit."""
+
+
+def exhausting_max_tokens(facts: ServerFacts, num_streams: int, max_tokens: int) -> int:
+    """max_tokens per stream such that the streams together need at least twice the pool."""
+    pool_tokens = facts.num_blocks * facts.block_size
+    needed = math.ceil(2 * pool_tokens / num_streams) - PROMPT_ESTIMATE_TOKENS
+    tokens = max(max_tokens, needed)
+    if tokens + PROMPT_ESTIMATE_TOKENS > facts.max_model_len:
+        raise UserInputError(
+            f"the server's KV pool ({pool_tokens} tokens) is too large to exhaust with "
+            f"{num_streams} streams of at most {facts.max_model_len} tokens; pass more "
+            "--streams, or let chaos start its own server (it uses a small pool)")
+    return tokens
+
+
+def trigger_point(rng: random.Random, num_streams: int, max_tokens: int) -> tuple[int, int]:
+    """(j, k): the fault fires once stream j has received k tokens."""
+    return rng.randrange(num_streams), rng.randint(2, max(2, max_tokens // 3))

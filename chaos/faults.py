@@ -1,0 +1,100 @@
+"""Faults: real signals to real processes, whose pids come from /v1/state, sent at a logical
+moment (stream j has received k tokens; for kill-rank also while a prompt is mid-prefill)."""
+
+from __future__ import annotations
+
+import signal
+
+import psutil
+
+from tokstream.errors import UserInputError
+
+from tokstream.chaos.api import ServerAPI
+from tokstream.chaos.workload import Recorder, StreamSpec
+
+TRIGGER_TIMEOUT_S = 300.0
+
+
+def victim(state: dict, fault: str, rank: int | None) -> tuple[str, int]:
+    """(what, pid) the fault hits, checked to be a process of the server that reported it
+    (a descendant of its gateway), so a stale or foreign pid is never signalled."""
+    if fault == "kill-engine":
+        what, pid = "engine core", state["engine"]["pid"]
+    else:
+        ranks = state["ranks"]
+        if rank is None or not 0 <= rank < len(ranks):
+            raise UserInputError(f"rank {rank}: the server has ranks 0..{len(ranks) - 1} "
+                                 f"(--tp {len(ranks)})")
+        what, pid = f"rank {rank}", ranks[rank]["pid"]
+    gateway = state["gateway"]["pid"]
+    try:
+        process = psutil.Process(pid)
+        if gateway not in {parent.pid for parent in process.parents()}:
+            raise UserInputError(f"{what} pid {pid} is not a child of the server's gateway "
+                                 f"(pid {gateway}); refusing to signal it")
+    except psutil.NoSuchProcess:
+        raise UserInputError(f"{what} pid {pid} from /v1/state is not running on this "
+                             "machine; chaos needs a server on this machine") from None
+    return what, pid
+
+
+def prefilling(state: dict, request_id: str | None) -> dict | None:
+    """The request's /v1/state row while its prompt is part-way through prefill."""
+    for row in state["requests"]:
+        computed = row.get("computed_tokens") or 0
+        if row["id"] == request_id and row["state"] == "running" \
+                and 0 < computed < row["prompt_tokens"]:
+            return row
+    return None
+
+
+def decoding(state: dict) -> list[dict]:
+    return [r for r in state["requests"] if r["state"] == "running"
+            and (r.get("output_tokens") or 0) > 0]
+
+
+async def await_trigger(api: ServerAPI, recorder: Recorder, fault: str, j: int, k: int,
+                        long_spec: StreamSpec | None) -> tuple[dict | None, str]:
+    """Wait for the moment; returns (the /v1/state snapshot taken at it, a description), or
+    (None, why not) if the workload never got there. The long prompt is sent once stream j
+    has its k tokens, so that its prefill overlaps their decoding."""
+    if not await recorder.until(j, k, TRIGGER_TIMEOUT_S):
+        return None, f"stream s{j} ended or stalled before receiving {k} tokens"
+    if long_spec is not None:
+        recorder.start(long_spec)
+    if fault != "kill-rank" or long_spec is None:
+        return await api.state(), f"stream s{j} had received {k} tokens"
+    long = recorder.histories[-1]
+
+    def mid_batch(state: dict) -> bool:
+        return (prefilling(state, long.request_id) is not None
+                and len(decoding(state)) >= 2)
+
+    state, found = await api.state_until(mid_batch, TRIGGER_TIMEOUT_S)
+    if not found:
+        return None, ("no moment with the long prompt mid-prefill and two streams decoding "
+                      "(is the server's token budget large enough to prefill it in one step?)")
+    row = prefilling(state, long.request_id)
+    return state, (f"stream s{j} had received {k} tokens; the long prompt was mid-prefill "
+                   f"({row['computed_tokens']}/{row['prompt_tokens']} tokens) while "
+                   f"{len(decoding(state))} streams were decoding")
+
+
+def inject(fault: str, pid: int) -> psutil.Process:
+    """Send the fault's signal to pid; returns the process (psutil re-checks its identity
+    before any later signal, so a reused pid is never hit)."""
+    process = psutil.Process(pid)
+    process.send_signal(signal.SIGSTOP if fault == "stall-rank" else signal.SIGKILL)
+    return process
+
+
+def release_stopped(process: psutil.Process) -> str:
+    """A stopped process is never left behind: continued if it is still there (the engine
+    should have SIGKILLed it). Returns what was found."""
+    try:
+        if process.status() != psutil.STATUS_ZOMBIE:
+            process.send_signal(signal.SIGCONT)
+            return "still there: continued (SIGCONT)"
+    except psutil.NoSuchProcess:
+        pass
+    return "gone (the engine killed it)"

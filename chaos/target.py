@@ -1,0 +1,168 @@
+"""The server an experiment runs against: one it was pointed at (`--url`), or one it starts on
+127.0.0.1 with a free port and a fresh admin key, and tears down on every exit path."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import psutil
+
+from tokstream.errors import UserInputError
+
+READY = re.compile(r"ready on (http://\S+)")
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 20.0
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Target:
+    url: str
+    admin_key: str | None
+    """Sent on admin routes (/v1/state, /v1/score)."""
+    client_key: str | None
+    """Sent on the API routes (a tenant key on a server with a tenants file)."""
+    own: bool
+    """True when the experiment started this server (and may send it signals)."""
+    description: dict = field(default_factory=dict)
+
+    def headers(self, admin: bool = False) -> dict[str, str]:
+        key = self.admin_key if admin else self.client_key
+        return {"x-api-key": key, "authorization": f"Bearer {key}"} if key else {}
+
+
+def check_local(url: str) -> str:
+    """Chaos sends real signals to the pids a server reports: only ever a local one."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise UserInputError(f"--url must be http://HOST:PORT, not {url!r}")
+    if parsed.hostname not in LOCAL_HOSTS:
+        raise UserInputError(f"--url {url}: chaos only targets a server on this machine "
+                             "(127.0.0.1 or localhost); it signals the server's processes")
+    return url.rstrip("/")
+
+
+def default_tp(model: str) -> int:
+    """The smallest tensor-parallel size of at least 2 that divides the model's query and KV
+    heads (SmolLM2's 9 and 3: 3), so that a rank can die while the others hold their shards."""
+    from tokstream.model.source import resolve_model
+
+    config = resolve_model(model).config
+    for tp in range(2, config.num_heads + 1):
+        if config.num_heads % tp == 0 and config.num_kv_heads % tp == 0:
+            return tp
+    raise UserInputError(f"model {model}: no tensor-parallel size of 2 or more divides its "
+                         f"{config.num_heads} query and {config.num_kv_heads} KV heads")
+
+
+class OwnServer:
+    """`with OwnServer(args) as target:` a `tokstream serve` child process, in its own session
+    (Ctrl-C reaches only chaos, which then tears the server down in order), that also gets
+    SIGTERM if chaos itself dies."""
+
+    def __init__(self, serve_args: list[str], env: dict[str, str] | None = None):
+        self.serve_args = serve_args
+        self.env = {**os.environ, **(env or {})}
+        self.log: list[str] = []
+        self.process: subprocess.Popen | None = None
+        self._tmp = tempfile.TemporaryDirectory(prefix="tokstream-chaos-")
+
+    def __enter__(self) -> Target:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _start(self) -> Target:
+        admin_key, client_key = (f"sk-chaos-{secrets.token_hex(16)}" for _ in range(2))
+        tenants = Path(self._tmp.name) / "tenants.toml"
+        tenants.write_text(f'admin_key_sha256 = "{_sha256(admin_key)}"\n\n[[tenant]]\n'
+                           f'name = "chaos"\nkey_sha256 = "{_sha256(client_key)}"\n')
+        command = [sys.executable, "-m", "tokstream", "serve", "--host", "127.0.0.1",
+                   "--port", "0", "--tenants", str(tenants), *self.serve_args]
+        self.process = subprocess.Popen(
+            command, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True, start_new_session=True,
+            preexec_fn=_die_with_parent)
+        found: list[str] = []
+        ready = threading.Event()
+
+        def drain() -> None:
+            for line in self.process.stderr:
+                self.log.append(line.rstrip("\n"))
+                del self.log[:-200]
+                match = READY.search(line)
+                if match and not found:
+                    found.append(match.group(1))
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=drain, daemon=True).start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not ready.wait(0.2):
+            if time.monotonic() > deadline:
+                break
+        if not found:
+            raise RuntimeError("the server did not start:\n" + "\n".join(self.log[-30:]))
+        return Target(found[0], admin_key, client_key, own=True,
+                      description={"command": " ".join(command[2:]), "pid": self.process.pid})
+
+    def stop(self) -> None:
+        """SIGTERM the gateway (it stops its engine core, which stops its ranks), then
+        SIGKILL whatever of the tree is still there."""
+        process, self.process = self.process, None
+        if process is not None:
+            try:  # psutil checks each process's identity, so a reused pid is never signalled
+                tree = [psutil.Process(process.pid)]
+                tree += tree[0].children(recursive=True)
+            except psutil.Error:
+                tree = []
+            _each(tree, "resume")  # a stopped process ignores SIGTERM until it is continued
+            process.terminate()
+            try:
+                process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+            _each(tree, "kill")
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self._tmp.cleanup()
+
+
+def _sha256(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _each(processes: list[psutil.Process], action: str) -> None:
+    for process in processes:
+        try:
+            getattr(process, action)()
+        except psutil.Error:
+            pass
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
