@@ -1,9 +1,50 @@
-"""`tokstream loadtest` (under construction: issue 7)."""
+"""`tokstream loadtest`: Locust-driven workload mixes against a running server."""
+
+from typing import Optional
 
 import typer
 
 
-def loadtest():
-    """Locust-driven mixed workloads (under construction)."""
-    typer.echo("error: tokstream loadtest is not built yet", err=True)
-    raise typer.Exit(1)
+def loadtest(
+    url: str = typer.Option("http://127.0.0.1:8000", help="The server to load."),
+    mix: str = typer.Option("chat", help="A mix in profiles/mixes/ (chat, mixed, long-prompt-flood, shared-prefix, hot-tenant, agent-never-stops) or a TOML file."),
+    api: str = typer.Option("anthropic", help="anthropic (/v1/messages) or openai (/v1/chat/completions)."),
+    users: Optional[int] = typer.Option(None, help="Closed loop: concurrent users. Open loop: most requests in flight. Default: the mix's."),
+    rate: Optional[float] = typer.Option(None, help="Open loop: requests per second (sets --arrival poisson unless given)."),
+    arrival: Optional[str] = typer.Option(None, help="closed, poisson or bursty. Default: the mix's."),
+    burstiness: Optional[float] = typer.Option(None, help="bursty: gamma shape of the gaps (< 1 burstier than Poisson)."),
+    duration: Optional[str] = typer.Option(None, help="Stop issuing after this long: 30s, 5m, 1h (0 = no limit). Default: the mix's."),
+    requests: Optional[int] = typer.Option(None, help="Stop after this many requests (0 = no limit). Default: the mix's."),
+    seed: int = typer.Option(0, help="Same seed, same requests (classes, tenants, lengths, prompts, arrivals)."),
+    slo: str = typer.Option("", help="Goodput objectives, e.g. ttft=2,itl=0.2 (also tpot, e2e; seconds or 200ms)."),
+    keys: Optional[str] = typer.Option(None, help="TOML file: tenant = \"api key\" for each tenant of the mix."),
+    out: str = typer.Option("loadtest-out", help="Directory for report.json and the PNG plots."),
+    model: Optional[str] = typer.Option(None, help="Model name to send. Default: the server's (/v1/models)."),
+    request_timeout: float = typer.Option(600.0, help="Seconds one request may take before it counts as a timeout."),
+    drain_timeout: float = typer.Option(120.0, help="After --duration, seconds to let requests in flight finish."),
+    max_error_rate: float = typer.Option(0.01, help="Exit 1 when more than this fraction of requests fail."),
+    max_integrity_failures: int = typer.Option(0, help="Exit 1 when more streams than this fail the integrity check."),
+    web: bool = typer.Option(False, "--web", help="Open Locust's web UI on 127.0.0.1 while the run goes."),
+    web_port: int = typer.Option(8089, help="Port of Locust's web UI."),
+):
+    """Load a server with a workload mix (Locust in its own process); report to the terminal,
+    report.json and PNG plots in --out. Exit 1 when errors or integrity failures pass the
+    thresholds, 2 on bad input."""
+    from tokstream.errors import UserInputError
+    from tokstream.loadgen.runner import Options, run
+
+    try:
+        options = Options(url=url, mix=mix, api=api, users=users, rate=rate, arrival=arrival,
+                          burstiness=burstiness, duration=duration, requests=requests, seed=seed,
+                          slo=slo, keys=keys, out=out, model=model,
+                          request_timeout_s=request_timeout, drain_timeout_s=drain_timeout,
+                          max_error_rate=max_error_rate,
+                          max_integrity_failures=max_integrity_failures,
+                          web_port=web_port if web else None)
+        code = run(options)
+    except UserInputError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+    raise typer.Exit(code)

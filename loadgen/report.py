@@ -1,0 +1,121 @@
+"""report.json: every sample, and summaries for the run, each workload class and each tenant.
+
+Each summary block (tokstream.loadgen.metrics.summarize) has completed, failed, ttft_s, itl_s,
+tpot_s, e2e_s (p50/p90/p99), output_tokens_per_s and goodput. The run's summary adds the
+integrity check (every stream: ends exactly once, indices contiguous, digest and usage match
+the tokens received), clamped and mis-sized prompts, late open-loop arrivals and Jain's
+fairness index across tenants.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokstream.loadgen.metrics import jain_index, percentile, request_timings, summarize
+
+LATE_S = 0.1
+"""An open-loop request that started this much after its arrival time counts as late."""
+
+
+def complete_sample(raw: dict) -> dict:
+    """A sample as the Locust process wrote it, plus its timings."""
+    sample = dict(raw)
+    times = [raw["start_s"] + t for t in raw["event_times_s"]]
+    timings = request_timings(raw["start_s"], times, raw["event_tokens"],
+                              raw["start_s"] + (raw["end_s"] or 0.0))
+    sample.update(timings)
+    if sample["status"] != "ok":
+        sample["tpot_s"] = None
+    return sample
+
+
+def read_samples(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return sorted((complete_sample(json.loads(line)) for line in lines if line.strip()),
+                  key=lambda s: s["index"])
+
+
+def run_span(samples: list[dict]) -> float:
+    """Seconds from the first request sent to the last one ended."""
+    if not samples:
+        return 0.0
+    first = min(s["start_s"] for s in samples)
+    return max(s["start_s"] + s["e2e_s"] for s in samples) - first
+
+
+def fairness(per_tenant: dict[str, dict]) -> dict:
+    throughput = {t: b["total_tokens_per_s"] or 0.0 for t, b in per_tenant.items()}
+    ttft_p50 = {t: b["ttft_s"]["p50"] for t, b in per_tenant.items()}
+    speeds = [1.0 / v for v in ttft_p50.values() if v]
+    return {
+        "tenants": len(per_tenant),
+        "jain_index": jain_index(list(throughput.values())) if len(per_tenant) > 1 else None,
+        "basis": "input + output tokens per second served to each tenant",
+        "jain_index_ttft": jain_index(speeds) if len(speeds) > 1 else None,
+        "ttft_basis": "1 / p50 TTFT of each tenant (even waiting, whatever each one asks)",
+    }
+
+
+def integrity_summary(samples: list[dict]) -> dict:
+    problems: dict[str, int] = {}
+    failed_streams = 0
+    for sample in samples:
+        if sample["integrity"]:
+            failed_streams += 1
+        for problem in sample["integrity"]:
+            problems[problem["kind"]] = problems.get(problem["kind"], 0) + 1
+    checked = sum(1 for s in samples if s.get("http_status") == 200)
+    return {"streams_checked": checked, "streams_failed": failed_streams, "problems": problems}
+
+
+def build_report(samples: list[dict], config: dict, slo: dict, extra: dict) -> dict:
+    duration = run_span(samples)
+    classes = sorted({s["workload"] for s in samples})
+    tenants = sorted({s["tenant"] for s in samples})
+    per_class = {c: summarize([s for s in samples if s["workload"] == c], duration, slo)
+                 for c in classes}
+    per_tenant = {t: summarize([s for s in samples if s["tenant"] == t], duration, slo)
+                  for t in tenants}
+    served = sum(b["input_tokens"] + b["output_tokens"] for b in per_tenant.values())
+    for tenant, block in per_tenant.items():
+        block["share_of_requests"] = block["requests"] / len(samples)
+        block["share_of_tokens"] = ((block["input_tokens"] + block["output_tokens"]) / served
+                                    if served else None)
+    summary = summarize(samples, duration, slo)
+    late = [s["start_s"] - s["scheduled_s"] for s in samples if s.get("scheduled_s") is not None]
+    summary.update({
+        "duration_s": duration,
+        "clamped": sum(1 for s in samples if s["clamped"]),
+        "prompt_tokens_mismatched": sum(
+            1 for s in samples if s.get("input_tokens") is not None
+            and s["input_tokens"] != s["prompt_tokens"]),
+        "late_arrivals": sum(1 for lag in late if lag > LATE_S),
+        "arrival_lag_p99_s": percentile(late, 99),
+        "integrity": integrity_summary(samples),
+        "fairness": fairness(per_tenant),
+    })
+    return {"version": 1, "config": config, **extra, "summary": summary, "class": per_class,
+            "tenant": per_tenant, "samples": samples}
+
+
+def verdict(report: dict, max_error_rate: float, max_integrity_failures: int) -> list[str]:
+    """Why the run failed (empty when it passed)."""
+    summary = report["summary"]
+    reasons = []
+    if summary["requests"] == 0:
+        reasons.append("no request was sent")
+    elif summary["failed"] / summary["requests"] > max_error_rate:
+        reasons.append(f"{summary['failed']} of {summary['requests']} requests failed "
+                       f"({summary['errors']}), above --max-error-rate {max_error_rate:g}")
+    bad = summary["integrity"]["streams_failed"]
+    if bad > max_integrity_failures:
+        reasons.append(f"{bad} streams failed the integrity check "
+                       f"({summary['integrity']['problems']}), above "
+                       f"--max-integrity-failures {max_integrity_failures}")
+    if summary["prompt_tokens_mismatched"]:
+        reasons.append(f"{summary['prompt_tokens_mismatched']} prompts were not the length "
+                       "asked for (the server counted other input tokens)")
+    return reasons

@@ -1,0 +1,300 @@
+"""The `tokstream loadtest` parent: prepare, run Locust in a child process, report.
+
+Prepare (here, no gevent): read the mix and keys, ask the server its model and context, size
+prompts with count_tokens and check a sample of lengths. Run: the child
+(tokstream.loadgen.locust_run) gets one JSON file and streams progress lines back; it dies with
+this process. Report: summarise the samples it wrote, print tables, write report.json and PNGs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import re
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+
+from tokstream.errors import UserInputError
+from tokstream.loadgen import metrics
+from tokstream.loadgen.mix import ARRIVALS, Mix, load_mix
+from tokstream.loadgen.plan import Limits, build_spec
+from tokstream.loadgen.prompts import TokenCounter, calibrate, verify
+from tokstream.loadgen.report import build_report, read_samples, verdict
+from tokstream.loadgen.stream import ROUTES
+
+DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    match = DURATION.match(text)
+    if not match:
+        raise UserInputError(f"--duration: {text!r} is not a duration like 30s, 5m or 1h")
+    return float(match.group(1)) * UNITS[match.group(2)]
+
+
+@dataclass
+class Options:
+    url: str
+    mix: str
+    api: str = "anthropic"
+    users: int | None = None
+    rate: float | None = None
+    arrival: str | None = None
+    burstiness: float | None = None
+    duration: str | None = None
+    requests: int | None = None
+    seed: int = 0
+    slo: str = ""
+    keys: str | None = None
+    out: str = "loadtest-out"
+    model: str | None = None
+    request_timeout_s: float = 600.0
+    drain_timeout_s: float = 120.0
+    max_error_rate: float = 0.01
+    max_integrity_failures: int = 0
+    web_port: int | None = None
+
+    def __post_init__(self):
+        if self.api not in ROUTES:
+            raise UserInputError(f"--api: one of {', '.join(ROUTES)}, got {self.api!r}")
+        if not re.match(r"^https?://[^/\s]+$", self.url.rstrip("/")):
+            raise UserInputError(f"--url: {self.url!r} is not http(s)://HOST[:PORT]")
+        self.url = self.url.rstrip("/")
+        if self.arrival is not None and self.arrival not in ARRIVALS:
+            raise UserInputError(f"--arrival: one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
+        checks = [("--users", self.users, 1), ("--requests", self.requests, 0),
+                  ("--request-timeout", self.request_timeout_s, 1e-9),
+                  ("--drain-timeout", self.drain_timeout_s, 0),
+                  ("--max-integrity-failures", self.max_integrity_failures, 0),
+                  ("--max-error-rate", self.max_error_rate, 0)]
+        for flag, value, minimum in checks:
+            if value is not None and not (math.isfinite(value) and value >= minimum):
+                raise UserInputError(f"{flag}: must be >= {minimum:g}, got {value}")
+        for flag, value in (("--rate", self.rate), ("--burstiness", self.burstiness)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise UserInputError(f"{flag}: must be > 0, got {value}")
+        if self.max_error_rate > 1:
+            raise UserInputError("--max-error-rate: a fraction between 0 and 1")
+        if self.web_port is not None and not 1 <= self.web_port <= 65535:
+            raise UserInputError(f"--web-port: {self.web_port} is not a port")
+
+
+def settings_for(options: Options, mix: Mix) -> dict:
+    """The run's arrivals and bounds: flags over the mix's [run] defaults."""
+    run = mix.run
+    arrival = options.arrival or ("poisson" if options.rate is not None and run.arrival == "closed"
+                                  else run.arrival)
+    settings = {
+        "arrival": arrival,
+        "users": options.users or (run.users if arrival == "closed" else max(run.users, 64)),
+        "rate": options.rate if options.rate is not None else run.rate,
+        "burstiness": options.burstiness if options.burstiness is not None else run.burstiness,
+        "duration_s": parse_duration(options.duration) if options.duration is not None
+        else run.duration_s,
+        "requests": options.requests if options.requests is not None else run.requests,
+    }
+    if arrival != "closed" and settings["rate"] <= 0:
+        raise UserInputError(f"--rate: open-loop arrivals ({arrival}) need a rate > 0")
+    if not settings["duration_s"] and not settings["requests"]:
+        raise UserInputError("no bound: give --duration or --requests (or both)")
+    return settings
+
+
+def load_keys(path: str | None, mix: Mix) -> dict[str, str]:
+    """{tenant: api key}; every tenant of the mix needs one when a keys file is given."""
+    if path is None:
+        return {}
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise UserInputError(f"--keys: {error.strerror}: {path}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise UserInputError(f"--keys {path}: {error}") from None
+    keys = data.get("keys", data)
+    if not isinstance(keys, dict) or not all(isinstance(v, str) and v for v in keys.values()):
+        raise UserInputError(f"--keys {path}: expected tenant = \"key\" lines")
+    missing = sorted(set(mix.tenants) - set(keys))
+    if missing:
+        raise UserInputError(f"--keys {path}: no key for tenant(s) {', '.join(missing)} "
+                             f"of mix {mix.name}")
+    return {t: keys[t] for t in mix.tenants}
+
+
+def server_model(client: httpx.Client, url: str, headers: dict) -> dict:
+    try:
+        response = client.get(url + "/v1/models", headers=headers)
+    except httpx.HTTPError as error:
+        raise UserInputError(f"cannot reach the server at {url}: {error}") from None
+    if response.status_code != 200:
+        raise UserInputError(f"{url}/v1/models answered {response.status_code}: "
+                             f"{response.text[:200]}")
+    models = response.json().get("data") or []
+    if not models:
+        raise UserInputError(f"{url} serves no model")
+    return models[0]
+
+
+def sample_lengths(mix: Mix, limits: Limits, seed: int) -> list[tuple[str, int]]:
+    """Lengths to count before the run: each class's shortest and longest (after clamping)."""
+    import random
+
+    lengths = set()
+    for workload in mix.classes:
+        for bound in workload.prompt_tokens:
+            fixed = type(workload)(**{**asdict(workload), "prompt_tokens": (bound, bound)})
+            spec = build_spec(mix, limits, fixed, "x", random.Random(seed), 0, None)
+            lengths.add((workload.name, spec.prompt_tokens))
+    return sorted(lengths)
+
+
+def prepare(options: Options, mix: Mix, keys: dict[str, str]) -> dict:
+    """Everything the Locust process needs, as plain data."""
+    headers = {"x-api-key": next(iter(keys.values()))} if keys else {}
+    with httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as client:
+        model = server_model(client, options.url, headers)
+        count = TokenCounter(client, options.url, options.model or model["id"], headers)
+        book = calibrate(count, {c.name: c.shared_prefix_tokens for c in mix.classes},
+                         options.seed)
+        context = model.get("max_model_len")
+        if not isinstance(context, int):
+            raise UserInputError(f"{options.url}/v1/models does not say the context "
+                                 "(max_model_len)")
+        limits = Limits(context, dict(book.base))
+        try:
+            lengths = sample_lengths(mix, limits, options.seed)
+        except ValueError as error:
+            raise UserInputError(str(error)) from None
+        mismatches = verify(book, count, lengths, options.seed)
+    if mismatches:
+        raise UserInputError(f"prompts cannot be sized exactly on this server's tokenizer: "
+                             f"{mismatches[:3]}")
+    return {"model": options.model or model["id"], "context": context, "book": book.row(),
+            "limits": asdict(limits), "verified_lengths": lengths}
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def run_locust(config: dict, out: Path, limit_s: float) -> dict:
+    """Run the Locust child to its end; returns its last 'done' payload ({} if it died)."""
+    config_path = out / "locust_run.json"
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    log = open(out / "locust.log", "w", encoding="utf-8")
+    child = subprocess.Popen([sys.executable, "-m", "tokstream.loadgen.locust_run",
+                              str(config_path)], stdout=subprocess.PIPE, stderr=log,
+                             stdin=subprocess.DEVNULL, text=True, preexec_fn=_die_with_parent)
+    progress = Progress()
+    done: dict = {}
+    deadline = time.monotonic() + limit_s
+    try:
+        for line in child.stdout:
+            message = json.loads(line)
+            if "web" in message:
+                print(f"Locust web UI: {message['web']['url']}", file=sys.stderr)
+            progress.show(message.get("progress") or message.get("done"))
+            done = message.get("done", done)
+            if time.monotonic() > deadline:
+                break
+    finally:
+        progress.close()
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        log.close()
+        config_path.unlink(missing_ok=True)  # it holds the tenants' keys
+    if child.returncode not in (0, -signal.SIGTERM) or not done:
+        tail = (out / "locust.log").read_text(encoding="utf-8")[-2000:]
+        print(f"warning: the Locust process ended early (exit {child.returncode}); the report "
+              f"covers what it recorded. Its log:\n{tail}", file=sys.stderr)
+    return done
+
+
+class Progress:
+    """One live line on stderr (rewritten in place on a terminal, every 10 s otherwise)."""
+
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.printed_at = 0.0
+
+    def show(self, p: dict | None) -> None:
+        if not p:
+            return
+        line = (f"{p['elapsed_s']:7.1f} s  sent {p['issued']}  ok {p['completed']}  "
+                f"failed {p['failed']}  in flight {p['in_flight']}  "
+                f"output tokens {p['output_tokens']}")
+        if self.tty:
+            sys.stderr.write("\r" + line.ljust(100))
+            sys.stderr.flush()
+        elif time.monotonic() - self.printed_at >= 10:
+            print(line, file=sys.stderr)
+            self.printed_at = time.monotonic()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+
+
+def run(options: Options) -> int:
+    try:
+        slo = metrics.parse_slo(options.slo)
+    except ValueError as error:
+        raise UserInputError(str(error)) from None
+    mix = load_mix(options.mix)
+    settings = settings_for(options, mix)
+    keys = load_keys(options.keys, mix)
+    out = Path(options.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserInputError(f"--out: cannot create {out}: {error.strerror}") from None
+    prepared = prepare(options, mix, keys)
+    results = out / "samples.jsonl"
+    results.unlink(missing_ok=True)
+    config = {"url": options.url, "api": options.api, "model": prepared["model"],
+              "seed": options.seed, "mix": asdict(mix), "settings": settings,
+              "book": prepared["book"], "limits": prepared["limits"], "keys": keys,
+              "results_path": str(results), "request_timeout_s": options.request_timeout_s,
+              "drain_timeout_s": options.drain_timeout_s, "progress_interval_s": 1.0,
+              "web_port": options.web_port}
+    started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    limit_s = (settings["duration_s"] or 1e9) + options.drain_timeout_s + 60
+    if not settings["duration_s"]:
+        limit_s = settings["requests"] * options.request_timeout_s + 60
+    done = run_locust(config, out, limit_s)
+    samples = read_samples(results)
+    public = {k: v for k, v in config.items() if k not in ("keys", "book", "results_path")}
+    public.update(mix_name=mix.name, tenants_with_keys=sorted(keys), context=prepared["context"],
+                  verified_lengths=prepared["verified_lengths"], slo=slo,
+                  max_error_rate=options.max_error_rate,
+                  max_integrity_failures=options.max_integrity_failures)
+    report = build_report(samples, public, slo, {"started_at": started_at,
+                                                "locust": done.get("locust_stats", {})})
+    reasons = verdict(report, options.max_error_rate, options.max_integrity_failures)
+    report["verdict"] = {"ok": not reasons, "reasons": reasons}
+    (out / "report.json").write_text(json.dumps(report), encoding="utf-8")
+    from tokstream.loadgen.plots import plot_report
+    from tokstream.loadgen.tables import print_report
+
+    plot_report(report, out)
+    results.unlink(missing_ok=True)
+    print_report(report, reasons)
+    print(f"report: {out / 'report.json'}; plots: {', '.join(p.name for p in sorted(out.glob('*.png')))}")
+    return 1 if reasons else 0

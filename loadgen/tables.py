@@ -1,0 +1,64 @@
+"""The terminal view of a report: rich tables per class and per tenant, then the verdict."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value * 1000:,.0f}"
+
+
+def _num(value, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _table(title: str, blocks: dict[str, dict], key_title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in (key_title, "sent", "ok", "failed", "TTFT p50/p90/p99 ms",
+                   "ITL p50/p90/p99 ms", "TPOT p50 ms", "e2e p50/p99 s", "out tok/s",
+                   "goodput req/s"):
+        table.add_column(column, justify="left" if column == key_title else "right")
+    for name, b in blocks.items():
+        table.add_row(
+            name, str(b["requests"]), str(b["completed"]), str(b["failed"]),
+            "/".join(_ms(b["ttft_s"][p]) for p in ("p50", "p90", "p99")),
+            "/".join(_ms(b["itl_s"][p]) for p in ("p50", "p90", "p99")),
+            _ms(b["tpot_s"]["p50"]),
+            f"{_num(b['e2e_s']['p50'], 2)}/{_num(b['e2e_s']['p99'], 2)}",
+            _num(b["output_tokens_per_s"]), _num(b["goodput"]["requests_per_s"], 2))
+    return table
+
+
+def print_report(report: dict, reasons: list[str], console: Console | None = None) -> None:
+    import sys
+
+    # Pipes and CI logs get the full table rather than an 80-column squeeze.
+    console = console or Console(width=None if sys.stdout.isatty() else 150)
+    summary = report["summary"]
+    console.print(_table("By workload class", {**report["class"], "all": summary}, "class"))
+    console.print(_table("By tenant", report["tenant"], "tenant"))
+    integrity = summary["integrity"]
+    fairness = summary["fairness"]
+    slo = summary["goodput"]["slo"]
+    lines = [
+        f"duration {summary['duration_s']:.1f} s; output {_num(summary['output_tokens_per_s'])} "
+        f"tok/s, total {_num(summary['total_tokens_per_s'])} tok/s",
+        f"goodput {_num(summary['goodput']['requests_per_s'], 2)} req/s "
+        f"({summary['goodput']['requests']} of {summary['requests']} requests"
+        + (f" within {', '.join(f'{k} {v:g}s' for k, v in slo.items())}" if slo
+           else " completed; no --slo given") + ")",
+        f"integrity: {integrity['streams_checked']} streams checked, "
+        f"{integrity['streams_failed']} failed {integrity['problems'] or ''}".rstrip(),
+        f"fairness: Jain's index {_num(fairness['jain_index'], 3)} over tenants' tokens/s, "
+        f"{_num(fairness['jain_index_ttft'], 3)} over their 1/TTFT",
+        f"prompts clamped to the context: {summary['clamped']}; not the length asked: "
+        f"{summary['prompt_tokens_mismatched']}; late arrivals: {summary['late_arrivals']}",
+    ]
+    if summary["errors"]:
+        lines.append(f"errors: {summary['errors']}")
+    for line in lines:
+        console.print(line, highlight=False)
+    for reason in reasons:
+        console.print(f"[bold red]FAIL[/]: {reason}", highlight=False)
