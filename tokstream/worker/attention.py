@@ -9,7 +9,7 @@ A step's tokens are laid out decodes first (one query each), then prefill chunks
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,19 @@ class PrefillSeq:
 
 
 @dataclass
+class PrefillBatch:
+    """A step's prefill chunks as device tensors, for kernels that take them all at once."""
+
+    query_starts: torch.Tensor
+    """(num_prefills,) int32, like the other per-sequence rows."""
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    """(num_prefills, max_blocks) int64, padded with block 0."""
+    max_query_len: int
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor
     """(num_tokens,) int64: the cache slot each new token's K/V is written to."""
@@ -43,6 +56,24 @@ class AttentionMetadata:
     """(num_decodes,) int64: tokens in the cache for each decode, its new one included."""
     use_kernels: bool = True
     """Use the compiled kernel where one fits (tests turn it off to compare)."""
+    decode_num_splits: int | None = None
+    """Splits per sequence for the Triton decode kernel; None lets it choose from the shapes
+    (a CUDA graph fixes one per batch size)."""
+    _prefill_batch: PrefillBatch | None = field(default=None, repr=False)
+
+    def prefill_batch(self) -> PrefillBatch:
+        """The prefills as tensors, built once per step (every layer shares them)."""
+        if self._prefill_batch is None:
+            seqs = self.prefills
+            device = seqs[0].block_table.device
+            rows = torch.tensor([[s.query_start for s in seqs], [s.query_len for s in seqs],
+                                 [s.context_len for s in seqs]], dtype=torch.int32)
+            starts, query_lens, context_lens = rows.to(device)  # (3, num_prefills)
+            tables = torch.nn.utils.rnn.pad_sequence([s.block_table for s in seqs],
+                                                     batch_first=True)
+            self._prefill_batch = PrefillBatch(starts, query_lens, context_lens, tables,
+                                               max(s.query_len for s in seqs))
+        return self._prefill_batch
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

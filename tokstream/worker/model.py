@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokstream.config import ModelConfig
-from tokstream.worker.attention import AttentionMetadata, paged_attention, write_kv
+from tokstream.worker.attention import AttentionMetadata
 
 
 def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -87,19 +87,19 @@ class DecoderLayer(nn.Module):
         self.split = (q, kv, kv)
         self.linear = F.linear
 
-    def forward(self, x, rope, kv_cache, meta, all_reduce):
-        """x (T, hidden) float32, updated in place and returned."""
+    def forward(self, x, rope, kv_cache, meta, all_reduce, ops):
+        """x (T, hidden) float32, updated in place and returned; ops: the kernel backend."""
         t = x.shape[0]
-        h = rms_norm(x, self.input_norm, self.eps).to(self.dtype)
+        h = ops.add_rms_norm(x, None, self.input_norm, self.eps, self.dtype)
         q, k, v = self.linear(h, self.qkv, self.qkv_bias).split(self.split, dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), *rope)
+        q, k = ops.rotate(q.view(t, self.num_heads, self.head_dim),
+                          k.view(t, self.num_kv_heads, self.head_dim), rope)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
-        x += all_reduce(self.linear(attn.reshape(t, -1), self.o_proj))
-        h = rms_norm(x, self.post_norm, self.eps).to(self.dtype)
+        ops.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
+        h = ops.add_rms_norm(x, all_reduce(self.linear(attn.reshape(t, -1), self.o_proj)),
+                             self.post_norm, self.eps, self.dtype)
         gate, up = self.linear(h, self.gate_up).chunk(2, dim=-1)
         x += all_reduce(self.linear(F.silu(gate) * up, self.down))
         return x
@@ -108,8 +108,14 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, tp_rank: int = 0,
                  tp_size: int = 1, all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 all_gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None):
+                 all_gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
+                 backend=None):
         super().__init__()
+        if backend is None:
+            from tokstream.worker.backend import TorchBackend  # it builds on this module
+            backend = TorchBackend()
+        self.backend = backend
+        """The kernels: TorchBackend (CPU) or tokstream.kernels.triton_backend's (CUDA)."""
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.all_reduce = all_reduce or (lambda x: x)
@@ -132,10 +138,10 @@ class LlamaModel(nn.Module):
         # The residual stream is float32 even when weights and cache are bfloat16: matmuls run
         # in the serving dtype, sums and norms keep full precision.
         x = self._embed(input_ids).float()
-        rope = self.rotary.tables(positions, self.dtype)
+        rope = self.backend.rope_tables(self.rotary, positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta, self.all_reduce)
-        return rms_norm(x, self.norm, self.config.rms_norm_eps).to(self.dtype)
+            x = layer(x, rope, kv_cache, meta, self.all_reduce, self.backend)
+        return self.backend.add_rms_norm(x, None, self.norm, self.config.rms_norm_eps, self.dtype)
 
     def _embed(self, input_ids):
         if self.tp_size == 1:

@@ -174,10 +174,11 @@ class ModelRunner:
             max_blocks = max(len(t) for t in decode_tables)
             padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
             meta.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=self.device)
-            key_pos = torch.arange(max_blocks * bs)
-            past_end = key_pos[None, :] >= torch.tensor(decode_lens)[:, None]
-            bias = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
-            meta.decode_key_bias = bias.to(self.device)
+            if self.model.backend.needs_key_bias:
+                key_pos = torch.arange(max_blocks * bs)
+                past_end = key_pos[None, :] >= torch.tensor(decode_lens)[:, None]
+                bias = torch.zeros(past_end.shape).masked_fill_(past_end, float("-inf"))
+                meta.decode_key_bias = bias.to(self.device)
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.int64,
                                                     device=self.device)
         return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
