@@ -16,7 +16,7 @@ import time
 
 import gevent  # noqa: F401  (locust patches on import; make the order explicit)
 import httpx
-from locust import User, constant, events, task
+from locust import User, constant, task
 from locust.env import Environment
 from locust.exception import StopUser
 
@@ -52,6 +52,8 @@ class Run:
         self.started_wall = time.time()
         self.in_flight = 0
         self.done = self.failed = self.output_tokens = 0
+        self.events = None
+        """The Locust Environment's events (set once it exists)."""
         self.users_started = 0
         self.users_left = 0
 
@@ -91,12 +93,12 @@ class Run:
         ttft = sample["event_times_s"][0] if sample["event_times_s"] else None
         failure = None if sample["status"] == "ok" else Exception(sample["error_type"])
         # Locust's own response time would stop at the headers: give it the stream's times.
-        events.request.fire(request_type="stream", name=sample["workload"],
+        self.events.request.fire(request_type="stream", name=sample["workload"],
                             response_time=(sample["end_s"] or 0) * 1000,
                             response_length=sample.get("output_tokens") or 0,
                             exception=failure, context={"tenant": sample["tenant"]})
         if ttft is not None:
-            events.request.fire(request_type="ttft", name=sample["workload"],
+            self.events.request.fire(request_type="ttft", name=sample["workload"],
                                 response_time=ttft * 1000, response_length=0, exception=None,
                                 context={"tenant": sample["tenant"]})
 
@@ -173,6 +175,7 @@ def main(path: str) -> None:
     classes = user_classes(run)
     total_users = sum(c.fixed_count for c in classes)
     env = Environment(user_classes=classes, host=config["url"])
+    run.events = env.events
     runner = env.create_local_runner()
     web = None
     if config.get("web_port") is not None:

@@ -40,6 +40,7 @@ CANDIDATES = (
 # Appended after the last word to make up a remainder shorter than one word.
 PADS = (".", ",", "!", "?", ";", "..", "!!", "??", ".,", "!?", "...", ",,,", "!!!", ".!?")
 MIN_WORDS = 32
+ENOUGH_WORDS = 64
 
 
 @dataclass
@@ -108,11 +109,15 @@ class TokenCounter:
 def calibrate(count: TokenCounter, shared_prefix: dict[str, int], seed: int) -> PromptBook:
     """Find the unit words and the pads, then each class's base cost."""
     header_cost = count(HEADER)
-    with ThreadPoolExecutor(4) as pool:
-        costs = list(pool.map(lambda w: count(HEADER + " " + w) - header_cost, CANDIDATES))
     by_cost: dict[int, list[str]] = {}
-    for word, cost in zip(CANDIDATES, costs):
-        by_cost.setdefault(cost, []).append(word)
+    with ThreadPoolExecutor(4) as pool:
+        for start in range(0, len(CANDIDATES), 16):
+            batch = CANDIDATES[start:start + 16]
+            costs = pool.map(lambda w: count(HEADER + " " + w) - header_cost, batch)
+            for word, cost in zip(batch, costs):
+                by_cost.setdefault(cost, []).append(word)
+            if len(by_cost.get(1, ())) >= ENOUGH_WORDS:
+                break  # one token a word cannot be beaten
     unit = min((c for c, ws in by_cost.items() if c >= 1 and len(ws) >= MIN_WORDS), default=None)
     if unit is None:
         raise UserInputError("no " + str(MIN_WORDS) + " of our candidate words cost the same "

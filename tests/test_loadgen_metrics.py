@@ -1,0 +1,90 @@
+"""The load test's metric math on synthetic timestamp traces, with exact expected values."""
+
+import math
+import random
+
+import pytest
+
+from tokstream.loadgen.metrics import (distribution, jain_index, meets_slo, parse_slo, percentile,
+                                       request_timings, summarize)
+
+
+def test_percentile_interpolates_between_closest_ranks():
+    values = [10.0, 1.0, 4.0, 2.0, 3.0]  # unsorted on purpose
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 10.0
+    # rank (5 - 1) * 0.9 = 3.6: 4 + 0.6 * (10 - 4)
+    assert percentile(values, 90) == pytest.approx(7.6, abs=1e-12)
+    assert percentile(values, 99) == pytest.approx(4 + 0.96 * 6, abs=1e-12)
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([], 50) is None
+    # 1..100: p50 = 50.5, p90 = 90.1, p99 = 99.01
+    hundred = [float(n) for n in range(1, 101)]
+    random.Random(3).shuffle(hundred)
+    d = distribution(hundred)
+    assert (d["p50"], d["n"], d["max"], d["mean"]) == (50.5, 100, 100.0, 50.5)
+    assert d["p90"] == pytest.approx(90.1, abs=1e-9) and d["p99"] == pytest.approx(99.01, abs=1e-9)
+
+
+def test_request_timings_from_an_event_trace():
+    # sent at t=10; events at 10.5 (1 token), 10.7 (1), 11.2 (2 tokens merged), end 11.3
+    t = request_timings(10.0, [10.5, 10.7, 11.2], [1, 1, 2], 11.3)
+    assert t["ttft_s"] == pytest.approx(0.5)
+    assert t["itl_s"] == pytest.approx([0.2, 0.5])
+    assert t["e2e_s"] == pytest.approx(1.3)
+    assert t["tpot_s"] == pytest.approx((1.3 - 0.5) / 3)  # 4 tokens: 3 after the first
+    one = request_timings(0.0, [0.25], [1], 0.3)
+    assert one["tpot_s"] is None and one["itl_s"] == []
+    none = request_timings(0.0, [], [], 2.0)
+    assert none["ttft_s"] is None and none["e2e_s"] == 2.0
+
+
+def sample(status="ok", ttft=0.5, gaps=(0.1, 0.1), tpot=0.1, e2e=1.0, out=3, inp=10, **extra):
+    return {"status": status, "ttft_s": ttft, "itl_s": list(gaps), "tpot_s": tpot, "e2e_s": e2e,
+            "output_tokens": out, "input_tokens": inp, "error_type": extra.get("error_type")}
+
+
+def test_goodput_counts_requests_meeting_every_objective():
+    slo = parse_slo("ttft=1,itl=200ms")
+    assert slo == {"ttft": 1.0, "itl": 0.2}
+    samples = [
+        sample(),                                  # meets both
+        sample(ttft=1.5),                          # TTFT too slow
+        sample(gaps=(0.1, 0.25, 0.1)),             # one stall past the ITL objective
+        sample(ttft=1.0, gaps=(0.2,)),             # exactly at both limits: meets
+        sample(status="error", error_type="overloaded_error", ttft=None, gaps=(), tpot=None,
+               out=None, inp=None),
+    ]
+    assert [meets_slo(s, slo) for s in samples] == [True, False, False, True, False]
+    block = summarize(samples, duration_s=4.0, slo=slo)
+    assert block["goodput"] == {"requests_per_s": 0.5, "requests": 2, "fraction": 0.4,
+                                "slo": slo}
+    assert (block["completed"], block["failed"], block["errors"]) == \
+        (4, 1, {"overloaded_error": 1})
+    assert block["output_tokens"] == 12 and block["output_tokens_per_s"] == 3.0
+    assert block["total_tokens_per_s"] == (12 + 40) / 4
+    # ITL pools every gap of every completed request: 2 + 2 + 3 + 1 gaps
+    assert block["itl_s"]["n"] == 8
+    assert block["ttft_s"]["p50"] == pytest.approx(0.75)  # [0.5, 0.5, 1.0, 1.5]
+    no_slo = summarize(samples, 4.0, {})
+    assert no_slo["goodput"]["requests"] == 4  # every completed request counts
+
+
+@pytest.mark.parametrize("text,message", [
+    ("ttft", "KEY=SECONDS"), ("latency=1", "KEY=SECONDS"), ("ttft=abc", "not a number"),
+    ("itl=0", "positive"), ("itl=-1", "positive"), ("ttft=inf", "positive"),
+])
+def test_bad_slo_is_a_clear_error(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_slo(text)
+
+
+def test_jain_index():
+    assert jain_index([5.0, 5.0, 5.0, 5.0]) == 1.0
+    assert jain_index([1.0, 0.0, 0.0, 0.0]) == 0.25  # one takes all: 1/n
+    # (1+2+3+4)^2 / (4 * 30) = 100/120
+    assert jain_index([1.0, 2.0, 3.0, 4.0]) == pytest.approx(100 / 120, abs=1e-15)
+    # the hot-tenant shape: 10, 1, 1, 1 -> 169 / (4 * 103)
+    assert jain_index([10.0, 1.0, 1.0, 1.0]) == pytest.approx(169 / 412, abs=1e-15)
+    assert jain_index([]) is None and jain_index([0.0, 0.0]) is None
+    assert math.isclose(jain_index([3.0] * 7), 1.0)
