@@ -61,6 +61,11 @@ class BlockManager:
         return len(self._hash_of)
 
     @property
+    def cached_block_ids(self) -> list[int]:
+        """Ids of the blocks registered in the prefix cache, ascending."""
+        return sorted(self._hash_of)
+
+    @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 

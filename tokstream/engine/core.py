@@ -67,6 +67,9 @@ class EngineCore:
         self._rng = random.Random()
         self.status = "ready"
         """ready | recovering | down (see recover())."""
+        self._resuming: set[str] = set()
+        """Requests put back in line by the last rank-group restart that have not produced a
+        token since; the snapshot shows them as recovering."""
         self.on_status = None
         """Called with (status, reason) whenever the status changes (the core process
         forwards it to the gateway)."""
@@ -135,6 +138,7 @@ class EngineCore:
         self._set_status("recovering", reason)
         self._event("rank_failure", "", reason=reason, pids=self.executor.pids)
         self.scheduler.requeue_all()
+        self._resuming = set(self.scheduler.requests)
         self.block_manager.reset()  # the pool's contents died with the ranks
         if self.swap_space is not None:
             self.swap_space.reset()
@@ -214,6 +218,8 @@ class EngineCore:
             return deltas + self.recover(str(exc))
         advanced = self.scheduler.update(scheduled, result.sampled_token_ids)
         deltas += [self._emit(request) for request in advanced]
+        if self._resuming:
+            self._resuming.difference_update(request.request_id for request in advanced)
         self.last_step = StepStats(scheduled.num_tokens, len(scheduled.work),
                                    time.perf_counter() - started)
         return deltas
@@ -311,6 +317,7 @@ class EngineCore:
         for request in scheduler.requests.values():
             requests.append({
                 "id": request.request_id, "state": request.status.name.lower(),
+                "phase": self._phase(request),
                 "tenant": request.tenant, "priority": request.priority,
                 "prompt_tokens": len(request.prompt_token_ids),
                 "output_tokens": request.num_output_tokens,
@@ -358,21 +365,38 @@ class EngineCore:
             "events": list(self.events),
         }
 
+    def _phase(self, request: Request) -> str:
+        """waiting | prefill | decode | preempted | recovering: where a request is in its life.
+        A running request decodes once every token but the newest sampled one is in the
+        cache; one re-prefilling after a rank-group restart is recovering."""
+        if request.request_id in self._resuming:
+            return "recovering"
+        if request.status != RequestStatus.RUNNING:
+            return request.status.name.lower()
+        return "prefill" if request.num_computed_tokens < request.num_tokens - 1 else "decode"
+
     def _block_map(self) -> dict:
         """Compact per-block map: one character per block for its reference count ('0'-'9',
-        '+' past 9) and, per owner, its block ids as [first, count] runs."""
+        '+' past 9); per owner, its block ids as [first, count] runs; and the blocks that hold
+        a cached prefix (held or evictable) as runs."""
         ref_counts = "".join(REF_COUNT_CHARS[c] if c < 10 else "+"
                              for c in self.block_manager.ref_counts)
-        owners = {}
-        for request in self.scheduler.running:
-            runs: list[list[int]] = []
-            for block_id in request.block_ids:
-                if runs and runs[-1][0] + runs[-1][1] == block_id:
-                    runs[-1][1] += 1
-                else:
-                    runs.append([block_id, 1])
-            owners[request.request_id] = runs
-        return {"ref_counts": ref_counts, "owners": owners}
+        owners = {request.request_id: _runs(request.block_ids)
+                  for request in self.scheduler.running}
+        return {"ref_counts": ref_counts, "owners": owners,
+                "cached": _runs(self.block_manager.cached_block_ids)}
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _runs(block_ids: list[int]) -> list[list[int]]:
+    """Block ids as [first, count] runs of consecutive ids, in order."""
+    runs: list[list[int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([block_id, 1])
+    return runs
+

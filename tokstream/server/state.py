@@ -66,6 +66,8 @@ class Server:
         self._tenant_of: dict[str, Tenant] = {}
         self._last_snapshot: dict | None = None
         self._seeds = random.SystemRandom()
+        self._processes: dict[int, psutil.Process] = {}
+        """pid -> Process, kept between snapshots: CPU percent is measured since the last call."""
         self.metrics.engine.status = "ready"
         self.supervisor = EngineSupervisor(engine, self.registry, config.down_retry_s)
         self.supervisor.on_status = self._on_status
@@ -227,12 +229,16 @@ class Server:
             row["blocks"] = engine_row.get("blocks", 0)
             row["preemptions"] = engine_row.get("preemptions", 0)
             row["computed_tokens"] = engine_row.get("computed_tokens")
+            row["phase"] = engine_row.get("phase", row["state"])
             requests.append(row)
         kv = dict(core.get("kv", {}))
         last = core.get("last_step") or {}
         # The current group's ranks (the core's snapshot may predate a restart).
         worker_pids = self.engine.info.get("worker_pids") or core.get("worker_pids", [])
-        ranks = [{"rank": rank, "pid": pid, "alive": _alive(pid)}
+        roles = ([("gateway", os.getpid()), ("engine", self.engine.pid)]
+                 + [(f"rank{rank}", pid) for rank, pid in enumerate(worker_pids)])
+        usage = self._usage([pid for _, pid in roles])
+        ranks = [{"rank": rank, "pid": pid, "alive": _alive(pid), **usage[pid]}
                  for rank, pid in enumerate(worker_pids)]
         supervisor = self.supervisor
         events = sorted(list(self.events) + [
@@ -272,12 +278,35 @@ class Server:
             "events": events,
             "engine": {"pid": self.engine.pid, "alive": _alive(self.engine.pid)},
             "gateway": {"pid": os.getpid()},
-            "memory": _memory([("gateway", os.getpid()), ("engine", self.engine.pid)]
-                              + [(f"rank{r['rank']}", r["pid"]) for r in ranks],
-                              self.engine.config.device),
+            "memory": _memory(roles, usage, self.engine.config.device),
             "timing": {"core_wait_ms": (started - waited) * 1000,
                        "gateway_build_ms": (time.perf_counter() - started) * 1000},
         }
+
+
+    def _usage(self, pids: list[int | None]) -> dict:
+        """pid -> {"rss_bytes", "cpu_percent"} (None where unknown; CPU percent of one core
+        since the previous snapshot, None on a process's first)."""
+        self._processes = {pid: process for pid, process in self._processes.items()
+                           if pid in pids}
+        usage = {}
+        for pid in pids:
+            usage[pid] = {"rss_bytes": None, "cpu_percent": None}
+            if not pid:
+                continue
+            try:
+                process = self._processes.get(pid)
+                first = process is None
+                if first:
+                    process = self._processes[pid] = psutil.Process(pid)
+                with process.oneshot():
+                    usage[pid] = {"rss_bytes": process.memory_info().rss,
+                                  "cpu_percent": None if first else process.cpu_percent()}
+                    if first:
+                        process.cpu_percent()  # the baseline for the next snapshot
+            except psutil.Error:
+                self._processes.pop(pid, None)
+        return usage
 
 
 def _alive(pid: int | None) -> bool:
@@ -289,16 +318,11 @@ def _alive(pid: int | None) -> bool:
         return False
 
 
-def _memory(processes: list[tuple[str, int | None]], device: str) -> dict:
+def _memory(processes: list[tuple[str, int | None]], usage: dict, device: str) -> dict:
     host = psutil.virtual_memory()
-    rows = []
-    for role, pid in processes:
-        try:
-            rss = psutil.Process(pid).memory_info().rss if pid else None
-        except psutil.Error:
-            rss = None
-        rows.append({"role": role, "pid": pid, "rss_bytes": rss})
-    return {"host": {"total_bytes": host.total, "available_bytes": host.available},
+    rows = [{"role": role, "pid": pid, **usage[pid]} for role, pid in processes]
+    return {"host": {"total_bytes": host.total, "available_bytes": host.available,
+                     "cpu_count": psutil.cpu_count()},
             "processes": rows, "devices": _device_memory() if device == "cuda" else []}
 
 
@@ -311,8 +335,10 @@ def _device_memory() -> list[dict]:
         pynvml.nvmlInit()
         out = []
         for index in range(pynvml.nvmlDeviceGetCount()):
-            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
-            out.append({"index": index, "total_bytes": info.total, "used_bytes": info.used})
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            out.append({"index": index, "total_bytes": info.total, "used_bytes": info.used,
+                        "utilization_percent": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu})
         return out
     except pynvml.NVMLError:
         return []

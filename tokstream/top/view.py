@@ -1,0 +1,119 @@
+"""What `top` shows, as plain data computed from /v1/state snapshots: request rows and their
+sort and filter, tenant rows, and the history behind the rates and sparklines. No widgets here."""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokstream.top.source import Frame
+
+COLUMNS = ["id", "tenant", "state", "prompt_tokens", "output_tokens", "blocks", "ttft_ms",
+           "itl_ms", "tokens_per_s", "age_s"]
+"""Request columns, in table order; `s` cycles the sort through them."""
+
+PALETTE = ["#e06c75", "#98c379", "#e5c07b", "#61afef", "#c678dd", "#56b6c2", "#d19a66",
+           "#be5046", "#7ec699", "#f0a6ca", "#a9b1ff", "#ffd866"]
+"""Request colours: a request's KV blocks and its id in the table share one."""
+
+HISTORY_S = 60.0
+
+
+def owner_colour(request_id: str) -> str:
+    """Stable across polls and runs, so a request keeps its colour while it lives."""
+    return PALETTE[zlib.crc32(request_id.encode()) % len(PALETTE)]
+
+
+def request_rows(state: dict) -> list[dict]:
+    """The /v1/state request rows with `state` as top shows it: waiting, prefill, decode,
+    preempted, recovering (paused by a replica restart, or re-prefilling what it had after
+    one), finishing (delivered, closing) or submitted (not yet in the engine)."""
+    recovering = state.get("replica", {}).get("status") in ("recovering", "down")
+    rows = []
+    for row in state.get("requests", []):
+        phase = row.get("phase") or row.get("state")
+        resumed_refill = row.get("resumes", 0) > 0 and phase in ("waiting", "prefill")
+        if phase != "finishing" and (recovering or resumed_refill):
+            phase = "recovering"
+        rows.append({**row, "state": phase, "tenant": row.get("tenant") or "-"})
+    return rows
+
+
+def sort_rows(rows: list[dict], column: str, reverse: bool) -> list[dict]:
+    """Sorted by column; rows without a value (None) always go last; ties by id."""
+    present = sorted((r for r in rows if r.get(column) is not None),
+                     key=lambda r: (r[column], r["id"]), reverse=reverse)
+    return present + sorted((r for r in rows if r.get(column) is None), key=lambda r: r["id"])
+
+
+def filter_rows(rows: list[dict], text: str) -> list[dict]:
+    """Rows whose id, tenant or state contains every word of text (case-insensitive)."""
+    words = text.lower().split()
+    return [r for r in rows if all(
+        any(w in str(r.get(k) or "").lower() for k in ("id", "tenant", "state")) for w in words)]
+
+
+def tenant_rows(state: dict) -> list[dict]:
+    """Per tenant: share of the tokens served, running and waiting requests, the fairness
+    counter, and its configured limits when the server has a tenants file."""
+    fairness = {row["tenant"]: row for row in state.get("fairness") or []}
+    configured = {row["name"]: row for row in state.get("tenants") or []}
+    counts: dict[str, dict[str, int]] = {}
+    for row in request_rows(state):
+        running = row["state"] in ("prefill", "decode", "finishing")
+        tally = counts.setdefault(row["tenant"], {"running": 0, "waiting": 0})
+        tally["running" if running else "waiting"] += 1
+    names = sorted(set(fairness) | set(configured) | set(counts))
+    total = sum(row.get("served_tokens", 0) for row in fairness.values())
+    rows = []
+    for name in names:
+        ledger, config = fairness.get(name, {}), configured.get(name, {})
+        served = ledger.get("served_tokens", 0)
+        rows.append({"tenant": name, "share": served / total if total else None,
+                     "served_tokens": served, **counts.get(name, {"running": 0, "waiting": 0}),
+                     "counter": ledger.get("counter"), "weight": config.get("weight"),
+                     "priority": config.get("priority"), "refusals": config.get("refusals")})
+    return rows
+
+
+@dataclass
+class Sample:
+    uptime_s: float
+    prompt_tokens: float
+    output_tokens: float
+    running: int
+    step_tokens: int
+    waiting: int
+
+
+@dataclass
+class History:
+    """The last minute of polls, on the server's clock (its uptime), so rates come out the
+    same whether top polls every 0.2 s or replays a recording."""
+
+    samples: deque = field(default_factory=deque)
+
+    def add(self, frame: Frame) -> None:
+        state = frame.state
+        batch = state.get("batch", {})
+        uptime = state.get("replica", {}).get("uptime_s", 0.0)
+        if self.samples and uptime <= self.samples[-1].uptime_s:
+            self.samples.clear()  # a new server (or the same snapshot twice): start over
+        self.samples.append(Sample(uptime, frame.counters.get("prompt_tokens", 0.0),
+                                   frame.counters.get("output_tokens", 0.0),
+                                   batch.get("running", 0), batch.get("last_step_tokens", 0),
+                                   batch.get("waiting", 0)))
+        while uptime - self.samples[0].uptime_s > HISTORY_S:
+            self.samples.popleft()
+
+    def rate(self, name: str) -> float | None:
+        """Tokens/s of a counter between the last two polls."""
+        if len(self.samples) < 2:
+            return None
+        before, now = self.samples[-2], self.samples[-1]
+        return max(0.0, getattr(now, name) - getattr(before, name)) / (now.uptime_s
+                                                                       - before.uptime_s)
+
+    def series(self, name: str) -> list[float]:
+        return [float(getattr(s, name)) for s in self.samples]
