@@ -3,6 +3,7 @@ stream-history checker. Exit 0 only if every invariant held; 1 if one broke; 2 o
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import typer
@@ -53,7 +54,8 @@ def _run(experiment: str, rank: Optional[int], url, admin_key, api_key, model, d
         raise typer.Exit(130)
     if json_path:
         write_json(report, json_path)
-    render(report, Console())
+    # Piped or in CI, rich would wrap the tables at 80 columns.
+    render(report, Console(width=None if sys.stdout.isatty() else 120))
     raise typer.Exit(0 if report["ok"] else 1)
 
 

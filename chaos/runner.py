@@ -18,6 +18,7 @@ from tokstream.chaos.target import OwnServer, Target, check_local, default_tp
 from tokstream.chaos.workload import Recorder, StreamSpec
 
 STEADY_TIMEOUT_S = 120.0
+UNREACHABLE_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -114,8 +115,12 @@ async def _main(options: Options, target: Target) -> dict:
 async def _steady_state(api: ServerAPI, target: Target, clock: float,
                         violations: Violations) -> dict:
     """Healthy, state readable and ready, and a probe request streams cleanly."""
-    deadline = time.monotonic() + STEADY_TIMEOUT_S
-    while (health := await api.health()) != 200 and time.monotonic() < deadline:
+    started = time.monotonic()
+    while (health := await api.health()) != 200:
+        # A server that is recovering (503) gets time; one that does not answer at all, less.
+        waited = time.monotonic() - started
+        if waited > STEADY_TIMEOUT_S or (health == 0 and waited > UNREACHABLE_TIMEOUT_S):
+            break
         await asyncio.sleep(0.5)
     if health != 200:
         raise UserInputError(f"{target.url}/health answered {health or 'nothing'}: the server "

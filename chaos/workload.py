@@ -13,7 +13,7 @@ import httpx
 
 from tokstream.checker import RecordedStream, SSEEvent, SSERecorder
 
-SLOW_CLIENT_RCVBUF = 2048
+SLOW_CLIENT_RCVBUF = 16384
 """Receive buffer of a client that stops reading: small, so the server's socket fills fast."""
 
 
