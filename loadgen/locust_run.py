@@ -52,6 +52,7 @@ class Run:
         self.started_wall = time.time()
         self.in_flight = 0
         self.done = self.failed = self.output_tokens = 0
+        self.http: httpx.Client | None = None
         self.events = None
         """The Locust Environment's events (set once it exists)."""
         self.users_started = 0
@@ -109,20 +110,14 @@ class Run:
 
 
 def user_classes(run: Run) -> list[type]:
-    timeout = run.config["request_timeout_s"]
-
     class StreamUser(User):
         abstract = True
         wait_time = constant(0)
 
         def on_start(self):
-            # One connection pool per user, as each user is its own client.
-            self.http = httpx.Client(timeout=httpx.Timeout(timeout, connect=30.0))
+            self.http = run.http
             run.users_started += 1
             run.users_left += 1
-
-        def on_stop(self):
-            self.http.close()
 
         def leave(self):
             run.users_left -= 1
@@ -174,6 +169,11 @@ def main(path: str) -> None:
     run = Run(config)
     classes = user_classes(run)
     total_users = sum(c.fixed_count for c in classes)
+    # One client for all users (a connection each: they stream at once). A client per user
+    # would build an SSL context per user, which stalls the spawn of hundreds of users.
+    run.http = httpx.Client(timeout=httpx.Timeout(config["request_timeout_s"], connect=30.0),
+                            limits=httpx.Limits(max_connections=total_users,
+                                                max_keepalive_connections=total_users))
     env = Environment(user_classes=classes, host=config["url"])
     run.events = env.events
     runner = env.create_local_runner()
@@ -186,15 +186,19 @@ def main(path: str) -> None:
     runner.start(total_users, spawn_rate=max(total_users, 1))
     settings = config["settings"]
     limit_s = (settings["duration_s"] or float("inf")) + config["drain_timeout_s"]
+    reported = 0.0
     while True:
-        gevent.sleep(min(1.0, config["progress_interval_s"]))
-        emit("progress", run.progress())
+        gevent.sleep(0.2)
+        if run.elapsed() - reported >= config["progress_interval_s"]:
+            emit("progress", run.progress())
+            reported = run.elapsed()
         if run.users_started >= total_users and run.users_left <= 0 and run.in_flight == 0:
             break
         if run.elapsed() > limit_s:
             break
     runner.quit()  # kills anything still in flight: its sample is recorded as cancelled
     run.results.close()
+    run.http.close()
     stats = {f"{kind} {name}": {"requests": entry.num_requests,
                                 "failures": entry.num_failures,
                                 "median_ms": entry.median_response_time,

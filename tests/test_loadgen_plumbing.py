@@ -176,10 +176,7 @@ def test_stream_is_timed_per_token_and_checked(api):
 
 
 def test_unreachable_server_is_a_connection_error_sample():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    fake = type("Gone", (), {"url": f"http://127.0.0.1:{port}"})
+    fake = type("Gone", (), {"url": f"http://127.0.0.1:{free_port()}"})
     sample = one(fake)
     assert sample["status"] == "error" and sample["error_type"] == "connection_error"
 
@@ -275,16 +272,42 @@ def test_loadtest_reports_every_request(tmp_path):
                                                             for p in redrawn)
 
 
-def test_loadtest_fails_past_the_error_and_integrity_thresholds(tmp_path):
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_loadtest_fails_past_the_thresholds_and_shows_locusts_web_ui(tmp_path):
     mix, keys = write_mix_and_keys(tmp_path)
     out = tmp_path / "out"
-    with FakeServer(keys=KEYS) as fake:
+    port = free_port()
+    with FakeServer(keys=KEYS, token_delay_s=0.03) as fake:
         fake.fault = lambda n: {3: "drop", 5: "529", 8: "cut"}.get(n)
-        result = loadtest("--url", fake.url, "--mix", mix, "--keys", keys, "--requests", "12",
-                          "--api", "openai",
-                          "--duration", "0", "--users", "1", "--max-error-rate", "0.05",
-                          "--out", str(out))
-    assert result.returncode == 1, result.stdout + result.stderr
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tokstream", "loadtest", "--url", fake.url, "--mix", mix,
+             "--keys", keys, "--requests", "12", "--duration", "0", "--users", "1",
+             "--max-error-rate", "0.05", "--api", "openai", "--out", str(out), "--web",
+             "--web-port", str(port)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            first = process.stderr.readline()
+            assert first.strip() == f"Locust web UI: http://127.0.0.1:{port}", first
+            # Locust's own stats see the streams (the run lasts a few seconds: 30 ms a token)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                stats = httpx.get(f"http://127.0.0.1:{port}/stats/requests", timeout=10).json()
+                names = {(s["method"], s["name"]) for s in stats["stats"]}
+                if ("stream", "short") in names or ("stream", "long") in names:
+                    break
+                time.sleep(0.2)
+            else:
+                pytest.fail(f"Locust's stats never showed a stream: {stats}")
+            stdout, stderr = process.communicate(timeout=120)
+        finally:
+            process.kill()
+            process.wait()
+    assert process.returncode == 1, stdout + stderr
     report = json.loads((out / "report.json").read_text())
     summary = report["summary"]
     assert (summary["completed"], summary["failed"]) == (10, 2)
@@ -293,7 +316,7 @@ def test_loadtest_fails_past_the_error_and_integrity_thresholds(tmp_path):
     assert summary["integrity"]["problems"]["lost"] == 1
     reasons = report["verdict"]["reasons"]
     assert len(reasons) == 2 and "--max-error-rate" in reasons[0] and "integrity" in reasons[1]
-    assert "FAIL" in result.stdout
+    assert "FAIL" in stdout
 
 
 @pytest.mark.parametrize("args,message", [
@@ -310,10 +333,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
 
     from tokstream.cli import app
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        closed = sock.getsockname()[1]
-    args = [a.replace("{closed}", str(closed)) for a in args]
+    args = [a.replace("{closed}", str(free_port())) for a in args]
     with FakeServer() as fake:
         # In this process: the command line is the same, without a Python start per case.
         result = CliRunner().invoke(app, ["loadtest", "--url", fake.url, "--out", str(tmp_path),
