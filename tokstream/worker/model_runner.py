@@ -39,8 +39,10 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device,
                  swap_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 rank: int = 0):
+                 rank: int = 0, decode_graphs=None):
         self.model = model
+        self.decode_graphs = decode_graphs
+        """CUDA graphs for decode-only steps (cuda_graphs.DecodeGraphs), or None: eager."""
         self.rank = rank
         """Only rank 0 samples; the other ranks compute their shard and stay silent."""
         self.kv_caches = kv_caches
@@ -58,8 +60,11 @@ class ModelRunner:
         if not plan.chunks:
             return StepResult(plan.step_id, [])
         input_ids, positions, meta, sample_rows, rows = self.prepare(plan)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, hidden)
-        logits = self.model.compute_logits(hidden[sample_rows])  # (S, vocab)
+        if self.decode_graphs is not None and self.decode_graphs.fits(meta):
+            logits = self.decode_graphs.run(input_ids, positions, meta)[sample_rows]
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, hidden)
+            logits = self.model.compute_logits(hidden[sample_rows])  # (S, vocab)
         if self.rank != 0:
             return None
         tokens = sample(logits.cpu(), rows)

@@ -29,6 +29,10 @@ class WorkerReady:
     load_s: float
     num_swap_blocks: int = 0
     """Host-memory blocks for swapped-out KV (swap mode; 0 otherwise)."""
+    kernels: str = "torch"
+    """The kernel backend: torch (CPU reference + C decode kernel) or triton."""
+    graph_batch_sizes: tuple[int, ...] = ()
+    """Decode batch sizes captured as CUDA graphs (none: every step runs eagerly)."""
 
 
 @dataclass
@@ -77,14 +81,23 @@ def worker_main(conn, config: EngineConfig, rank: int, rendezvous: str | None = 
             conn.send(result)
 
 
-def _init_tensor_parallel(config: EngineConfig, rank: int, rendezvous: str):
+def resolve_device(device: str):
+    """'auto' is the GPU when torch sees one, else the CPU."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def _init_tensor_parallel(config: EngineConfig, rank: int, rendezvous: str, device_type: str):
     """Join this replica's gloo (CPU) or NCCL (CUDA) group; returns (all_reduce, all_gather)."""
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    backend = "nccl" if config.device == "cuda" else "gloo"
+    backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank,
                             world_size=config.tp,
                             timeout=datetime.timedelta(seconds=config.collective_timeout_s))
@@ -106,6 +119,7 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
 
     from tokstream.model.source import resolve_model
     from tokstream.model.weights import load_state_dict
+    from tokstream.worker.backend import choose_backend
     from tokstream.worker.model import LlamaModel
     from tokstream.worker.model_runner import (TORCH_DTYPES, ModelRunner, allocate_kv_caches,
                                                allocate_swap_space, kv_pool_blocks,
@@ -113,20 +127,21 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
 
     started = time.perf_counter()
     set_threads(config)
-    device = torch.device("cuda" if config.device == "cuda" else "cpu")
+    device = resolve_device(config.device)
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     all_reduce = all_gather = None
     if config.tp > 1:
-        all_reduce, all_gather = _init_tensor_parallel(config, rank, rendezvous)
+        all_reduce, all_gather = _init_tensor_parallel(config, rank, rendezvous, device.type)
     dtype = resolve_dtype(config.dtype, device.type)
     torch_dtype = TORCH_DTYPES[dtype]
     source = resolve_model(config.model)
     state_dict = load_state_dict(source, torch_dtype, seed=config.seed, device=device)
+    backend = choose_backend(device)
     with device:  # build the parameters where they will live
         model = LlamaModel(source.config, torch_dtype, tp_rank=rank, tp_size=config.tp,
-                           all_reduce=all_reduce, all_gather=all_gather)
+                           all_reduce=all_reduce, all_gather=all_gather, backend=backend)
     model.load_weights(state_dict)
     del state_dict
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -140,8 +155,32 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
         swap_caches = allocate_swap_space(source.config, num_swap_blocks,
                                           config.cache.block_size, config.tp, torch_dtype,
                                           pin=device.type == "cuda")
+    graphs = _capture_decode_graphs(config, model, kv_caches, source.config, device)
     runner = ModelRunner(model, kv_caches, config.cache.block_size, device, swap_caches,
-                         rank=rank)
+                         rank=rank, decode_graphs=graphs)
     ready = WorkerReady(rank, os.getpid(), dtype, str(device), num_blocks, block_bytes,
-                        weight_bytes, time.perf_counter() - started, num_swap_blocks)
+                        weight_bytes, time.perf_counter() - started, num_swap_blocks,
+                        backend.name, tuple(graphs.sizes) if graphs else ())
     return runner, ready
+
+
+def _capture_decode_graphs(config, model, kv_caches, model_config, device):
+    """CUDA graphs for decode batch sizes on a GPU with the Triton kernels, unless
+    TOKSTREAM_CUDA_GRAPHS=0; None (every step eager) otherwise."""
+    import torch
+
+    from tokstream.worker.cuda_graphs import DecodeGraphs, batch_sizes, graphs_enabled
+
+    if device.type != "cuda" or model.backend.name != "triton" or not graphs_enabled():
+        return None
+    max_blocks = -(-model_config.max_position // config.cache.block_size)
+    try:
+        with torch.inference_mode():
+            return DecodeGraphs(model, kv_caches, max_blocks,
+                                batch_sizes(config.scheduler.max_num_seqs), device)
+    except torch.cuda.OutOfMemoryError:
+        # Graphs are an optimisation: without the memory for them every step runs eagerly.
+        logging.getLogger("tokstream.worker").warning(
+            "not enough GPU memory to capture decode CUDA graphs; running eagerly")
+        torch.cuda.empty_cache()
+        return None
