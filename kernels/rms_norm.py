@@ -30,8 +30,8 @@ def _add_rms_norm_kernel(x_ptr, delta_ptr, weight_ptr, out_ptr, stride_x, stride
         tl.store(x_ptr + row * stride_x + c, x, mask=mask)
     inverse_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / HIDDEN + eps)
     weight = tl.load(weight_ptr + c, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + c, (x * inverse_rms * weight).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    normed = x * inverse_rms * weight
+    tl.store(out_ptr + row * stride_out + c, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,

@@ -28,8 +28,8 @@ def random_tables(rng, lengths, block_size, num_blocks):
     return torch.tensor(tables)
 
 
-def nan_cache(kv_heads, num_blocks, block_size, head_dim, dtype):
-    """A random cache whose unused blocks are NaN: reading past a table shows."""
+def random_cache(kv_heads, num_blocks, block_size, head_dim, dtype):
+    """Callers then set every slot no sequence owns to NaN: a kernel reading one shows."""
     return torch.randn(kv_heads, num_blocks, block_size, head_dim).to(dtype)
 
 
@@ -46,8 +46,8 @@ def test_decode_attention(interpreted_kernels, dtype, heads, kv_heads, head_dim,
     lengths = [1, block_size, block_size + 3, 3 * block_size + 1, 0]
     tables = random_tables(rng, lengths, block_size, num_blocks)
     used = {int(b) for b in tables.flatten() if b >= 0}
-    k_cache = nan_cache(kv_heads, num_blocks, block_size, head_dim, dtype)
-    v_cache = nan_cache(kv_heads, num_blocks, block_size, head_dim, dtype)
+    k_cache = random_cache(kv_heads, num_blocks, block_size, head_dim, dtype)
+    v_cache = random_cache(kv_heads, num_blocks, block_size, head_dim, dtype)
     for b in set(range(num_blocks)) - used:
         k_cache[:, b] = v_cache[:, b] = float("nan")
     # Positions past each sequence's end inside its own last block are garbage too.
@@ -101,8 +101,8 @@ def test_prefill_attention(interpreted_kernels, dtype, heads, kv_heads, head_dim
     shapes = [(0, 7), (5, 9), (21, 1), (block_size, 37)]
     lengths = [p + c for p, c in shapes]
     tables = random_tables(rng, lengths, block_size, num_blocks).clamp(min=0)
-    k_cache = nan_cache(kv_heads, num_blocks, block_size, head_dim, dtype)
-    v_cache = nan_cache(kv_heads, num_blocks, block_size, head_dim, dtype)
+    k_cache = random_cache(kv_heads, num_blocks, block_size, head_dim, dtype)
+    v_cache = random_cache(kv_heads, num_blocks, block_size, head_dim, dtype)
     used = {int(b) for i, n in enumerate(lengths) for b in tables[i, :-(-n // block_size)]}
     for b in set(range(num_blocks)) - used:
         k_cache[:, b] = v_cache[:, b] = float("nan")

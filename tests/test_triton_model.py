@@ -6,7 +6,6 @@ What stays untested here: compiling the kernels, CUDA graph capture and replay, 
 
 import random
 
-import pytest
 import torch
 
 from tokstream.config import EngineConfig

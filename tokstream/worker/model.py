@@ -19,10 +19,13 @@ from tokstream.worker.attention import AttentionMetadata
 
 
 def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
+    # oneDNN's bfloat16 reorder refuses CPUs without avx512bw/vl/dq (or avx_ne_convert).
     return (dtype == torch.bfloat16 and device.type == "cpu"
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
