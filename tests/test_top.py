@@ -10,7 +10,7 @@ import functools
 import pytest
 from typer.testing import CliRunner
 
-from top_replay import FRAMES, Replay, replay_app
+from top_replay import FRAMES, Replay, first_poll, replay_app
 from tokstream.cli import app as cli
 from tokstream.top.detail import DetailScreen
 from tokstream.top.help import HelpScreen
@@ -33,24 +33,20 @@ def run(test):
 
 
 def header_text(app) -> str:
-    return str(app.query_one("#header").render())
+    return str(app.main.query_one("#header").render())
 
 
 def table_ids(app, table_id: str = "#requests-small") -> list[str]:
-    table = app.query_one(table_id, RequestsTable)
+    table = app.main.query_one(table_id, RequestsTable)
     return [table.coordinate_to_cell_key((row, 0)).row_key.value
             for row in range(table.row_count)]
 
 
 def table_column(app, column: str, table_id: str = "#requests-small") -> list:
-    table = app.query_one(table_id, RequestsTable)
+    table = app.main.query_one(table_id, RequestsTable)
     return [str(table.get_cell(key, column)) for key in table_ids(app, table_id)]
 
 
-async def started(app, pilot) -> None:
-    """Wait for the first poll, started when the app mounts."""
-    await app.workers.wait_for_complete()
-    await pilot.pause()
 
 
 async def poll(app, pilot) -> None:
@@ -73,7 +69,7 @@ async def test_overview_shows_header_pool_batch_and_requests():
     replay = Replay(start=2)
     app = replay_app(replay)
     async with app.run_test(size=SIZE) as pilot:
-        await started(app, pilot)
+        await first_poll(app, pilot)
         replay.advance()
         await poll(app, pilot)
         state = replay.frame["state"]
@@ -89,24 +85,24 @@ async def test_overview_shows_header_pool_batch_and_requests():
         assert sorted(table_ids(app)) == sorted(r["id"] for r in state["requests"])
         kv = state["kv"]
         assert f"KV {kv['used_blocks']}/{kv['num_blocks']} used" in str(
-            app.query_one("#kv-small").render())
+            app.main.query_one("#kv-small").render())
         batch = state["batch"]
         assert f"running {batch['running']}/{batch['max_num_seqs']} seqs" in str(
-            app.query_one("#seqs").render())
-        assert f"waiting {batch['waiting']}" in str(app.query_one("#queue").render())
+            app.main.query_one("BatchPanel").seqs.render())
+        assert f"waiting {batch['waiting']}" in str(app.main.query_one("BatchPanel").queue.render())
 
 
 @run
 async def test_sort_cycles_columns_and_reverses():
     app = replay_app(Replay(start=3))
     async with app.run_test(size=SIZE) as pilot:
-        await started(app, pilot)
+        await first_poll(app, pilot)
         ages = [r["age_s"] for r in FRAMES[3]["state"]["requests"]]
         by_age = [r["id"] for r in sorted(FRAMES[3]["state"]["requests"],
                                           key=lambda r: -r["age_s"])]
         assert len(set(ages)) == len(ages) and table_ids(app) == by_age  # default: oldest first
         await pilot.press("s")  # id -> tenant ... the cycle starts after age: at id
-        assert app.sort_column == "id"
+        assert app.main.sort_column == "id"
         assert table_ids(app) == sorted(by_age, reverse=True)
         await pilot.press("r")
         assert table_ids(app) == sorted(by_age)
@@ -115,11 +111,11 @@ async def test_sort_cycles_columns_and_reverses():
         assert tenants == sorted(tenants) and len(set(tenants)) == 2
         for _ in range(5):  # tenant -> state -> prompt -> output -> blocks -> ttft
             await pilot.press("s")
-        assert app.sort_column == "ttft_ms"
+        assert app.main.sort_column == "ttft_ms"
         ttfts = [r["ttft_ms"] for r in FRAMES[3]["state"]["requests"]]
         shown = table_column(app, "ttft_ms")
         assert shown.count("-") == ttfts.count(None) and shown[-1] == "-"  # missing: last
-        assert "TTFT ▲" in str(app.query_one("#requests-small", RequestsTable).columns[
+        assert "TTFT ▲" in str(app.main.query_one("#requests-small", RequestsTable).columns[
             "ttft_ms"].label)
 
 
@@ -127,7 +123,7 @@ async def test_sort_cycles_columns_and_reverses():
 async def test_filter_by_tenant_and_state_then_clear():
     app = replay_app(Replay(start=3))
     async with app.run_test(size=SIZE) as pilot:
-        await started(app, pilot)
+        await first_poll(app, pilot)
         rows = FRAMES[3]["state"]["requests"]
         await pilot.press("slash", "b", "o", "b", "enter")
         bob = {r["id"] for r in rows if r["tenant"] == "bob"}
@@ -137,7 +133,7 @@ async def test_filter_by_tenant_and_state_then_clear():
         assert set(table_ids(app)) == {r["id"] for r in rows
                                        if r["tenant"] == "bob" and r["phase"] == "decode"}
         await pilot.press("escape")
-        assert len(table_ids(app)) == len(rows) and app.filter_text == ""
+        assert len(table_ids(app)) == len(rows) and app.main.filter_text == ""
 
 
 def followed_request() -> tuple[int, str, int]:
@@ -159,8 +155,8 @@ async def test_enter_opens_a_request_whose_text_streams_and_esc_goes_back():
     replay = Replay(start)
     app = replay_app(replay)
     async with app.run_test(size=SIZE) as pilot:
-        await started(app, pilot)
-        table = app.query_one("#requests-small", RequestsTable)
+        await first_poll(app, pilot)
+        table = app.main.query_one("#requests-small", RequestsTable)
         for _ in range(table.row_count):
             if table.selected_id == request_id:
                 break
@@ -190,7 +186,7 @@ async def test_disconnected_shows_retrying_keeps_last_view_and_resumes():
     replay = Replay(start=4)
     app = replay_app(replay)
     async with app.run_test(size=SIZE) as pilot:
-        await started(app, pilot)
+        await first_poll(app, pilot)
         shown = table_ids(app)
         replay.down = True
         await poll(app, pilot)
@@ -210,12 +206,12 @@ async def test_a_rank_restart_shows_recovering_requests_and_the_events():
     replay = Replay(start=7)
     app = replay_app(replay)
     async with app.run_test(size=SIZE) as pilot:
-        await started(app, pilot)
+        await first_poll(app, pilot)
         replay.advance()
         await poll(app, pilot)
         assert set(table_column(app, "state")) == {"recovering"}
         await pilot.press("5")
-        events = app.query_one("#events")
+        events = app.main.query_one("#events")
         kinds = [str(events.get_row_at(i)[1]) for i in range(events.row_count)]
         assert "rank_failure" in kinds and "restarted" in kinds and "preempted" in kinds
         assert "finished" not in kinds  # ordinary ends are left out of the log
@@ -226,13 +222,13 @@ async def test_views_help_pause_and_quit():
     replay = Replay(start=5)
     app = replay_app(replay)
     async with app.run_test(size=SIZE) as pilot:
-        await started(app, pilot)
-        switcher = app.query_one("ContentSwitcher")
+        await first_poll(app, pilot)
+        switcher = app.main.query_one("ContentSwitcher")
         for key, view in (("2", "requests"), ("3", "cache"), ("4", "tenants"), ("5", "events"),
                           ("1", "overview"), ("4", "tenants")):
             await pilot.press(key)
             assert switcher.current == view
-        tenants = app.query_one("#tenants")
+        tenants = app.main.query_one("#tenants")
         assert tenants.row_count == 2
         await pilot.press("escape")
         assert switcher.current == "overview"

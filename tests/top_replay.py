@@ -50,3 +50,13 @@ def replay_app(replay: Replay) -> TopApp:
     """The app on a replay; its timer never fires in a test (tests poll explicitly)."""
     source = HttpSource(URL, "sk-admin", transport=httpx.MockTransport(replay.handle))
     return TopApp(source, interval_s=3600)
+
+
+async def first_poll(app: TopApp, pilot) -> None:
+    """Wait for the poll the app starts once it is mounted."""
+    for _ in range(200):
+        if app.frame is not None or app.failures:
+            break
+        await pilot.pause(0.05)
+    await app.workers.wait_for_complete()
+    await pilot.pause()

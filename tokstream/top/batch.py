@@ -24,26 +24,28 @@ class BatchPanel(Vertical):
     BatchPanel Static { height: 1; }
     """
 
+    def __init__(self):
+        super().__init__()
+        # Kept, not queried: a poll may land before this panel's children are mounted.
+        self.seqs, self.tokens, self.queue = Static(), Static(), Static()
+        self.seqs_line, self.tokens_line, self.queue_line = Sparkline(), Sparkline(), Sparkline()
+
     def compose(self) -> ComposeResult:
-        yield Static(id="seqs")
-        yield Sparkline([], id="seqs-line")
-        yield Static(id="tokens")
-        yield Sparkline([], id="tokens-line")
-        yield Static(id="queue")
-        yield Sparkline([], id="queue-line")
+        yield from (self.seqs, self.seqs_line, self.tokens, self.tokens_line, self.queue,
+                    self.queue_line)
 
     def show(self, state: dict, history: History) -> None:
         batch = state.get("batch", {})
         running, max_seqs = batch.get("running", 0), batch.get("max_num_seqs")
         tokens, budget = batch.get("last_step_tokens", 0), batch.get("token_budget")
-        self.query_one("#seqs", Static).update(
+        self.seqs.update(
             f"{bar(running, max_seqs, 12)} [b]running[/b] {running}/{fmt.number(max_seqs)} seqs")
-        self.query_one("#tokens", Static).update(
+        self.tokens.update(
             f"{bar(tokens, budget, 12)} [b]step[/b] {tokens}/{fmt.number(budget)} tokens "
             f"{fmt.ms(batch.get('last_step_ms'))}")
-        self.query_one("#queue", Static).update(
+        self.queue.update(
             f"[b]waiting[/b] {batch.get('waiting', 0)}  [b]preemptions[/b] "
             f"{batch.get('num_preemptions', 0)}  [b]step[/b] #{batch.get('step_id', 0)}")
-        self.query_one("#seqs-line", Sparkline).data = history.series("running")
-        self.query_one("#tokens-line", Sparkline).data = history.series("step_tokens")
-        self.query_one("#queue-line", Sparkline).data = history.series("waiting")
+        self.seqs_line.data = history.series("running")
+        self.tokens_line.data = history.series("step_tokens")
+        self.queue_line.data = history.series("waiting")

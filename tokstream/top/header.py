@@ -43,7 +43,7 @@ def describe(state: dict, url: str, prompt_rate: float | None,
 
 class Header(Static):
     DEFAULT_CSS = """
-    Header { height: 3; background: $panel; padding: 0 1; }
+    Header { height: auto; max-height: 8; background: $panel; padding: 0 1; }
     """
 
     def show(self, state: dict, url: str, prompt_rate: float | None,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.widget import Widget
 
@@ -108,20 +109,26 @@ class KvMap(Widget):
         self.refresh()
 
     def render(self) -> Text:
-        width, height = self.content_size.width, self.content_size.height
+        width, height = max(1, self.content_size.width), self.content_size.height
         pool = blocks(self.kv)
         text = legend_and_gauge(self.kv, pool, width)
-        per_cell, drawn = cells(pool, width * max(0, height - 2))
-        legend = Text("\n")
+        text.append("\n")
         for kind, label in ((FREE, "free"), (CACHED, "cached prefix"), (SHARED, "shared")):
-            legend.append(GLYPH[kind], style=COLOUR[kind]).append(f" {label}  ")
-        legend.append(USED_GLYPH, style=PALETTE[0]).append(" in use (request colour)")
+            text.append(GLYPH[kind], style=COLOUR[kind]).append(f" {label}  ")
+        text.append(USED_GLYPH, style=PALETTE[0]).append(" in use (request colour)")
+        # Two passes: the note on a scaled map can itself take a line on a narrow widget.
+        per_cell, drawn = cells(pool, width * max(0, height - _lines(text, width)))
         if per_cell > 1:
-            legend.append(f"   1 cell = {per_cell} blocks, {SHADES} by use")
-        text.append_text(legend)
+            text.append(f"  1 cell = {per_cell} blocks, {SHADES} by use")
+            per_cell, drawn = cells(pool, width * max(0, height - _lines(text, width)))
         for index, (glyph, colour) in enumerate(drawn):
             if index % max(1, width) == 0:
                 text.append("\n")
             text.append(glyph, style=colour)
         return text
 
+
+
+def _lines(text: Text, width: int) -> int:
+    """Terminal lines text takes at width, wrapping long lines."""
+    return sum(max(1, -(-cell_len(line) // width)) for line in text.plain.split("\n"))

@@ -11,6 +11,9 @@ from tokstream.top.view import COLUMNS, owner_colour
 HEADINGS = {"id": "ID", "tenant": "TENANT", "state": "STATE", "prompt_tokens": "PROMPT",
             "output_tokens": "OUTPUT", "blocks": "BLOCKS", "ttft_ms": "TTFT", "itl_ms": "ITL",
             "tokens_per_s": "TOK/S", "age_s": "AGE"}
+WIDTHS = {"id": 28, "tenant": 10, "state": 10, "prompt_tokens": 8, "output_tokens": 8,
+          "blocks": 8, "ttft_ms": 8, "itl_ms": 8, "tokens_per_s": 7, "age_s": 8}
+"""Fixed, so columns stay put from one refresh to the next (longer values are cut)."""
 STATE_COLOUR = {"waiting": "#abb2bf", "submitted": "#abb2bf", "prefill": "#61afef",
                 "decode": "#98c379", "preempted": "#e5c07b", "recovering": "#e06c75",
                 "finishing": "#5c6370"}
@@ -50,7 +53,7 @@ class RequestsTable(DataTable):
         self.clear(columns=True)
         for column in COLUMNS:
             arrow = (" ▼" if reverse else " ▲") if column == sort_column else ""
-            self.add_column(HEADINGS[column] + arrow, key=column)
+            self.add_column(HEADINGS[column] + arrow, key=column, width=WIDTHS[column])
         for row in rows:
             self.add_row(*(_cell(row, c) for c in COLUMNS), key=row["id"])
         if selected is not None and selected in self.rows:
