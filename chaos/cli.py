@@ -3,6 +3,7 @@ stream-history checker. Exit 0 only if every invariant held; 1 if one broke; 2 o
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Optional
 
@@ -42,6 +43,9 @@ def _run(experiment: str, rank: Optional[int], url, admin_key, api_key, model, d
     from tokstream.chaos.runner import Options, run
     from tokstream.errors import UserInputError
 
+    # SIGTERM unwinds like Ctrl-C, so the server chaos started is stopped in order (a killed
+    # chaos still takes it down: the server gets SIGTERM when its parent dies).
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         options = Options(experiment, rank, url, admin_key, api_key, model, device, dtype, tp,
                           spare, streams, max_tokens, repeat, seed, step_timeout, timeout)
@@ -57,6 +61,10 @@ def _run(experiment: str, rank: Optional[int], url, admin_key, api_key, model, d
     # Piped or in CI, rich would wrap the tables at 80 columns.
     render(report, Console(width=None if sys.stdout.isatty() else 120))
     raise typer.Exit(0 if report["ok"] else 1)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _command(name: str, doc: str, with_rank: bool):

@@ -43,7 +43,8 @@ class Experiment:
 def experiment(name: str, max_tokens: int, step_timeout_s: float) -> Experiment:
     # A small token budget spreads a long prompt's prefill over many steps, so a fault can
     # land in the middle of it.
-    mid_batch = ["--max-num-batched-tokens", "64", "--step-timeout", str(step_timeout_s)]
+    mid_batch = ["--max-num-batched-tokens", "64", "--max-prefill-chunk", "32",
+                 "--step-timeout", str(step_timeout_s)]
     pool = 2 * math.ceil((PROMPT_ESTIMATE_TOKENS + max_tokens) / 16)
     return {
         "kill-rank": Experiment("kill-rank", "SIGKILL one tensor-parallel rank mid-batch "
@@ -71,6 +72,8 @@ class ServerFacts:
 
     model: str
     token_budget: int
+    prefill_chunk: int
+    """Most prompt tokens of one request per step."""
     max_model_len: int
     num_blocks: int
     block_size: int
@@ -97,21 +100,23 @@ def decode_stream(i: int, rng: random.Random, model: str, max_tokens: int) -> St
     return StreamSpec(f"s{i}", "/v1/messages", body)
 
 
-def long_prompt_stream(facts: ServerFacts, round_index: int, seed: int) -> StreamSpec:
-    """A prompt of about eight token budgets (prefilled over as many steps or more), different
-    in every round so the prefix cache cannot skip its prefill."""
-    target = min(8 * facts.token_budget, facts.max_model_len // 2)
+def long_prompt_stream(facts: ServerFacts, round_index: int, seed: int,
+                       attempt: int = 0) -> StreamSpec:
+    """A prompt of about twelve prefill chunks (so as many steps or more), different in every
+    round and attempt so the prefix cache cannot skip its prefill."""
+    target = min(12 * facts.prefill_chunk, facts.max_model_len // 2)
     count = max(1, round(target / facts.tokens_per_filler))
-    text = f"Round {round_index}, seed {seed}. Summarise this text. " + FILLER * count
-    return StreamSpec("long", "/v1/messages", {
+    text = (f"Round {round_index}, seed {seed}, attempt {attempt}. Summarise this text. "
+            + FILLER * count)
+    return StreamSpec("long" if attempt == 0 else f"long{attempt}", "/v1/messages", {
         "model": facts.model, "max_tokens": 8, "stream": True, "ignore_eos": True,
         "temperature": 0, "messages": message(text)}, role="long-prompt")
 
 
 def workload(exp: Experiment, facts: ServerFacts, num_streams: int, max_tokens: int, seed: int,
              round_index: int) -> list[StreamSpec]:
-    """The round's streams; for signal experiments the long prompt is last (sent later, when
-    the trigger is near). The streams' prompts and seeds are the same in every round (so one
+    """The round's streams (for the signal experiments the long prompt comes separately, sent
+    when the trigger is near: long_prompt_stream). The streams' prompts and seeds are the same in every round (so one
     fault-free reference run serves them all); who hangs up or stops reading, and when,
     changes from round to round."""
     base, rng = random.Random(seed), random.Random(f"{seed}/{round_index}/workload")
@@ -134,8 +139,7 @@ def workload(exp: Experiment, facts: ServerFacts, num_streams: int, max_tokens: 
                 spec.role = "slow"
             specs.append(spec)
         return specs
-    specs = [decode_stream(i, base, facts.model, max_tokens) for i in range(num_streams)]
-    return specs + [long_prompt_stream(facts, round_index, seed)]
+    return [decode_stream(i, base, facts.model, max_tokens) for i in range(num_streams)]
 
 
 SLOW_MAX_TOKENS = 1500

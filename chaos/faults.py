@@ -10,9 +10,10 @@ import psutil
 from tokstream.errors import UserInputError
 
 from tokstream.chaos.api import ServerAPI
-from tokstream.chaos.workload import Recorder, StreamSpec
+from tokstream.chaos.workload import Recorder
 
 TRIGGER_TIMEOUT_S = 300.0
+LONG_PROMPT_TRIES = 3
 
 
 def victim(state: dict, fault: str, rank: int | None) -> tuple[str, int]:
@@ -54,30 +55,36 @@ def decoding(state: dict) -> list[dict]:
 
 
 async def await_trigger(api: ServerAPI, recorder: Recorder, fault: str, j: int, k: int,
-                        long_spec: StreamSpec | None) -> tuple[dict | None, str]:
+                        long_prompt) -> tuple[dict | None, str]:
     """Wait for the moment; returns (the /v1/state snapshot taken at it, a description), or
-    (None, why not) if the workload never got there. The long prompt is sent once stream j
-    has its k tokens, so that its prefill overlaps their decoding."""
+    (None, why not) if the workload never got there. The long prompt (long_prompt(attempt)
+    makes one) is sent once stream j has its k tokens, so that its prefill overlaps their
+    decoding; if its prefill ends unseen (a fast model), another one is sent, a few times."""
     if not await recorder.until(j, k, TRIGGER_TIMEOUT_S):
         return None, f"stream s{j} ended or stalled before receiving {k} tokens"
-    if long_spec is not None:
-        recorder.start(long_spec)
-    if fault != "kill-rank" or long_spec is None:
-        return await api.state(), f"stream s{j} had received {k} tokens"
-    long = recorder.histories[-1]
+    first = f"stream s{j} had received {k} tokens"
+    if fault != "kill-rank":
+        recorder.start(long_prompt(0))
+        return await api.state(), first
+    for attempt in range(LONG_PROMPT_TRIES):
+        recorder.start(long_prompt(attempt))
+        long = recorder.histories[-1]
 
-    def mid_batch(state: dict) -> bool:
-        return (prefilling(state, long.request_id) is not None
-                and len(decoding(state)) >= 2)
+        def mid_batch(state: dict) -> bool:
+            return (prefilling(state, long.request_id) is not None
+                    and len(decoding(state)) >= 2)
 
-    state, found = await api.state_until(mid_batch, TRIGGER_TIMEOUT_S)
-    if not found:
-        return None, ("no moment with the long prompt mid-prefill and two streams decoding "
-                      "(is the server's token budget large enough to prefill it in one step?)")
-    row = prefilling(state, long.request_id)
-    return state, (f"stream s{j} had received {k} tokens; the long prompt was mid-prefill "
-                   f"({row['computed_tokens']}/{row['prompt_tokens']} tokens) while "
-                   f"{len(decoding(state))} streams were decoding")
+        state, _ = await api.state_until(
+            lambda s: mid_batch(s) or bool(long.tokens) or long.ended_at is not None,
+            TRIGGER_TIMEOUT_S, interval_s=0.01)
+        if mid_batch(state):
+            row = prefilling(state, long.request_id)
+            return state, (f"{first}; the long prompt was mid-prefill "
+                           f"({row['computed_tokens']}/{row['prompt_tokens']} tokens) while "
+                           f"{len(decoding(state))} streams were decoding")
+    return None, (f"{first}, but in {LONG_PROMPT_TRIES} tries no moment had a long prompt "
+                  "mid-prefill and two streams decoding (a server that prefills a long prompt "
+                  "in one step needs --max-prefill-chunk)")
 
 
 def inject(fault: str, pid: int) -> psutil.Process:

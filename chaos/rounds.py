@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -13,7 +14,8 @@ import psutil
 from tokstream.chaos import faults
 from tokstream.chaos.api import ServerAPI
 from tokstream.chaos.audit import audit
-from tokstream.chaos.experiments import SIGNALS, Experiment, ServerFacts, trigger_point, workload
+from tokstream.chaos.experiments import (SIGNALS, Experiment, ServerFacts, long_prompt_stream,
+                                         trigger_point, workload)
 from tokstream.chaos.history import Violations, check_history
 from tokstream.chaos.target import Target
 from tokstream.chaos.timeline import around_fault
@@ -42,6 +44,11 @@ class Context:
     baseline_used_blocks: int = 0
     reference: dict[str, list[int]] = field(default_factory=dict)
     """Token ids of the fault-free run, by stream name (greedy and seeded streams)."""
+
+    def say(self, message: str) -> None:
+        """Progress on stderr (a soak runs for a long time)."""
+        print(f"chaos {time.monotonic() - self.clock:7.1f}s  {message}", file=sys.stderr,
+              flush=True)
 
 
 class Sampler:
@@ -73,7 +80,8 @@ class Sampler:
         self.preemptions.append(state["batch"].get("num_preemptions", 0))
         for row in state["requests"]:
             seen = self.requests.setdefault(row["id"], {"preemptions": 0, "resumes": 0,
-                                                        "cancelled": None})
+                                                        "cancelled": None,
+                                                        "prompt_tokens": row["prompt_tokens"]})
             seen["preemptions"] = max(seen["preemptions"], row.get("preemptions") or 0)
             seen["resumes"] = max(seen["resumes"], row.get("resumes") or 0)
             seen["cancelled"] = row.get("cancelled") or seen["cancelled"]
@@ -83,7 +91,6 @@ async def run_round(ctx: Context, index: int) -> dict:
     violations = Violations()
     rng = random.Random(f"{ctx.seed}/{index}")
     specs = workload(ctx.exp, ctx.facts, ctx.num_streams, ctx.max_tokens, ctx.seed, index)
-    long_spec = specs.pop() if specs[-1].role == "long-prompt" else None
     recorder = Recorder(ctx.target.url, ctx.target.headers(), ctx.clock, ctx.timeout_s)
     sampler = Sampler(ctx.api)
     before = await ctx.api.state()
@@ -95,9 +102,11 @@ async def run_round(ctx: Context, index: int) -> dict:
         for spec in specs:
             recorder.start(spec)
         if ctx.exp.fault is not None:
-            stopped = await _signal_fault(ctx, recorder, rng, long_spec, fault, violations)
+            stopped = await _signal_fault(ctx, recorder, rng, index, fault, violations)
         elif ctx.exp.name == "slow-client":
             await _slow_phase(ctx, recorder, sampler, violations)
+        ctx.say(f"round {index}: {ctx.exp.fault or ctx.exp.name} - waiting for the streams "
+                "to end")
         await _finish(recorder, ctx.timeout_s)
     finally:
         recorder.released.set()
@@ -106,6 +115,7 @@ async def run_round(ctx: Context, index: int) -> dict:
         await _finish(recorder, 10)
         await recorder.close()
         await sampler.stop()
+    ctx.say(f"round {index}: draining")
     drained = await _drain(ctx, violations)
     rows = check_history(recorder.histories, violations)
     for row in rows:
@@ -128,17 +138,22 @@ async def run_round(ctx: Context, index: int) -> dict:
 
 
 async def _signal_fault(ctx: Context, recorder: Recorder, rng: random.Random,
-                        long_spec: StreamSpec | None, fault: dict,
+                        index: int, fault: dict,
                         violations: Violations) -> psutil.Process | None:
     j, k = trigger_point(rng, ctx.num_streams, ctx.max_tokens)
-    state, why = await faults.await_trigger(ctx.api, recorder, ctx.exp.fault, j, k, long_spec)
+    def long_prompt(attempt: int) -> StreamSpec:
+        return long_prompt_stream(ctx.facts, index, ctx.seed, attempt)
+
+    state, why = await faults.await_trigger(ctx.api, recorder, ctx.exp.fault, j, k, long_prompt)
     fault["trigger"] = why
+    ctx.say(f"trigger: {why}")
     if state is None:
         violations.add("fault_not_injected", why)
         return None
     what, pid = faults.victim(state, ctx.exp.fault, ctx.rank)
     group = _group(state, ctx.exp.fault)
     process = faults.inject(ctx.exp.fault, pid)
+    ctx.say(f"{SIGNALS[ctx.exp.fault]} {what} (pid {pid})")
     fault.update({"signal": SIGNALS[ctx.exp.fault], "target": what, "pid": pid,
                   "at_s": recorder.now(), "wall_time": time.time(),
                   "state_at_fault": {r["id"]: r for r in state["requests"]},
@@ -235,7 +250,8 @@ def _interrupted(ctx: Context, fault: dict, rows: list[dict], histories: list[St
     if ctx.exp.name == "cache-exhaustion":
         preempted = {r["name"] for r in rows if r.get("preemptions")}
         fault.update({"num_blocks": ctx.facts.num_blocks, "block_size": ctx.facts.block_size,
-                      "demand_tokens": sum(h.spec.body["max_tokens"] for h in histories),
+                      "demand_tokens": sum(r["max_tokens"] + (r.get("prompt_tokens") or 0)
+                                           for r in rows),
                       "preemptions": (max(sampler.preemptions) - min(sampler.preemptions)
                                       if sampler.preemptions else 0),
                       "preempted_streams": sorted(preempted)})

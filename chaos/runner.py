@@ -99,7 +99,10 @@ async def _main(options: Options, target: Target) -> dict:
         ctx = Context(exp, target, api, facts, clock, options.streams or exp.default_streams,
                       options.max_tokens, options.seed, options.rank, options.timeout_s,
                       baseline_used_blocks=steady["baseline_used_blocks"])
+        ctx.say(f"steady state: health {steady['health']}, probe {steady['probe']}")
         report["reference"] = await _reference(ctx, violations)
+        if ctx.exp.reference:
+            ctx.say(f"fault-free reference run done ({ctx.exp.reference})")
         report["rounds"] = []
         for index in range(options.repeat):
             result = await run_round(ctx, index)
@@ -148,7 +151,8 @@ async def _facts(api: ServerAPI, state: dict) -> ServerFacts:
     model = await api.model_id()
     base = await api.count_tokens(model, message("x"))
     filled = await api.count_tokens(model, message("x " + FILLER * 10))
-    return ServerFacts(model, state["batch"].get("token_budget") or 1024,
+    budget = state["batch"].get("token_budget") or 1024
+    return ServerFacts(model, budget, state["batch"].get("max_prefill_chunk") or budget,
                        state["replica"]["max_model_len"], state["kv"]["num_blocks"],
                        state["kv"]["block_size"], max(1.0, (filled - base) / 10))
 
