@@ -48,7 +48,8 @@ for name in ("torch", "triton", "typer", "rich", "safetensors", "tokenizers", "n
     except Exception as exc:
         print(name, "MISSING", exc)
 import torch
-print("cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+print("cuda", torch.cuda.is_available())
+print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
 PY
 
 run kernels 150 $PY -m tokstream.kernels.check --device "$DEVICE" --json "$RESULTS/kernels.json"
@@ -99,7 +100,7 @@ if bandwidth and plan and bench1:
 kernels = load("kernels.json")
 summary = {
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    "device": env.get("cuda", "").strip() or os.environ["DEVICE"],
+    "device": env.get("device", "?") if os.environ["DEVICE"] != "cpu" else "cpu (plumbing try-run)",
     "environment": env, "steps": steps, "targets": targets,
     "kernels_ok": kernels and all(r["ok"] for r in kernels["results"]),
     "parity": load("parity_tiny.json"),
