@@ -6,7 +6,8 @@ tenants and output budgets in the same order.
 
 Lengths are absolute, as users state them; against a shorter context they are clamped: the
 prompt first keeps room for the output budget, and when even the shortest prompt does not fit,
-the output budget shrinks. A clamped request is marked so the report can count it.
+the output budget shrinks. A clamped request is marked so the report can count it, and so is
+one drawn shorter than its class's chat template and system prompt allow (raised).
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ class RequestSpec:
     requested_prompt_tokens: int
     max_tokens: int
     clamped: bool
+    """The context made the prompt or the output budget shorter than drawn."""
+    raised: bool
+    """The prompt was drawn shorter than the class's minimum (template, system prompt) and was
+    sent at that minimum."""
     burst: int | None = None
     """The burst this request belongs to (None: the main arrivals)."""
 
@@ -63,20 +68,20 @@ def build_spec(mix: Mix, limits: Limits, workload: WorkloadClass, tenant: str,
                rng: random.Random, index: int, burst: int | None) -> RequestSpec:
     requested = draw_prompt_tokens(rng, workload)
     floor = limits.min_prompt[workload.name]
-    prompt = max(requested, floor)
+    wanted = max(requested, floor)
     if workload.output_tokens is None:
-        prompt = min(prompt, limits.context - 1)
-        max_tokens = limits.context - prompt
+        prompt = min(wanted, limits.context - 1)
+        max_tokens = drawn_output = limits.context - prompt
     else:
-        max_tokens = rng.randint(*workload.output_tokens)
-        prompt = max(floor, min(prompt, limits.context - max_tokens))
-        max_tokens = min(max_tokens, limits.context - prompt)
+        drawn_output = rng.randint(*workload.output_tokens)
+        prompt = max(floor, min(wanted, limits.context - drawn_output))
+        max_tokens = min(drawn_output, limits.context - prompt)
     if max_tokens < 1:
         raise ValueError(f"class {workload.name}: its shortest prompt ({floor} tokens) fills "
                          f"the model's whole context ({limits.context})")
-    clamped = prompt != requested or (workload.output_tokens is not None
-                                      and max_tokens < workload.output_tokens[0])
-    return RequestSpec(index, workload.name, tenant, prompt, requested, max_tokens, clamped, burst)
+    clamped = prompt < wanted or max_tokens < drawn_output
+    return RequestSpec(index, workload.name, tenant, prompt, requested, max_tokens, clamped,
+                       requested < floor, burst)
 
 
 def main_request(mix: Mix, limits: Limits, seed: int, index: int) -> RequestSpec:

@@ -23,7 +23,7 @@ import httpx
 
 from tokstream.errors import UserInputError
 
-HEADER = "Read the following words, then continue the list:"
+HEADER = "Continue:"
 # Common English words (one token in most English BPE vocabularies) and single letters (two
 # tokens, space and letter, in byte-level vocabularies without merges such as the dummy
 # models'). The cheapest cost that enough of them share is the unit of length.

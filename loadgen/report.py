@@ -89,6 +89,7 @@ def build_report(samples: list[dict], config: dict, slo: dict, extra: dict) -> d
     summary.update({
         "duration_s": duration,
         "clamped": sum(1 for s in samples if s["clamped"]),
+        "raised_to_minimum": sum(1 for s in samples if s["raised"]),
         "prompt_tokens_mismatched": sum(
             1 for s in samples if s.get("input_tokens") is not None
             and s["input_tokens"] != s["prompt_tokens"]),

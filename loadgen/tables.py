@@ -53,8 +53,10 @@ def print_report(report: dict, reasons: list[str], console: Console | None = Non
         f"{integrity['streams_failed']} failed {integrity['problems'] or ''}".rstrip(),
         f"fairness: Jain's index {_num(fairness['jain_index'], 3)} over tenants' tokens/s, "
         f"{_num(fairness['jain_index_ttft'], 3)} over their 1/TTFT",
-        f"prompts clamped to the context: {summary['clamped']}; not the length asked: "
-        f"{summary['prompt_tokens_mismatched']}; late arrivals: {summary['late_arrivals']}",
+        f"requests clamped to the context: {summary['clamped']}; prompts raised to the "
+        f"template's minimum: {summary['raised_to_minimum']}; prompts not the length planned: "
+        f"{summary['prompt_tokens_mismatched']}; open-loop arrivals late: "
+        f"{summary['late_arrivals']}",
     ]
     if summary["errors"]:
         lines.append(f"errors: {summary['errors']}")

@@ -94,7 +94,8 @@ def test_agent_asks_for_the_rest_of_the_context_and_tiny_prompts_are_raised_to_t
     assert 0.65 < len(chat) / len(specs) < 0.85  # weight 3 : 1
     floor = [main_request(mix, limits_for(mix, base=300), 0, n) for n in range(200)]
     raised = [s for s in floor if s.requested_prompt_tokens < 300]
-    assert raised and all(s.prompt_tokens == 300 and s.clamped for s in raised)
+    assert raised and all(s.prompt_tokens == 300 and s.raised for s in raised)
+    assert not any(s.clamped for s in floor) and not any(s.raised for s in specs)
 
 
 def test_schedule_bounds_and_arrivals():
@@ -115,6 +116,11 @@ def test_schedule_bounds_and_arrivals():
     assert schedule.issued == len(arrivals) + 6
     lengths = [main_request(mix, limits, 0, n) for n in range(5)]
     assert all(s.workload == "chat" for s in lengths)  # flood has weight 0: bursts only
+
+    capped = Schedule(mix, limits, 0, "closed", 1, 1, duration_s=60, requests=4)
+    assert [capped.next_closed(0.0).index for _ in range(2)] == [0, 1]
+    assert [capped.next_burst()[1].index for _ in range(2)] == [2, 3]
+    assert capped.next_burst() is None and capped.next_closed(0.0) is None  # 4 in all
 
     counted = Schedule(load_mix("chat"), limits_for(load_mix("chat")), 0, "closed", 1, 1, 0, 5)
     taken = [counted.next_closed(0.0) for _ in range(7)]
