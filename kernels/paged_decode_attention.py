@@ -43,7 +43,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(lens_ptr + seq).to(tl.int32)
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, TILE), NUM_SPLITS)
+    tiles = (context_len + TILE - 1) // TILE
+    tiles_per_split = (tiles + NUM_SPLITS - 1) // NUM_SPLITS
     start = split * tiles_per_split * TILE
     end = tl.minimum(start + tiles_per_split * TILE, context_len)
 
