@@ -11,6 +11,11 @@ from pathlib import Path
 PLOTS = ("ttft_cdf.png", "itl_cdf.png", "over_time.png", "tenant_share.png")
 
 
+def _no_data(axis) -> None:
+    axis.text(0.5, 0.5, "no completed request", ha="center", va="center",
+              transform=axis.transAxes)
+
+
 def _cdf(axis, values: list[float], label: str) -> None:
     if not values:
         return
@@ -25,9 +30,12 @@ def _cdf_plot(report: dict, title: str, values_of, path: Path) -> None:
     figure, axis = plt.subplots(figsize=(8, 5))
     samples = [s for s in report["samples"] if s["status"] == "ok"]
     for workload in sorted(report["class"]):
-        _cdf(axis, [v for s in samples if s["workload"] == workload for v in values_of(s)],
-             workload)
-    axis.set_xscale("log")
+        _cdf(axis, [v for s in samples if s["workload"] == workload for v in values_of(s)
+                    if v > 0], workload)
+    if axis.lines:
+        axis.set_xscale("log")
+    else:
+        _no_data(axis)
     axis.set_xlabel("seconds (log scale)")
     axis.set_ylabel("fraction of samples ≤ x")
     axis.set_ylim(0, 1.02)
@@ -66,7 +74,10 @@ def _over_time(report: dict, path: Path) -> None:
     if failed:
         bottom.scatter([s["start_s"] + s["e2e_s"] for s in failed], [s["e2e_s"] for s in failed],
                        s=25, marker="v", color="red", label="failed")
-    bottom.set_yscale("log")
+    if any(v > 0 for c in bottom.collections for v in c.get_offsets()[:, 1]):
+        bottom.set_yscale("log")
+    else:
+        _no_data(bottom)
     bottom.set_xlabel("seconds since the start (when the request ended / got its first token)")
     bottom.set_ylabel("seconds (log scale)")
     bottom.grid(True, which="both", alpha=0.3)

@@ -106,11 +106,14 @@ def verdict(report: dict, max_error_rate: float, max_integrity_failures: int) ->
     """Why the run failed (empty when it passed)."""
     summary = report["summary"]
     reasons = []
+    unfinished = summary["failed"] + summary["cancelled"]
     if summary["requests"] == 0:
         reasons.append("no request was sent")
-    elif summary["failed"] / summary["requests"] > max_error_rate:
+    elif unfinished / summary["requests"] > max_error_rate:
+        # A request still running when the drain timeout ran out never served its user either.
         reasons.append(f"{summary['failed']} of {summary['requests']} requests failed "
-                       f"({summary['errors']}), above --max-error-rate {max_error_rate:g}")
+                       f"({summary['errors']}) and {summary['cancelled']} were still running "
+                       f"at the drain timeout, above --max-error-rate {max_error_rate:g}")
     bad = summary["integrity"]["streams_failed"]
     if bad > max_integrity_failures:
         reasons.append(f"{bad} streams failed the integrity check "

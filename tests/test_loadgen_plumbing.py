@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from tokstream.engine.messages import token_digest
+from tokstream.loadgen.plots import PLOTS
 from tokstream.loadgen.stream import auth_headers, request_body, stream_request
 
 TEMPLATE_TOKENS = 7
@@ -90,6 +91,12 @@ class FakeServer:
                 self.wfile.flush()
 
             def stream(self, body, prompt_tokens, mode, rid, openai):
+                try:
+                    self.write_stream(body, prompt_tokens, mode, rid, openai)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up on it (drain timeout): as a server sees it
+
+            def write_stream(self, body, prompt_tokens, mode, rid, openai):
                 self.send_response(200)
                 self.send_header("content-type", "text/event-stream")
                 self.end_headers()
@@ -263,7 +270,7 @@ def test_loadtest_reports_every_request(tmp_path):
     assert by_order[0]["ttft_s"] is not None
     # the report files load and plot: the PNGs are real images, and plots redraw from the JSON
     import matplotlib.image
-    from tokstream.loadgen.plots import PLOTS, plot_report
+    from tokstream.loadgen.plots import plot_report
 
     for name in PLOTS:
         assert matplotlib.image.imread(out / name).shape[0] > 100
@@ -317,6 +324,22 @@ def test_loadtest_fails_past_the_thresholds_and_shows_locusts_web_ui(tmp_path):
     reasons = report["verdict"]["reasons"]
     assert len(reasons) == 2 and "--max-error-rate" in reasons[0] and "integrity" in reasons[1]
     assert "FAIL" in stdout
+
+
+def test_requests_past_the_drain_timeout_are_cancelled_and_fail_the_run(tmp_path):
+    mix, keys = write_mix_and_keys(tmp_path)
+    out = tmp_path / "out"
+    with FakeServer(keys=KEYS, token_delay_s=1.0) as fake:  # 3-10 s a request
+        result = loadtest("--url", fake.url, "--mix", mix, "--keys", keys, "--users", "2",
+                          "--duration", "0.5s", "--drain-timeout", "1", "--out", str(out))
+    assert result.returncode == 1, result.stdout + result.stderr
+    report = json.loads((out / "report.json").read_text())
+    summary = report["summary"]
+    assert (summary["requests"], summary["cancelled"], summary["completed"]) == (2, 2, 0)
+    assert all(s["status"] == "cancelled" for s in report["samples"])
+    assert "still running at the drain timeout" in report["verdict"]["reasons"][0]
+    assert "still running at the drain timeout" in result.stdout  # printed after the plots
+    assert all((out / name).stat().st_size > 5000 for name in PLOTS)  # drawn with no data too
 
 
 @pytest.mark.parametrize("args,message", [
