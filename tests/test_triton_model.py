@@ -1,11 +1,12 @@
 """The GPU path's wiring without a GPU: the model with the Triton kernel backend (run by Triton's
 interpreter on CPU tensors) against the torch path on the same weights — logits of a mixed step,
-greedy tokens through the model runner (eager, and through the CUDA-graph runner's padded
-static buffers), and through the engine with the worker process selecting the kernels.
+greedy tokens through the CUDA-graph runner's padded static buffers (replayed eagerly), and
+through the engine with its worker process selecting the kernels (eager steps).
 What stays untested here: compiling the kernels, CUDA graph capture and replay, NCCL."""
 
 import random
 
+import pytest
 import torch
 
 from tokstream.config import EngineConfig
@@ -162,3 +163,21 @@ def test_engine_selects_triton_kernels_in_the_worker(interpreted_kernels, monkey
     with LLM(EngineConfig(model=str(folder), dtype="float32", device="cpu")) as llm:
         assert llm.core.executor.ready.kernels == "triton"
         assert [c.token_ids for c in llm.generate(prompts, params)] == expected
+
+
+def test_backend_and_device_choice(interpreted_kernels, monkeypatch):
+    from tokstream.errors import UserInputError
+    from tokstream.worker.backend import choose_backend
+    from tokstream.worker.worker import resolve_device
+
+    cpu = torch.device("cpu")
+    assert choose_backend(cpu).name == "torch"
+    monkeypatch.setenv("TOKSTREAM_KERNELS", "triton")
+    assert choose_backend(cpu).name == "triton"
+    monkeypatch.setenv("TOKSTREAM_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="TOKSTREAM_KERNELS"):
+        choose_backend(cpu)
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == cpu
+        with pytest.raises(UserInputError, match="no CUDA device"):
+            resolve_device("cuda")

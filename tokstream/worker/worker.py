@@ -85,8 +85,13 @@ def resolve_device(device: str):
     """'auto' is the GPU when torch sees one, else the CPU."""
     import torch
 
+    from tokstream.errors import UserInputError
+
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserInputError("--device cuda: torch sees no CUDA device here "
+                             f"(torch {torch.__version__}); use --device cpu or auto")
     return torch.device(device)
 
 
