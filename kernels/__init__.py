@@ -1,5 +1,7 @@
-"""Triton kernels for the GPU path (installed as `tokstream.kernels`).
+"""Kernels (installed as `tokstream.kernels`).
 
-The CPU path uses the plain torch reference in `tokstream.worker.attention`; the kernels that
-replace it on CUDA arrive with the GPU work and are always tested against that reference.
+CPU: `cpu_attention` (a small C decode-attention kernel, compiled on first use). GPU: the Triton
+kernels `paged_decode_attention`, `paged_prefill_attention`, `kv_cache_write`, `rms_norm` and
+`rotary`, each with a torch `reference` and its shape/stride contract in its docstring;
+`triton_backend` plugs them into the model, `check` tests them on a device.
 """

@@ -14,7 +14,14 @@
 # Needs (import-checked below): torch, triton, typer, rich, safetensors, tokenizers, numpy.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# The repo is not installed there: build the package as pyproject's package-dir lays it out
+# (kernels/, chaos/, loadgen/ live at the top level but import as tokstream.kernels etc.).
+PACKAGE_ROOT=$(mktemp -d)
+trap 'rm -rf "$PACKAGE_ROOT"' EXIT
+mkdir "$PACKAGE_ROOT/tokstream"
+for entry in "$PWD"/tokstream/*; do ln -s "$entry" "$PACKAGE_ROOT/tokstream/"; done
+for folder in kernels chaos loadgen; do ln -s "$PWD/$folder" "$PACKAGE_ROOT/tokstream/$folder"; done
+export PYTHONPATH="$PACKAGE_ROOT:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
 BENCH_MODEL=${BENCH_MODEL:-dummy:llama-8b}
@@ -47,6 +54,8 @@ for name in ("torch", "triton", "typer", "rich", "safetensors", "tokenizers", "n
         print(name, getattr(module, "__version__", "?"))
     except Exception as exc:
         print(name, "MISSING", exc)
+import tokstream.kernels
+print("tokstream.kernels", tokstream.kernels.__path__[0])
 import torch
 print("cuda", torch.cuda.is_available())
 print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
