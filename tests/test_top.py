@@ -59,6 +59,7 @@ def test_recorded_frames_hold_what_top_needs():
     a rank restart are in it, so the tests below see them."""
     phases = {r["phase"] for f in FRAMES for r in f["state"]["requests"]}
     assert {"prefill", "decode", "waiting", "preempted", "recovering"} <= phases
+    assert any(f["state"]["replica"]["status"] == "recovering" for f in FRAMES)
     assert any("2" in f["state"]["kv"]["block_map"]["ref_counts"] for f in FRAMES)
     assert any(e["kind"] == "rank_failure" for f in FRAMES for e in f["state"]["events"])
     assert all(f["requests"] for f in FRAMES)
@@ -82,6 +83,9 @@ async def test_overview_shows_header_pool_batch_and_requests():
                  - parse_counters(before["metrics"])["output_tokens"])
         elapsed = after["state"]["replica"]["uptime_s"] - before["state"]["replica"]["uptime_s"]
         assert grown > 0 and f"output {grown / elapsed:,.0f} tok/s" in header
+        prefilled = (after["state"]["batch"]["prefill_tokens_total"]
+                     - before["state"]["batch"]["prefill_tokens_total"])
+        assert prefilled > 0 and f"prompt {prefilled / elapsed:,.0f} tok/s" in header
         assert sorted(table_ids(app)) == sorted(r["id"] for r in state["requests"])
         kv = state["kv"]
         assert f"KV {kv['used_blocks']}/{kv['num_blocks']} used" in str(
@@ -170,11 +174,13 @@ async def test_enter_opens_a_request_whose_text_streams_and_esc_goes_back():
         assert f"output {first['output_tokens']}/{first['max_tokens']}" in str(
             app.screen.query_one("#fields").render())
         replay.advance()
-        await poll(app, pilot)
+        await app.screen.refresh_request()  # what its timer does every interval
+        await pilot.pause()
         later = FRAMES[start + 1]["requests"][request_id]["recent_text"]
         assert str(app.screen.query_one("#text").render()) == later
         replay.index = finished
-        await poll(app, pilot)
+        await app.screen.refresh_request()
+        await pilot.pause()
         assert "finished" in str(app.screen.query_one("#notice").render())
         assert str(app.screen.query_one("#text").render()) == later  # the last text stays
         await pilot.press("escape")
@@ -207,13 +213,23 @@ async def test_a_rank_restart_shows_recovering_requests_and_the_events():
     app = replay_app(replay)
     async with app.run_test(size=SIZE) as pilot:
         await first_poll(app, pilot)
-        replay.advance()
+        replay.advance()  # the replica is recovering: every live request waits on it
         await poll(app, pilot)
+        assert replay.frame["state"]["replica"]["status"] == "recovering"
+        assert "● recovering" in header_text(app)
         assert set(table_column(app, "state")) == {"recovering"}
+        replay.advance()  # back: the requests re-prefilling show as recovering until they decode
+        await poll(app, pilot)
+        resuming = {r["id"] for r in replay.frame["state"]["requests"]
+                    if r["phase"] == "recovering"}
+        states = dict(zip(table_ids(app), table_column(app, "state")))
+        assert resuming and {i for i, s in states.items() if s == "recovering"} == resuming
         await pilot.press("5")
         events = app.main.query_one("#events")
         kinds = [str(events.get_row_at(i)[1]) for i in range(events.row_count)]
-        assert "rank_failure" in kinds and "restarted" in kinds and "preempted" in kinds
+        for kind in ("preempted", "replica_recovering", "rank_failure", "restarted",
+                     "replica_ready"):
+            assert kind in kinds
         assert "finished" not in kinds  # ordinary ends are left out of the log
 
 
@@ -293,7 +309,7 @@ def test_parse_counters_sums_labels_and_ignores_the_rest():
     text = ('# HELP vllm:generation_tokens_total x\nvllm:generation_tokens_total{model_name="a"} 5.0\n'
             'vllm:generation_tokens_total{model_name="b b}"} 2\nvllm:generation_tokens_created 9\n'
             'vllm:prompt_tokens_total 7\n')
-    assert parse_counters(text) == {"prompt_tokens": 7.0, "output_tokens": 7.0}
+    assert parse_counters(text) == {"output_tokens": 7.0}
 
 
 @pytest.mark.parametrize("args, message", [

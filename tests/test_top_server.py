@@ -37,16 +37,18 @@ def server(tmp_path_factory):
 
 
 @contextmanager
-def live_streams(url: str, count: int):
+def live_streams(server, count: int):
     """count streaming requests sharing a system prompt, decoding until the block exits (then
-    the clients hang up and the server aborts them). Yields the list of refusals (empty)."""
+    the clients hang up and the server aborts them). Each starts once the one before it
+    decodes, so the later ones find the shared prefix cached. Yields the refusals (none)."""
     stop = threading.Event()
     refusals: list[str] = []
 
     def stream(index: int) -> None:
         body = anthropic_body(f"request {index}", max_tokens=1500, ignore_eos=True,
                               temperature=0, system=SYSTEM)
-        with httpx.Client(base_url=url, timeout=120, headers={"x-api-key": ALICE}) as client:
+        with httpx.Client(base_url=server.url, timeout=120,
+                          headers={"x-api-key": ALICE}) as client:
             with client.stream("POST", "/v1/messages", json=body) as response:
                 if response.status_code != 200:
                     refusals.append(response.read().decode())
@@ -55,9 +57,11 @@ def live_streams(url: str, count: int):
                         return
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(count)]
-    for thread in threads:
-        thread.start()
     try:
+        for started, thread in enumerate(threads, 1):
+            thread.start()
+            wait_for_state(server, lambda s: sum(r["output_tokens"] > 0
+                                                 for r in s["requests"]) >= started, refusals)
         yield refusals
     finally:
         stop.set()
@@ -78,7 +82,7 @@ def wait_for_state(server, predicate, refusals=(), timeout: float = 60) -> dict:
 
 
 def test_state_carries_cached_runs_phases_and_process_usage(server):
-    with live_streams(server.url, 3) as refusals:
+    with live_streams(server, 3) as refusals:
         state = wait_for_state(server, lambda s: len(s["requests"]) == 3 and all(
             r["phase"] == "decode" and r["output_tokens"] > 2 for r in s["requests"]), refusals)
         kv = state["kv"]
@@ -93,6 +97,9 @@ def test_state_carries_cached_runs_phases_and_process_usage(server):
         pool = blocks(kv)
         assert holders == [b.ref_count for b in pool]
         assert sum(1 for b in pool if b.ref_count == 3) >= 2  # the shared system prompt
+        batch = state["batch"]
+        # Prompts and shared prefix prefilled once each; then one token per stream per step.
+        assert 0 < batch["prefill_tokens_total"] and batch["decode_tokens_total"] >= 3 * 2
         rank = state["ranks"][0]
         assert rank["rss_bytes"] > 0 and state["memory"]["host"]["cpu_count"] >= 1
         again = server.state(**{"x-api-key": ADMIN})
@@ -120,7 +127,7 @@ def test_top_follows_live_streams_then_shows_the_server_gone(server):
         app = TopApp(HttpSource(server.url, ADMIN), interval_s=0.2)
         async with app.run_test(size=(160, 50)) as pilot:
             table = app.main.query_one("#requests-small", RequestsTable)
-            with live_streams(server.url, 2) as refusals:
+            with live_streams(server, 2) as refusals:
                 for _ in range(300):
                     if any(str(table.get_cell(key, "state")) == "decode" for key in table.rows):
                         break

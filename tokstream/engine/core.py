@@ -62,6 +62,11 @@ class EngineCore:
                                    swap_space=self.swap_space)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.step_id = 0
+        self.prefill_tokens_total = 0
+        """Tokens computed in prefill chunks (prompts, and prompt + output again after a
+        preemption or restart) since this core started."""
+        self.decode_tokens_total = 0
+        """Tokens computed one per running stream per step since this core started."""
         self.last_step: StepStats | None = None
         self.events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self._rng = random.Random()
@@ -220,6 +225,10 @@ class EngineCore:
         deltas += [self._emit(request) for request in advanced]
         if self._resuming:
             self._resuming.difference_update(request.request_id for request in advanced)
+        decodes = sum(1 for w in scheduled.work
+                      if w.num_tokens == 1 and w.start >= len(w.request.prompt_token_ids))
+        self.decode_tokens_total += decodes
+        self.prefill_tokens_total += scheduled.num_tokens - decodes
         self.last_step = StepStats(scheduled.num_tokens, len(scheduled.work),
                                    time.perf_counter() - started)
         return deltas
@@ -348,6 +357,8 @@ class EngineCore:
             "max_prefill_chunk": ((sched.max_prefill_chunk or sched.max_num_batched_tokens)
                                   if sched.chunked_prefill else None),
             "num_preemptions": scheduler.num_preemptions,
+            "prefill_tokens_total": self.prefill_tokens_total,
+            "decode_tokens_total": self.decode_tokens_total,
             "preemption_mode": self.config.cache.preemption_mode,
             "num_swap_preemptions": scheduler.num_swap_outs,
             "kv": {"block_size": blocks.block_size, "num_blocks": blocks.num_blocks,

@@ -270,7 +270,8 @@ class Server:
                       "num_preemptions": core.get("num_preemptions", 0),
                       **{key: core[key] for key in (
                           "chunked_prefill", "max_prefill_chunk", "preemption_mode",
-                          "num_swap_preemptions", "policy") if key in core}},
+                          "num_swap_preemptions", "policy", "prefill_tokens_total",
+                          "decode_tokens_total") if key in core}},
             "admission": self.admission.snapshot(),
             "requests": requests,
             "tenants": [t.row() for t in self.tenants.tenants] if self.tenants else [],

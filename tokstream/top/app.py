@@ -7,7 +7,6 @@ from __future__ import annotations
 from textual.app import App
 from textual.binding import Binding
 
-from tokstream.top.detail import DetailScreen
 from tokstream.top.help import HelpScreen
 from tokstream.top.main_screen import MainScreen
 from tokstream.top.source import Frame, HttpSource, SourceError
@@ -72,8 +71,6 @@ class TopApp(App):
                 self.history.add(frame)
                 self._log_events(frame.state.get("events", []))
             self.main.redraw()
-            if isinstance(self.screen, DetailScreen):
-                await self.screen.refresh_request()
         finally:
             self.polling = False
 

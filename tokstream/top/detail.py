@@ -46,38 +46,47 @@ class DetailScreen(Screen):
     def __init__(self, request_id: str):
         super().__init__()
         self.request_id = request_id
-        self.row: dict | None = None
         self.gone = False
+        self.reading = False
+        # Kept, not queried: a read may finish after Esc has closed the screen.
+        self.fields = Static(Text(request_id, style="bold"), id="fields")
+        self.notice = Static(id="notice")
+        self.text = Static(id="text")
+        self.scroll = VerticalScroll()
 
     def compose(self) -> ComposeResult:
-        yield Static(Text(self.request_id, style="bold"), id="fields")
-        yield Static(id="notice")
-        with VerticalScroll():
-            yield Static(id="text")
+        yield self.fields
+        yield self.notice
+        with self.scroll:
+            yield self.text
         yield Footer()
 
     def on_mount(self) -> None:
-        self.run_worker(self.refresh_request())
+        # Its own timer, at the app's interval: it stops when the screen closes.
+        self.set_interval(self.app.interval_s, self.tick)
+        self.tick()
+
+    def tick(self) -> None:
+        if not self.app.paused and not self.reading and not self.gone:
+            self.run_worker(self.refresh_request())
 
     async def refresh_request(self) -> None:
-        """Read the request once more; called by the app on every poll."""
-        if self.gone:
-            return
+        """Read the request once more."""
+        self.reading = True
         try:
             row = await self.app.source.request(self.request_id)
         except SourceError as error:
-            self.query_one("#notice", Static).update(
-                Text(f"disconnected — retrying ({error})", style="bold #e06c75"))
+            self.notice.update(Text(f"disconnected — retrying ({error})", style="bold #e06c75"))
             return
-        notice = self.query_one("#notice", Static)
+        finally:
+            self.reading = False
         if row is None:
             self.gone = True
-            notice.update(Text("finished: the server no longer has this request "
-                               "(its last text is below)", style="bold #e5c07b"))
+            self.notice.update(Text("finished: the server no longer has this request "
+                                    "(its last text is below)", style="bold #e5c07b"))
             return
-        self.row = row
-        notice.update(Text(f"text so far (last {len(row.get('recent_text', ''))} characters, "
-                           "live)", style="dim"))
-        self.query_one("#fields", Static).update(describe(row))
-        self.query_one("#text", Static).update(Text(row.get("recent_text", "")))
-        self.query_one(VerticalScroll).scroll_end(animate=False)
+        self.notice.update(Text(f"text so far (last {len(row.get('recent_text', ''))} "
+                                "characters, live)", style="dim"))
+        self.fields.update(describe(row))
+        self.text.update(Text(row.get("recent_text", "")))
+        self.scroll.scroll_end(animate=False)

@@ -20,7 +20,7 @@ HELP = """\
 
 KV map: [#4b5263]·[/] free  [#5fafaf]▒[/] cached prefix (nobody holds it)  [#ffffff]▓[/] shared (ref count > 1)
         [#e06c75]█[/] in use, in the colour of the request that holds it (its id has the same colour).
-        A pool larger than the map is drawn with one cell per range of blocks, ░▒▓█ by the share in use.
+        A pool larger than the map is drawn with one cell per range of blocks, ▁▂▃▄▅▆▇█ by the share in use.
 States: waiting, prefill, decode, preempted, recovering (paused by a replica restart, or
         re-prefilling after one), finishing (all tokens delivered), submitted (not yet in the engine).
 """

@@ -17,8 +17,9 @@ FREE, CACHED, SHARED = "free", "cached", "shared"
 GLYPH = {FREE: "·", CACHED: "▒", SHARED: "▓"}
 COLOUR = {FREE: "#4b5263", CACHED: "#5fafaf", SHARED: "#ffffff"}
 USED_GLYPH = "█"
-SHADES = "░▒▓█"
-"""A range cell's glyph by the share of its blocks in use: up to 1/4, 1/2, 3/4, all."""
+SHADES = "▁▂▃▄▅▆▇█"
+"""A range cell's glyph by the share of its blocks in use, in eighths (rounded up); unlike
+the per-block glyphs, so a scaled map never reads as a cached or shared block."""
 
 
 @dataclass

@@ -8,10 +8,7 @@ from dataclasses import dataclass
 
 import httpx
 
-COUNTERS = {
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:generation_tokens_total": "output_tokens",
-}
+COUNTERS = {"vllm:generation_tokens_total": "output_tokens"}
 """Prometheus samples top reads (summed over labels) -> its own names."""
 
 

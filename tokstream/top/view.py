@@ -100,7 +100,9 @@ class History:
         uptime = state.get("replica", {}).get("uptime_s", 0.0)
         if self.samples and uptime <= self.samples[-1].uptime_s:
             self.samples.clear()  # a new server (or the same snapshot twice): start over
-        self.samples.append(Sample(uptime, frame.counters.get("prompt_tokens", 0.0),
+        # Prompt tokens: prefilled by the engine (its own counter); output tokens: delivered
+        # to callers (/metrics).
+        self.samples.append(Sample(uptime, batch.get("prefill_tokens_total", 0),
                                    frame.counters.get("output_tokens", 0.0),
                                    batch.get("running", 0), batch.get("last_step_tokens", 0),
                                    batch.get("waiting", 0)))
