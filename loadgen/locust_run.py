@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import sys
 import time
 
-import gevent  # noqa: F401  (locust patches on import; make the order explicit)
-import httpx
+# Locust monkey-patches with gevent when imported: it comes first, before httpx opens sockets.
 from locust import User, constant, task
 from locust.env import Environment
 from locust.exception import StopUser
+
+import gevent
+import gevent.event
+import httpx
 
 from tokstream.loadgen.mix import Mix, RunSettings, WorkloadClass
 from tokstream.loadgen.plan import Limits
@@ -167,6 +171,11 @@ def user_classes(run: Run) -> list[type]:
 def main(path: str) -> None:
     config = json.loads(open(path, encoding="utf-8").read())
     run = Run(config)
+    # The parent owns Ctrl-C: it asks this process to stop with SIGTERM, and the run then
+    # cancels what is in flight, records it and reports like any other end.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = gevent.event.Event()
+    gevent.signal_handler(signal.SIGTERM, stop.set)
     classes = user_classes(run)
     total_users = sum(c.fixed_count for c in classes)
     # One client for all users (a connection each: they stream at once). A client per user
@@ -194,7 +203,7 @@ def main(path: str) -> None:
             reported = run.elapsed()
         if run.users_started >= total_users and run.users_left <= 0 and run.in_flight == 0:
             break
-        if run.elapsed() > limit_s:
+        if run.elapsed() > limit_s or stop.is_set():
             break
     runner.quit()  # kills anything still in flight: its sample is recorded as cancelled
     run.results.close()

@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from dataclasses import asdict, dataclass
@@ -198,18 +199,18 @@ def run_locust(config: dict, out: Path, limit_s: float) -> dict:
                               str(config_path)], stdout=subprocess.PIPE, stderr=log,
                              stdin=subprocess.DEVNULL, text=True, preexec_fn=_die_with_parent)
     progress = Progress()
-    done: dict = {}
-    deadline = time.monotonic() + limit_s
+    watchdog = threading.Timer(limit_s, child.kill)  # a child that stops talking still ends
+    watchdog.start()
     try:
-        for line in child.stdout:
-            message = json.loads(line)
-            if "web" in message:
-                print(f"Locust web UI: {message['web']['url']}", file=sys.stderr)
-            progress.show(message.get("progress") or message.get("done"))
-            done = message.get("done", done)
-            if time.monotonic() > deadline:
-                break
+        try:
+            done = _follow(child, progress)
+        except KeyboardInterrupt:
+            # Ctrl-C stops the run, not the report: the child cancels what is in flight,
+            # records it and ends; what was measured is still summarised.
+            child.send_signal(signal.SIGTERM)
+            done = {**_follow(child, progress), "interrupted": True}
     finally:
+        watchdog.cancel()
         progress.close()
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -220,10 +221,26 @@ def run_locust(config: dict, out: Path, limit_s: float) -> dict:
                 child.wait()
         log.close()
         config_path.unlink(missing_ok=True)  # it holds the tenants' keys
-    if child.returncode not in (0, -signal.SIGTERM) or not done:
-        tail = (out / "locust.log").read_text(encoding="utf-8")[-2000:]
+    log_text = (out / "locust.log").read_text(encoding="utf-8")
+    if not log_text:
+        (out / "locust.log").unlink()
+    if done.get("interrupted"):
+        print("interrupted: the report covers the requests recorded so far", file=sys.stderr)
+    elif child.returncode not in (0, -signal.SIGTERM) or not done:
         print(f"warning: the Locust process ended early (exit {child.returncode}); the report "
-              f"covers what it recorded. Its log:\n{tail}", file=sys.stderr)
+              f"covers what it recorded. Its log:\n{log_text[-2000:]}", file=sys.stderr)
+    return done
+
+
+def _follow(child: subprocess.Popen, progress: "Progress") -> dict:
+    """Show the child's progress lines until it ends; its 'done' payload ({} if none)."""
+    done: dict = {}
+    for line in child.stdout:
+        message = json.loads(line)
+        if "web" in message:
+            print(f"Locust web UI: {message['web']['url']}", file=sys.stderr)
+        progress.show(message.get("progress") or message.get("done"))
+        done = message.get("done", done)
     return done
 
 
@@ -297,4 +314,6 @@ def run(options: Options) -> int:
     results.unlink(missing_ok=True)
     print_report(report, reasons)
     print(f"report: {out / 'report.json'}; plots: {', '.join(p.name for p in sorted(out.glob('*.png')))}")
+    if done.get("interrupted"):
+        return 130
     return 1 if reasons else 0

@@ -8,6 +8,7 @@ mid-stream, a 529, a stream cut without an end.
 
 import json
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -340,6 +341,31 @@ def test_requests_past_the_drain_timeout_are_cancelled_and_fail_the_run(tmp_path
     assert "still running at the drain timeout" in report["verdict"]["reasons"][0]
     assert "still running at the drain timeout" in result.stdout  # printed after the plots
     assert all((out / name).stat().st_size > 5000 for name in PLOTS)  # drawn with no data too
+
+
+def test_ctrl_c_stops_the_run_and_still_reports(tmp_path):
+    mix, keys = write_mix_and_keys(tmp_path)
+    out = tmp_path / "out"
+    with FakeServer(keys=KEYS, token_delay_s=1.0) as fake:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tokstream", "loadtest", "--url", fake.url, "--mix", mix,
+             "--keys", keys, "--users", "2", "--duration", "10m", "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            first = process.stderr.readline()  # the first progress line: the run is going
+            assert " sent " in first, first
+            deadline = time.monotonic() + 60
+            while len(fake.requests) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            process.send_signal(signal.SIGINT)
+            stdout, stderr = process.communicate(timeout=120)
+        finally:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, stdout + stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["summary"]["cancelled"] == 2 and report["summary"]["requests"] == 2
 
 
 @pytest.mark.parametrize("args,message", [
