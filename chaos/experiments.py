@@ -23,6 +23,8 @@ FILLER = "The quick brown fox jumps over the lazy dog while the river runs to th
 PROMPT_ESTIMATE_TOKENS = 96
 """An upper bound on a decode stream's prompt (about 40-60 tokens with a chat template), to
 size a KV pool before the server that could count them exists."""
+TRIGGER_WINDOW_S = 1.5
+MAX_LONG_CHUNKS = 64
 SIGNALS = {"kill-rank": "SIGKILL", "stall-rank": "SIGSTOP", "kill-engine": "SIGKILL"}
 
 
@@ -79,6 +81,8 @@ class ServerFacts:
     block_size: int
     tokens_per_filler: float
     """Prompt tokens one FILLER sentence adds."""
+    step_s: float = 0.1
+    """About how long one engine step takes (measured on the reference run)."""
 
 
 def message(text: str) -> list[dict]:
@@ -102,9 +106,12 @@ def decode_stream(i: int, rng: random.Random, model: str, max_tokens: int) -> St
 
 def long_prompt_stream(facts: ServerFacts, round_index: int, seed: int,
                        attempt: int = 0) -> StreamSpec:
-    """A prompt of about twelve prefill chunks (so as many steps or more), different in every
-    round and attempt so the prefix cache cannot skip its prefill."""
-    target = min(12 * facts.prefill_chunk, facts.max_model_len // 2)
+    """A prompt whose prefill spans many steps: at least twelve prefill chunks, more on a fast
+    model (about TRIGGER_WINDOW_S of steps, so that /v1/state polls, which come between steps,
+    see it mid-prefill), at most half the context. Different in every round and attempt so
+    the prefix cache cannot skip its prefill."""
+    chunks = min(MAX_LONG_CHUNKS, max(12, math.ceil(TRIGGER_WINDOW_S / facts.step_s)))
+    target = min(chunks * facts.prefill_chunk, facts.max_model_len // 2)
     count = max(1, round(target / facts.tokens_per_filler))
     text = (f"Round {round_index}, seed {seed}, attempt {attempt}. Summarise this text. "
             + FILLER * count)

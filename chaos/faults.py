@@ -91,7 +91,11 @@ def inject(fault: str, pid: int) -> psutil.Process:
     """Send the fault's signal to pid; returns the process (psutil re-checks its identity
     before any later signal, so a reused pid is never hit)."""
     process = psutil.Process(pid)
-    process.send_signal(signal.SIGSTOP if fault == "stall-rank" else signal.SIGKILL)
+    try:
+        process.send_signal(signal.SIGSTOP if fault == "stall-rank" else signal.SIGKILL)
+    except psutil.AccessDenied:
+        raise UserInputError(f"not permitted to signal pid {pid} (the server runs as another "
+                             "user)") from None
     return process
 
 

@@ -131,9 +131,9 @@ async def run_round(ctx: Context, index: int) -> dict:
         and e["kind"] in ("rank_failure", "restarted", "restart_failed", "engine_dead",
                           "engine_restarted", "engine_restart_failed")]
     return {"round": index, "fault": fault, "streams": rows, "content": content,
-            "drain": {k: drained[k] for k in ("kv", "batch") if k in drained}
-            | {"requests": len(drained.get("requests", [])),
-               "status": drained.get("replica", {}).get("status")},
+            "drain": {"kv": {k: v for k, v in drained["kv"].items() if k != "block_map"},
+                      "batch": drained["batch"], "requests": len(drained["requests"]),
+                      "status": drained["replica"]["status"]},
             "violations": violations}
 
 

@@ -165,6 +165,7 @@ async def _reference(ctx: Context, violations: Violations) -> dict:
     specs = [s for s in workload(ctx.exp, ctx.facts, ctx.num_streams, ctx.max_tokens, ctx.seed, 0)
              if s.role == "decode" and (s.greedy or s.seeded)]
     recorder = Recorder(ctx.target.url, ctx.target.headers(), ctx.clock, ctx.timeout_s)
+    started = time.monotonic()
     try:
         if ctx.exp.reference == "solo":
             for spec in specs:
@@ -173,9 +174,12 @@ async def _reference(ctx: Context, violations: Violations) -> dict:
             await asyncio.gather(*(recorder.start(spec) for spec in specs))
     finally:
         await recorder.close()
+    if ctx.exp.reference == "batch":  # one token per step, all streams in each step
+        ctx.facts.step_s = (time.monotonic() - started) / (ctx.max_tokens + 1)
     rows = check_history(recorder.histories, violations)
     ctx.reference = {row["name"]: row["token_ids"] for row in rows if row["class"] == "complete"}
-    return {"mode": ctx.exp.reference, "streams": sorted(ctx.reference)}
+    return {"mode": ctx.exp.reference, "streams": sorted(ctx.reference),
+            "step_s": ctx.facts.step_s}
 
 
 def _summarise(report: dict, violations: Violations, clock: float) -> dict:

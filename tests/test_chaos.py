@@ -20,6 +20,7 @@ pytestmark = pytest.mark.timeout(400)
 
 CHAOS = [sys.executable, "-m", "tokstream", "chaos"]
 TINY = ["--model", "dummy:tiny"]
+SHORTER = ["--max-tokens", "16"]
 
 
 def chaos(tmp_path, *args, env=None, timeout=360) -> tuple[int, dict | None, str]:
@@ -41,7 +42,7 @@ def assert_clean(code: int, report: dict, output: str) -> None:
 
 
 def test_stall_rank_is_caught_by_the_step_deadline(tmp_path):
-    code, report, output = chaos(tmp_path, "stall-rank", "0", *TINY)
+    code, report, output = chaos(tmp_path, "stall-rank", "0", *TINY, *SHORTER)
     assert_clean(code, report, output)
     fault, = report["faults"]
     assert fault["signal"] == "SIGSTOP" and fault["target"] == "rank 0"
@@ -54,7 +55,7 @@ def test_stall_rank_is_caught_by_the_step_deadline(tmp_path):
 
 
 def test_kill_engine_resumes_every_stream_on_a_new_core(tmp_path):
-    code, report, output = chaos(tmp_path, "kill-engine", *TINY, "--seed", "3")
+    code, report, output = chaos(tmp_path, "kill-engine", *TINY, *SHORTER, "--seed", "3")
     assert_clean(code, report, output)
     fault, = report["faults"]
     assert fault["target"] == "engine core"
@@ -90,7 +91,7 @@ def test_disconnect_storm_frees_what_the_leavers_held(tmp_path):
 
 
 def test_cache_exhaustion_preempts_and_changes_no_output(tmp_path):
-    code, report, output = chaos(tmp_path, "cache-exhaustion", *TINY)
+    code, report, output = chaos(tmp_path, "cache-exhaustion", *TINY, *SHORTER)
     assert_clean(code, report, output)
     fault = report["faults"][0]
     assert fault["preemptions"] > 0 and fault["demand_tokens"] > fault["num_blocks"] * 16

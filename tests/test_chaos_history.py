@@ -2,6 +2,8 @@
 hang-up excuses and what it does not, refusals, and what a fault did to each stream."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -108,3 +110,14 @@ def test_around_fault_measures_the_pause_and_flags_a_stream_that_never_came_back
     assert rows[0]["pause_s"] == pytest.approx(5.5) and recovery == pytest.approx(5.0)
     assert rows[0]["state_at_fault"] == "decoding (token 2)"
     assert violations.counts["not_recovered"] == 1
+
+
+def test_chaos_imports_no_torch_and_no_engine_code():
+    code = ("import sys, tokstream.chaos.cli, tokstream.chaos.runner; "
+            "assert 'torch' not in sys.modules, 'torch'; "
+            "print(sorted(m for m in sys.modules if m.startswith('tokstream.engine')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    # Only the plain-data module the stream checker takes the digest function from.
+    assert result.stdout.strip() == "['tokstream.engine', 'tokstream.engine.messages']"
