@@ -395,7 +395,7 @@ class EngineCore:
         owners = {request.request_id: _runs(request.block_ids)
                   for request in self.scheduler.running}
         return {"ref_counts": ref_counts, "owners": owners,
-                "cached": _runs(self.block_manager.cached_block_ids)}
+                "cached": self.block_manager.cached_runs}
 
     def shutdown(self) -> None:
         self.executor.shutdown()
