@@ -31,6 +31,9 @@ from tokstream.loadgen.schedule import Schedule
 from tokstream.loadgen.stream import auth_headers, new_sample, request_body, stream_request
 
 
+MAX_BURST_USERS = 256
+
+
 def emit(kind: str, payload: dict) -> None:
     sys.stdout.write(json.dumps({kind: payload}) + "\n")
     sys.stdout.flush()
@@ -162,7 +165,7 @@ def user_classes(run: Run) -> list[type]:
     classes = []
     ClosedUser.fixed_count = OpenUser.fixed_count = settings["users"]
     classes.append(ClosedUser if settings["arrival"] == "closed" else OpenUser)
-    BurstUser.fixed_count = sum(c.burst_size for c in run.mix.burst_classes)
+    BurstUser.fixed_count = min(run.schedule.burst_requests, MAX_BURST_USERS)
     if BurstUser.fixed_count:
         classes.append(BurstUser)
     return classes

@@ -62,7 +62,7 @@ def _over_time(report: dict, path: Path) -> None:
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     top.step([n * width for n in range(bins)], [v / width for v in tokens], where="post")
     top.set_ylabel("output tokens/s")
-    top.set_title(f"Throughput and latency over time ({width:g} s bins)")
+    top.set_title(f"Throughput and latency over time ({width:.3g} s bins)")
     top.grid(True, alpha=0.3)
     for workload in sorted(report["class"]):
         done = [s for s in samples if s["workload"] == workload and s["status"] == "ok"]

@@ -97,12 +97,16 @@ class TokenCounter:
             body = {"model": self.model, "messages": [{"role": "user", "content": user}]}
             if system is not None:
                 body["system"] = system
-            response = self.client.post(self.url + "/v1/messages/count_tokens", json=body,
-                                        headers=self.headers)
-            if response.status_code != 200:
-                raise UserInputError(f"count_tokens answered {response.status_code}: "
-                                     f"{response.text[:200]}")
-            self._cache[key] = response.json()["input_tokens"]
+            try:
+                response = self.client.post(self.url + "/v1/messages/count_tokens", json=body,
+                                            headers=self.headers)
+                answer = response.json() if response.status_code == 200 else None
+            except (httpx.HTTPError, ValueError) as error:
+                raise UserInputError(f"count_tokens at {self.url}: {error}") from None
+            if not isinstance(answer, dict) or not isinstance(answer.get("input_tokens"), int):
+                raise UserInputError(f"count_tokens at {self.url} answered "
+                                     f"{response.status_code}: {response.text[:200]}")
+            self._cache[key] = answer["input_tokens"]
         return self._cache[key]
 
 

@@ -139,7 +139,10 @@ def server_model(client: httpx.Client, url: str, headers: dict) -> dict:
     if response.status_code != 200:
         raise UserInputError(f"{url}/v1/models answered {response.status_code}: "
                              f"{response.text[:200]}")
-    models = response.json().get("data") or []
+    try:
+        models = response.json().get("data") or []
+    except (ValueError, AttributeError):
+        models = []
     if not models:
         raise UserInputError(f"{url} serves no model")
     return models[0]

@@ -3,7 +3,8 @@
 Closed loop: each free user takes the next request of the main arrivals. Open loop: arrival
 times are drawn ahead (Poisson or bursty gaps); a free user claims the next one and waits for
 its time, so a request starts late only when every user is busy (the lateness is recorded).
-Bursts of a class fire on their own timer in either mode and have users of their own.
+Bursts of a class fire on their own timer in either mode and have users of their own, one
+per burst request (up to 256), so a slow burst never delays the next.
 Everything stops issuing at the duration or the request count, whichever comes first.
 """
 
@@ -33,6 +34,12 @@ class Schedule:
                     heapq.heappush(self._bursts, (at, next(order), (workload, burst, slot)))
                 if len(self._bursts) > 100_000:
                     break
+
+    @property
+    def burst_requests(self) -> int:
+        """Burst requests still to send (each gets a user, so a burst never waits for the
+        previous one to finish)."""
+        return len(self._bursts)
 
     def _open(self, elapsed_s: float) -> bool:
         if self.requests and self.issued >= self.requests:

@@ -108,6 +108,7 @@ def test_schedule_bounds_and_arrivals():
         arrivals.append(item[0])
     assert arrivals == sorted(arrivals) and arrivals[-1] < 60
     assert 200 < len(arrivals) < 280  # 4/s for 60 s
+    assert schedule.burst_requests == 6  # a user each in the Locust process
     bursts = []
     while (item := schedule.next_burst()) is not None:
         bursts.append((item[0], item[1].workload, item[1].burst))
