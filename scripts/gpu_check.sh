@@ -14,14 +14,7 @@
 # Needs (import-checked below): torch, triton, typer, rich, safetensors, tokenizers, numpy.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# The repo is not installed there: build the package as pyproject's package-dir lays it out
-# (kernels/, chaos/, loadgen/ live at the top level but import as tokstream.kernels etc.).
-PACKAGE_ROOT=$(mktemp -d)
-trap 'rm -rf "$PACKAGE_ROOT"' EXIT
-mkdir "$PACKAGE_ROOT/tokstream"
-for entry in "$PWD"/tokstream/*; do ln -s "$entry" "$PACKAGE_ROOT/tokstream/"; done
-for folder in kernels chaos loadgen; do ln -s "$PWD/$folder" "$PACKAGE_ROOT/tokstream/$folder"; done
-export PYTHONPATH="$PACKAGE_ROOT:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+REPO=$PWD
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
 BENCH_MODEL=${BENCH_MODEL:-dummy:llama-8b}
@@ -29,6 +22,19 @@ BENCH_DTYPE=${BENCH_DTYPE:-bfloat16}
 STAMP=$(date -u +%Y%m%d-%H%M)
 RESULTS=${OUT:-bench/results/gpu-$STAMP}
 mkdir -p "$RESULTS"
+RESULTS=$(cd "$RESULTS" && pwd)
+# The repo is not installed there: build the package as pyproject's package-dir lays it out
+# (kernels/, chaos/, loadgen/ live at the top level but import as tokstream.kernels etc.) and
+# run from it, since `python -m` puts the working directory first on sys.path.
+PACKAGE_ROOT=$(mktemp -d)
+trap 'rm -rf "$PACKAGE_ROOT"' EXIT
+mkdir "$PACKAGE_ROOT/tokstream"
+for entry in "$REPO"/tokstream/*; do ln -s "$entry" "$PACKAGE_ROOT/tokstream/"; done
+for folder in kernels chaos loadgen; do ln -s "$REPO/$folder" "$PACKAGE_ROOT/tokstream/$folder"; done
+export PYTHONPATH="$PACKAGE_ROOT${PYTHONPATH:+:$PYTHONPATH}"
+cd "$PACKAGE_ROOT"
+# Step time limits fit the GPU budget; a CPU try-run (the interpreter) gets 4x as long.
+SLOWDOWN=$([ "$DEVICE" = cpu ] && echo 4 || echo 1)
 STEPS="$RESULTS/steps.txt"
 : > "$STEPS"
 status=0
@@ -38,7 +44,7 @@ run() {
   local name=$1 limit=$2; shift 2
   echo "== $name"
   local started=$SECONDS
-  timeout "$limit" "$@"
+  timeout $((limit * SLOWDOWN)) "$@"
   local rc=$?
   echo "$name $rc $((SECONDS - started))" >> "$STEPS"
   [ "$rc" -eq 0 ] || { echo "   $name: exit $rc"; status=1; }
@@ -62,8 +68,8 @@ print("device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else 
 PY
 
 run kernels 150 $PY -m tokstream.kernels.check --device "$DEVICE" --json "$RESULTS/kernels.json"
-run bandwidth 120 $PY bench/kernel_bandwidth.py --device "$DEVICE" --json "$RESULTS/kernel_bandwidth.json"
-run parity 180 $PY scripts/device_parity.py "$DEVICE" --json "$RESULTS/parity_tiny.json"
+run bandwidth 120 $PY "$REPO/bench/kernel_bandwidth.py" --device "$DEVICE" --json "$RESULTS/kernel_bandwidth.json"
+run parity 180 $PY "$REPO/scripts/device_parity.py" "$DEVICE" --json "$RESULTS/parity_tiny.json"
 $PY -m tokstream plan --model "$BENCH_MODEL" --dtype "$BENCH_DTYPE" --json > "$RESULTS/plan.json"
 for batch in 1 64; do
   run "bench_b$batch" 150 $PY -m tokstream bench --model "$BENCH_MODEL" --dtype "$BENCH_DTYPE" \
