@@ -104,13 +104,15 @@ def decode_stream(i: int, rng: random.Random, model: str, max_tokens: int) -> St
     return StreamSpec(f"s{i}", "/v1/messages", body)
 
 
-def long_prompt_stream(facts: ServerFacts, round_index: int, seed: int,
+def long_prompt_stream(facts: ServerFacts, round_index: int, seed: int, max_tokens: int,
                        attempt: int = 0) -> StreamSpec:
-    """A prompt whose prefill spans many steps: at least twelve prefill chunks, more on a fast
-    model (about TRIGGER_WINDOW_S of steps, so that /v1/state polls, which come between steps,
-    see it mid-prefill), at most half the context. Different in every round and attempt so
-    the prefix cache cannot skip its prefill."""
-    chunks = min(MAX_LONG_CHUNKS, max(12, math.ceil(TRIGGER_WINDOW_S / facts.step_s)))
+    """A prompt whose prefill spans many steps: more than it takes the decoding streams to
+    reach the trigger (at most max_tokens / 3 tokens), and on a fast model about
+    TRIGGER_WINDOW_S of steps (so that /v1/state polls, which come between steps, see it
+    mid-prefill); at most half the context. Different in every round and attempt so the
+    prefix cache cannot skip its prefill."""
+    chunks = min(MAX_LONG_CHUNKS, max(12, max_tokens // 3 + 6,
+                                      math.ceil(TRIGGER_WINDOW_S / facts.step_s)))
     target = min(chunks * facts.prefill_chunk, facts.max_model_len // 2)
     count = max(1, round(target / facts.tokens_per_filler))
     text = (f"Round {round_index}, seed {seed}, attempt {attempt}. Summarise this text. "

@@ -58,18 +58,17 @@ async def await_trigger(api: ServerAPI, recorder: Recorder, fault: str, j: int, 
                         long_prompt) -> tuple[dict | None, str]:
     """Wait for the moment; returns (the /v1/state snapshot taken at it, a description), or
     (None, why not) if the workload never got there. The long prompt (long_prompt(attempt)
-    makes one) is sent once stream j has its k tokens, so that its prefill overlaps their
-    decoding; if its prefill ends unseen (a fast model), another one is sent, a few times."""
+    makes one) goes out with the decoding streams, so its prefill overlaps their decoding;
+    for kill-rank, if its prefill has ended by the time stream j has k tokens (a fast model),
+    another one is sent, a few times, while the others still decode."""
+    recorder.start(long_prompt(0))
+    long = recorder.histories[-1]
     if not await recorder.until(j, k, TRIGGER_TIMEOUT_S):
         return None, f"stream s{j} ended or stalled before receiving {k} tokens"
     first = f"stream s{j} had received {k} tokens"
     if fault != "kill-rank":
-        recorder.start(long_prompt(0))
         return await api.state(), first
-    for attempt in range(LONG_PROMPT_TRIES):
-        recorder.start(long_prompt(attempt))
-        long = recorder.histories[-1]
-
+    for attempt in range(1, LONG_PROMPT_TRIES + 1):
         def mid_batch(state: dict) -> bool:
             return (prefilling(state, long.request_id) is not None
                     and len(decoding(state)) >= 2)
@@ -82,6 +81,9 @@ async def await_trigger(api: ServerAPI, recorder: Recorder, fault: str, j: int, 
             return state, (f"{first}; the long prompt was mid-prefill "
                            f"({row['computed_tokens']}/{row['prompt_tokens']} tokens) while "
                            f"{len(decoding(state))} streams were decoding")
+        if attempt < LONG_PROMPT_TRIES:
+            recorder.start(long_prompt(attempt))
+            long = recorder.histories[-1]
     return None, (f"{first}, but in {LONG_PROMPT_TRIES} tries no moment had a long prompt "
                   "mid-prefill and two streams decoding (a server that prefills a long prompt "
                   "in one step needs --max-prefill-chunk)")

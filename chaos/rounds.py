@@ -142,7 +142,7 @@ async def _signal_fault(ctx: Context, recorder: Recorder, rng: random.Random,
                         violations: Violations) -> psutil.Process | None:
     j, k = trigger_point(rng, ctx.num_streams, ctx.max_tokens)
     def long_prompt(attempt: int) -> StreamSpec:
-        return long_prompt_stream(ctx.facts, index, ctx.seed, attempt)
+        return long_prompt_stream(ctx.facts, index, ctx.seed, ctx.max_tokens, attempt)
 
     state, why = await faults.await_trigger(ctx.api, recorder, ctx.exp.fault, j, k, long_prompt)
     fault["trigger"] = why
