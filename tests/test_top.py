@@ -230,7 +230,6 @@ async def test_a_rank_restart_shows_recovering_requests_and_the_events():
         for kind in ("preempted", "replica_recovering", "rank_failure", "restarted",
                      "replica_ready"):
             assert kind in kinds
-        assert "finished" not in kinds  # ordinary ends are left out of the log
 
 
 @run
@@ -266,24 +265,30 @@ async def test_views_help_pause_and_quit():
     assert app.return_code == 0
 
 
-def test_kv_map_cells_per_block_and_scaled():
-    kv = FRAMES[3]["state"]["kv"]
+@pytest.mark.parametrize("frame", [0, 3])  # a pool filling up, and a full one
+def test_kv_map_cells_per_block_and_scaled(frame):
+    kv = FRAMES[frame]["state"]["kv"]
     pool = blocks(kv)
     assert len(pool) == kv["num_blocks"]
     assert sum(1 for b in pool if b.ref_count) == kv["used_blocks"]
     kinds = {b.kind for b in pool}
     owners = set(kv["block_map"]["owners"])
-    assert SHARED in kinds and kinds - {FREE, CACHED, SHARED} <= owners
+    assert kinds - {FREE, CACHED, SHARED} <= owners
+    if frame == 3:
+        assert SHARED in kinds
     per_cell, drawn = cells(pool, kv["num_blocks"])
     assert per_cell == 1 and len(drawn) == kv["num_blocks"]
     per_cell, drawn = cells(pool, 40)  # a small widget: each cell a range of blocks
     assert per_cell == -(-kv["num_blocks"] // 40) and len(drawn) <= 40
+    seen = set()
     for index, (glyph, _) in enumerate(drawn):
         group = pool[index * per_cell:(index + 1) * per_cell]
         used = sum(1 for b in group if b.ref_count)
         assert (glyph in "·▒") == (used == 0)
-        if used == len(group):
-            assert glyph == "█"
+        assert used == 0 or glyph == "▁▂▃▄▅▆▇█"[-(-used * 8 // len(group)) - 1]
+        seen.add(used == 0)
+    if frame == 0:
+        assert seen == {True, False}  # free ranges and used ones
 
 
 def test_tenant_shares_and_counts():
@@ -319,3 +324,15 @@ def test_parse_counters_sums_labels_and_ignores_the_rest():
 def test_cli_rejects_bad_options_with_exit_2(args, message):
     result = CliRunner().invoke(cli, ["top", *args])
     assert result.exit_code == 2 and message in result.output
+
+
+def test_event_log_keeps_what_left_the_servers_window_once_each():
+    events = FRAMES[9]["state"]["events"]
+    app = replay_app(Replay())
+    app._log_events(events[:10])
+    app._log_events(events[5:])  # the next poll: the oldest have left the server's window
+    assert app.event_log() == sorted(events, key=lambda e: e["time"])
+    later = max(e["time"] for e in events) + 1
+    many = [{"time": later + t, "kind": "preempted", "request_id": "r"} for t in range(600)]
+    app._log_events(many)  # bounded: the newest 500 stay
+    assert app.event_log() == many[100:]

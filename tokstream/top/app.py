@@ -13,9 +13,6 @@ from tokstream.top.source import Frame, HttpSource, SourceError
 from tokstream.top.view import History
 
 MAX_EVENTS = 500
-NOTABLE_FINISHES = {"kv_cache_capacity"}
-"""A request's end is logged only when it was cut short (it could never fit in the pool);
-ordinary ends would drown the preemptions, rank deaths, restarts and refusals."""
 
 
 class TopApp(App):
@@ -33,8 +30,8 @@ class TopApp(App):
         self.frame: Frame | None = None
         self.history = History()
         self.events: dict[tuple, dict] = {}
-        """Every notable event seen, by (time, kind, request id): the server keeps only its
-        latest ones."""
+        """Every event seen, by (time, kind, request id): the server keeps only its latest
+        ones."""
         self.failures = 0
         """Polls failed in a row (0: connected)."""
         self.error: str | None = None
@@ -76,14 +73,12 @@ class TopApp(App):
 
     def _log_events(self, events: list[dict]) -> None:
         for event in events:
-            if event.get("kind") == "finished" and event.get("reason") not in NOTABLE_FINISHES:
-                continue
             self.events[(event.get("time"), event.get("kind"), event.get("request_id"))] = event
         for key in sorted(self.events, key=lambda k: k[0] or 0)[:-MAX_EVENTS]:
             del self.events[key]
 
     def event_log(self) -> list[dict]:
-        """The notable events seen so far, oldest first."""
+        """The events seen so far, oldest first."""
         return sorted(self.events.values(), key=lambda e: e.get("time") or 0)
 
     def action_help(self) -> None:
