@@ -70,10 +70,13 @@ def _over_time(report: dict, path: Path) -> None:
                        s=10, marker="o", label=f"{workload} end-to-end")
         bottom.scatter([s["start_s"] + s["ttft_s"] for s in done], [s["ttft_s"] for s in done],
                        s=10, marker="x", label=f"{workload} TTFT")
-    failed = [s for s in samples if s["status"] == "error"]
-    if failed:
-        bottom.scatter([s["start_s"] + s["e2e_s"] for s in failed], [s["e2e_s"] for s in failed],
-                       s=25, marker="v", color="red", label="failed")
+    for status, marker, color in (("error", "v", "red"), ("cancelled", "s", "grey")):
+        ended = [s for s in samples if s["status"] == status]
+        if ended:
+            label = "failed" if status == "error" else "cancelled at the drain timeout"
+            bottom.scatter([s["start_s"] + s["e2e_s"] for s in ended],
+                           [s["e2e_s"] for s in ended], s=25, marker=marker, color=color,
+                           label=label)
     if any(v > 0 for c in bottom.collections for v in c.get_offsets()[:, 1]):
         bottom.set_yscale("log")
     else:
