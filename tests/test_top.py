@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -336,3 +338,11 @@ def test_event_log_keeps_what_left_the_servers_window_once_each():
     many = [{"time": later + t, "kind": "preempted", "request_id": "r"} for t in range(600)]
     app._log_events(many)  # bounded: the newest 500 stay
     assert app.event_log() == many[100:]
+
+
+def test_top_imports_neither_torch_nor_the_engine_nor_the_server():
+    code = ("import sys, tokstream.cli, tokstream.top.app; print(sorted(m for m in sys.modules "
+            "if m.split('.')[0] == 'torch' or m.startswith(('tokstream.engine', "
+            "'tokstream.server', 'tokstream.worker'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

@@ -26,13 +26,14 @@ def number(value: float | None, digits: int = 0) -> str:
 
 
 def size(value: float | None) -> str:
+    """Bytes in binary units: 512 B, 12 KiB, 909.1 MiB, 80.0 GiB."""
     if value is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit in ("B", "KiB") else f"{value:.1f} {unit}"
-        value /= 1024
-    return "-"
+    if value < 1024 ** 2:
+        return f"{value:.0f} B" if value < 1024 else f"{value / 1024:.0f} KiB"
+    if value < 1024 ** 3:
+        return f"{value / 1024 ** 2:.1f} MiB"
+    return f"{value / 1024 ** 3:.1f} GiB"
 
 
 def clock(unix_time: float | None) -> str:
