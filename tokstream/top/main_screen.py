@@ -102,15 +102,20 @@ class MainScreen(Screen):
                          app.history.rate("output_tokens"), self.notice())
         if app.frame is None:
             return
-        rows = sort_rows(filter_rows(request_rows(state), self.filter_text), self.sort_column,
-                         self.reverse)
-        for table in self.requests_tables:
-            table.show(rows, self.sort_column, self.reverse)
-        for kv_map in self.kv_maps:
-            kv_map.show(state.get("kv", {}))
-        self.batch.show(state, app.history)
-        self.tenants.show(tenant_rows(state))
-        self.events.show(app.event_log())
+        # Only the view on screen: a hidden one is drawn when it is switched to.
+        view = self.view
+        if view in ("overview", "requests"):
+            rows = sort_rows(filter_rows(request_rows(state), self.filter_text),
+                             self.sort_column, self.reverse)
+            self.requests_tables[view == "requests"].show(rows, self.sort_column, self.reverse)
+        if view in ("overview", "cache"):
+            self.kv_maps[view == "cache"].show(state.get("kv", {}))
+        if view == "overview":
+            self.batch.show(state, app.history)
+        elif view == "tenants":
+            self.tenants.show(tenant_rows(state))
+        elif view == "events":
+            self.events.show(app.event_log())
 
     # --- keys -------------------------------------------------------------------------------
 
