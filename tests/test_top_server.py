@@ -45,7 +45,7 @@ def live_streams(server, count: int):
     refusals: list[str] = []
 
     def stream(index: int) -> None:
-        body = anthropic_body(f"request {index}", max_tokens=1500, ignore_eos=True,
+        body = anthropic_body(f"request {index}", max_tokens=1800, ignore_eos=True,
                               temperature=0, system=SYSTEM)
         with httpx.Client(base_url=server.url, timeout=120,
                           headers={"x-api-key": ALICE}) as client:
@@ -129,14 +129,16 @@ def test_top_follows_live_streams_then_shows_the_server_gone(server):
             table = app.main.query_one("#requests-small", RequestsTable)
             with live_streams(server, 2) as refusals:
                 for _ in range(300):
-                    if any(str(table.get_cell(key, "state")) == "decode" for key in table.rows):
+                    if sum(str(table.get_cell(key, "state")) == "decode"
+                           for key in table.rows) == 2:
                         break
                     await pilot.pause(0.2)
                 assert not refusals
                 header = str(app.main.query_one("#header").render())
                 assert "dummy:tiny" in header and "● ready" in header
                 assert table.row_count == 2
-                await pilot.press("enter")
+                # The youngest first (it has the most tokens left), and open it.
+                await pilot.press("r", "enter")
                 assert isinstance(app.screen, DetailScreen)
                 text = app.screen.query_one("#text")
                 for _ in range(300):
@@ -150,6 +152,7 @@ def test_top_follows_live_streams_then_shows_the_server_gone(server):
                         break
                     await pilot.pause(0.2)
                 assert str(text.render()) != first  # it streams
+                assert "finished" not in str(app.screen.query_one("#notice").render())
                 await pilot.press("escape")
             server.stop()
             for _ in range(100):
