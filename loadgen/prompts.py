@@ -40,7 +40,6 @@ CANDIDATES = (
 # Appended after the last word to make up a remainder shorter than one word.
 PADS = (".", ",", "!", "?", ";", "..", "!!", "??", ".,", "!?", "...", ",,,", "!!!", ".!?")
 MIN_WORDS = 32
-ENOUGH_WORDS = 64
 
 
 @dataclass
@@ -120,7 +119,7 @@ def calibrate(count: TokenCounter, shared_prefix: dict[str, int], seed: int) -> 
             costs = pool.map(lambda w: count(HEADER + " " + w) - header_cost, batch)
             for word, cost in zip(batch, costs):
                 by_cost.setdefault(cost, []).append(word)
-            if len(by_cost.get(1, ())) >= ENOUGH_WORDS:
+            if len(by_cost.get(1, ())) >= MIN_WORDS:
                 break  # one token a word cannot be beaten
     unit = min((c for c, ws in by_cost.items() if c >= 1 and len(ws) >= MIN_WORDS), default=None)
     if unit is None:
