@@ -152,10 +152,13 @@ async def _signal_fault(ctx: Context, recorder: Recorder, rng: random.Random,
         return None
     what, pid = faults.victim(state, ctx.exp.fault, ctx.rank)
     group = _group(state, ctx.exp.fault)
+    # Times taken before the signal: on a busy machine the server may log its reaction before
+    # this process runs again.
+    at_s, wall_time = recorder.now(), time.time()
     process = faults.inject(ctx.exp.fault, pid)
     ctx.say(f"{SIGNALS[ctx.exp.fault]} {what} (pid {pid})")
     fault.update({"signal": SIGNALS[ctx.exp.fault], "target": what, "pid": pid,
-                  "at_s": recorder.now(), "wall_time": time.time(),
+                  "at_s": at_s, "wall_time": wall_time,
                   "state_at_fault": {r["id"]: r for r in state["requests"]},
                   "old_processes": group})
     return process if ctx.exp.fault == "stall-rank" else None
