@@ -139,6 +139,12 @@ class SchedulerConfig:
     """Prompts at least this long count as long requests."""
     max_long_requests_per_tenant: int = 0
     """Most long requests one tenant may have running at once (0 = no limit)."""
+    long_prefill_tokens: int = 2048
+    """A prefill with more than this many prompt tokens still to compute is a long prefill."""
+    long_prefill_share: float = 0.5
+    """While a shorter prompt waits, long prefills together take at most this share of a
+    step's token budget, so a chat request behind a 50k-token prompt starts at once instead
+    of after it (1 = no limit). With nothing short waiting they take the whole budget."""
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -154,6 +160,9 @@ class SchedulerConfig:
             raise UserInputError("watermark_blocks must be >= 0")
         if self.policy not in ("fair", "fcfs"):
             raise UserInputError(f"policy must be 'fair' or 'fcfs', not {self.policy!r}")
+        if self.long_prefill_tokens < 1 or not 0 < self.long_prefill_share <= 1:
+            raise UserInputError("long_prefill_tokens must be >= 1 and long_prefill_share "
+                                 "in (0, 1]")
         if self.long_request_tokens < 1 or self.max_long_requests_per_tenant < 0:
             raise UserInputError("long_request_tokens must be >= 1 and "
                                  "max_long_requests_per_tenant >= 0")

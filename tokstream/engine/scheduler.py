@@ -12,6 +12,7 @@ unchanged. Pure Python, no torch.
 from __future__ import annotations
 
 import bisect
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -75,9 +76,9 @@ class Scheduler:
         self.ledger = FairnessLedger()
         self.waiting = WaitingQueue(config.policy, self.ledger)
         self.running: list[Request] = []
-        """Kept in (priority, arrival) order, so a step visits the most important requests
-        first and the preemption victim (lowest priority, latest arrival: running[-1]) has
-        never been scheduled earlier in the step."""
+        """Kept in (priority, arrival) order: a step visits decodes, then prefills, each in
+        that order, and preempts from the end (lowest priority, latest arrival) the requests
+        it has not yet given work."""
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_swap_outs = 0
@@ -114,16 +115,26 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledWork] = []
         prefills: list[ScheduledWork] = []
+        long_left = self._long_prefill_allowance(budget)
 
-        for request in list(self.running):
+        scheduled: set[str] = set()
+        # Decodes before prefill chunks, each group in running order: a long prompt that
+        # arrived first must not take the budget from streams already generating.
+        for request in sorted(self.running, key=self._is_prefilling):
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._num_new_tokens(request, budget)
-            new_blocks = self._allocate_or_preempt(request, num_new, out)
+            if self._is_long_prefill(request):
+                num_new = min(num_new, long_left)
+                if num_new == 0:
+                    continue
+                long_left -= num_new
+            new_blocks = self._allocate_or_preempt(request, num_new, out, scheduled)
             if new_blocks is None:
                 continue
+            scheduled.add(request.request_id)
             work = ScheduledWork(request, request.num_computed_tokens, num_new, new_blocks, False)
             (decodes if num_new == 1 and work.samples else prefills).append(work)
             budget = max(0, budget - num_new)
@@ -132,7 +143,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting.peek(self._may_start)
+            request = self.waiting.peek(
+                lambda r: self._may_start(r) and (long_left > 0 or not self._is_long_prefill(r)))
             if request is None:
                 break
             if self._can_never_fit(request):
@@ -144,6 +156,9 @@ class Scheduler:
                 self.block_manager.match_prefix(request)  # cached prefix blocks count as computed
             start = request.num_computed_tokens
             num_new = self._num_new_tokens(request, budget)
+            if self._is_long_prefill(request):
+                num_new = min(num_new, long_left)
+                long_left -= num_new
             if num_new > budget and prefills:
                 break  # chunking off: a whole prompt past the budget goes first in a later step
             if self.block_manager.allocate(
@@ -178,13 +193,33 @@ class Scheduler:
             return remaining
         return min(remaining, budget, self.config.max_prefill_chunk or budget)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int,
-                             out: SchedulerOutput) -> list[int] | None:
+    @staticmethod
+    def _is_prefilling(request: Request) -> bool:
+        return request.num_tokens - request.num_computed_tokens > 1
+
+    def _is_long_prefill(self, request: Request) -> bool:
+        return (request.num_tokens - request.num_computed_tokens
+                > self.config.long_prefill_tokens)
+
+    def _long_prefill_allowance(self, budget: int) -> int:
+        """Tokens long prefills may take this step: a share of the budget while a shorter
+        prompt waits and could start, else no limit."""
+        share = self.config.long_prefill_share
+        if (share < 1 and self.config.chunked_prefill
+                and len(self.running) < self.config.max_num_seqs
+                and any(not self._is_long_prefill(r) for r in self.waiting)):
+            return max(1, int(budget * share))
+        return sys.maxsize
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput,
+                             scheduled: set[str]) -> list[int] | None:
         while True:
             new_blocks = self.block_manager.allocate(request, num_new)
             if new_blocks is not None:
                 return new_blocks
-            victim = self.running[-1]
+            # The least important request not yet given work this step (request itself at
+            # the latest).
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
             if victim is request and len(self.running) == 1:
                 # Alone and still too big for the whole pool: it can never continue.
                 self.finish(request, RequestStatus.FINISHED_LENGTH, "kv_cache_capacity")
