@@ -71,7 +71,7 @@ class Run:
     def send(self, client: httpx.Client, spec, scheduled_s: float | None) -> None:
         config = self.config
         workload = self.workloads[spec.workload]
-        rng = random.Random(f"{config['seed']}:prompt:{spec.index}")
+        rng = random.Random(f"{config['seed']}:prompt:{spec.key}")
         body = request_body(config["api"], config["model"],
                             self.book.user_text(spec.workload, spec.prompt_tokens, rng),
                             self.book.system[spec.workload], spec.max_tokens,

@@ -35,6 +35,9 @@ class RequestSpec:
     sent at that minimum."""
     burst: int | None = None
     """The burst this request belongs to (None: the main arrivals)."""
+    key: str = ""
+    """What it was drawn from ("main:7", "burst:flood:2:0"); its prompt's words are drawn from
+    it too, so they do not depend on which user happened to send it."""
 
     def row(self) -> dict:
         return asdict(self)
@@ -89,13 +92,17 @@ def main_request(mix: Mix, limits: Limits, seed: int, index: int) -> RequestSpec
     rng = _rng(seed, "main", index)
     workload_name = _pick(rng, {c.name: c.weight for c in mix.main_classes})
     workload = next(c for c in mix.classes if c.name == workload_name)
-    return build_spec(mix, limits, workload, _pick(rng, mix.tenants), rng, index, None)
+    spec = build_spec(mix, limits, workload, _pick(rng, mix.tenants), rng, index, None)
+    spec.key = f"main:{index}"
+    return spec
 
 
 def burst_request(mix: Mix, limits: Limits, seed: int, workload: WorkloadClass, burst: int,
                   slot: int, index: int) -> RequestSpec:
     rng = _rng(seed, "burst", workload.name, burst, slot)
-    return build_spec(mix, limits, workload, _pick(rng, mix.tenants), rng, index, burst)
+    spec = build_spec(mix, limits, workload, _pick(rng, mix.tenants), rng, index, burst)
+    spec.key = f"burst:{workload.name}:{burst}:{slot}"
+    return spec
 
 
 def arrival_gaps(seed: int, arrival: str, rate: float, burstiness: float):

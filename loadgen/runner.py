@@ -316,7 +316,8 @@ def run(options: Options) -> int:
     plot_report(report, out)
     results.unlink(missing_ok=True)
     print_report(report, reasons)
-    print(f"report: {out / 'report.json'}; plots: {', '.join(p.name for p in sorted(out.glob('*.png')))}")
+    plots = ", ".join(p.name for p in sorted(out.glob("*.png")))
+    print(f"report: {out / 'report.json'}; plots: {plots}")
     if done.get("interrupted"):
         return 130
     return 1 if reasons else 0
