@@ -14,7 +14,8 @@ import heapq
 import itertools
 
 from tokstream.loadgen.mix import Mix
-from tokstream.loadgen.plan import Limits, RequestSpec, arrival_gaps, burst_request, burst_times, main_request
+from tokstream.loadgen.plan import (Limits, RequestSpec, arrival_gaps, burst_request,
+                                    burst_times, main_request)
 
 
 class Schedule:
