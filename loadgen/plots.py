@@ -95,7 +95,7 @@ def _tenant_share(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tenants = sorted(report["tenant"])
-    asked = [report["tenant"][t]["share_of_requests"] for t in tenants]
+    asked = [report["tenant"][t]["share_of_requests"] or 0.0 for t in tenants]
     served = [report["tenant"][t]["share_of_tokens"] or 0.0 for t in tenants]
     figure, axis = plt.subplots(figsize=(max(6, 1.2 * len(tenants) + 3), 5))
     positions = range(len(tenants))

@@ -47,12 +47,15 @@ def run_span(samples: list[dict]) -> float:
 
 
 def fairness(per_tenant: dict[str, dict]) -> dict:
-    throughput = {t: b["total_tokens_per_s"] or 0.0 for t, b in per_tenant.items()}
-    ttft_p50 = {t: b["ttft_s"]["p50"] for t, b in per_tenant.items()}
+    """Jain's indexes over the tenants that sent requests (one that asked nothing is owed
+    nothing)."""
+    active = {t: b for t, b in per_tenant.items() if b["requests"]}
+    throughput = {t: b["total_tokens_per_s"] or 0.0 for t, b in active.items()}
+    ttft_p50 = {t: b["ttft_s"]["p50"] for t, b in active.items()}
     speeds = [1.0 / v for v in ttft_p50.values() if v]
     return {
-        "tenants": len(per_tenant),
-        "jain_index": jain_index(list(throughput.values())) if len(per_tenant) > 1 else None,
+        "tenants": len(active),
+        "jain_index": jain_index(list(throughput.values())) if len(active) > 1 else None,
         "basis": "input + output tokens per second served to each tenant",
         "jain_index_ttft": jain_index(speeds) if len(speeds) > 1 else None,
         "ttft_basis": "1 / p50 TTFT of each tenant (even waiting, whatever each one asks)",
@@ -72,16 +75,18 @@ def integrity_summary(samples: list[dict]) -> dict:
 
 
 def build_report(samples: list[dict], config: dict, slo: dict, extra: dict) -> dict:
+    """Every class and tenant of the mix gets a block, those that sent nothing included."""
     duration = run_span(samples)
-    classes = sorted({s["workload"] for s in samples})
-    tenants = sorted({s["tenant"] for s in samples})
+    mix = config["mix"]
+    classes = sorted({c["name"] for c in mix["classes"]} | {s["workload"] for s in samples})
+    tenants = sorted(set(mix["tenants"]) | {s["tenant"] for s in samples})
     per_class = {c: summarize([s for s in samples if s["workload"] == c], duration, slo)
                  for c in classes}
     per_tenant = {t: summarize([s for s in samples if s["tenant"] == t], duration, slo)
                   for t in tenants}
     served = sum(b["input_tokens"] + b["output_tokens"] for b in per_tenant.values())
     for tenant, block in per_tenant.items():
-        block["share_of_requests"] = block["requests"] / len(samples)
+        block["share_of_requests"] = block["requests"] / len(samples) if samples else None
         block["share_of_tokens"] = ((block["input_tokens"] + block["output_tokens"]) / served
                                     if served else None)
     summary = summarize(samples, duration, slo)

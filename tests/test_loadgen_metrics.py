@@ -88,3 +88,46 @@ def test_jain_index():
     assert jain_index([10.0, 1.0, 1.0, 1.0]) == pytest.approx(169 / 412, abs=1e-15)
     assert jain_index([]) is None and jain_index([0.0, 0.0]) is None
     assert math.isclose(jain_index([3.0] * 7), 1.0)
+
+
+def trace(index, tenant, start, events, end, out, inp=100, workload="chat", status="ok"):
+    """A raw sample as the Locust process writes it: event times relative to the send."""
+    return {"index": index, "workload": workload, "tenant": tenant, "status": status,
+            "error_type": None if status == "ok" else "overloaded_error", "start_s": start,
+            "scheduled_s": None, "event_times_s": events, "event_tokens": [1] * len(events),
+            "end_s": end, "input_tokens": inp if status == "ok" else None,
+            "output_tokens": out if status == "ok" else None, "prompt_tokens": inp,
+            "clamped": False, "raised": False, "integrity": [], "http_status": 200}
+
+
+def test_report_blocks_from_synthetic_traces():
+    from tokstream.loadgen.report import build_report, complete_sample
+
+    raw = [trace(0, "a", 0.0, [1.0, 1.5, 2.0], 2.0, 3),          # ends at 2
+           trace(1, "a", 1.0, [1.0, 2.0], 3.0, 2),                # ends at 4
+           trace(2, "b", 2.0, [0.5, 0.75, 1.0, 1.25], 1.5, 4),    # ends at 3.5
+           trace(3, "b", 3.0, [], 1.0, 0, status="error")]        # ends at 4
+    samples = [complete_sample(r) for r in raw]
+    assert samples[0]["itl_s"] == [0.5, 0.5] and samples[0]["ttft_s"] == 1.0
+    assert samples[2]["tpot_s"] == pytest.approx((1.5 - 0.5) / 3)
+    mix = {"classes": [{"name": "chat"}, {"name": "idle"}], "tenants": {"a": 1, "b": 1, "c": 1}}
+    report = build_report(samples, {"mix": mix}, {"ttft": 0.9}, {})
+    summary = report["summary"]
+    assert summary["duration_s"] == 4.0  # first send at 0, last end at 4
+    assert (summary["requests"], summary["completed"], summary["failed"]) == (4, 3, 1)
+    assert summary["output_tokens_per_s"] == 9 / 4 and summary["total_tokens_per_s"] == 309 / 4
+    assert summary["ttft_s"]["p50"] == 1.0 and summary["itl_s"]["n"] == 2 + 1 + 3
+    assert summary["goodput"]["requests"] == 1  # only b's first request had TTFT <= 0.9
+    # every tenant and class of the mix has a block, the silent ones included
+    assert set(report["tenant"]) == {"a", "b", "c"} and report["tenant"]["c"]["requests"] == 0
+    assert set(report["class"]) == {"chat", "idle"} and report["class"]["idle"]["requests"] == 0
+    a, b = report["tenant"]["a"], report["tenant"]["b"]
+    assert (a["input_tokens"] + a["output_tokens"], b["input_tokens"] + b["output_tokens"]) == \
+        (205, 104)
+    assert a["share_of_tokens"] == pytest.approx(205 / 309)
+    assert a["share_of_requests"] == 0.5
+    # Jain over the tenants that sent requests: tokens/s 205/4 and 104/4
+    fairness = summary["fairness"]
+    assert fairness["tenants"] == 2
+    assert fairness["jain_index"] == pytest.approx((205 + 104) ** 2 / (2 * (205 ** 2 + 104 ** 2)))
+    assert fairness["jain_index_ttft"] == pytest.approx(jain_index([1 / 1.0, 1 / 0.5]))
