@@ -110,7 +110,8 @@ class Stream:
     last_token_time: float | None = None
     itl_sum: float = 0.0
     itl_count: int = 0
-    recent_text: deque = field(default_factory=lambda: deque(maxlen=64))
+    recent_text: deque = field(default_factory=lambda: deque(maxlen=RECENT_TEXT_CHARS))
+    """The latest text deltas (at least one character each), for /v1/state/requests/{id}."""
     final: RequestDelta | None = None
     cancelled: str | None = None
     """Why the gateway ended it early (slow caller, disconnect), if it did."""
