@@ -30,11 +30,11 @@
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokstream.errors import UserInputError
+from tokstream.toml_file import read_toml
 
 MIX_DIR = Path(__file__).resolve().parents[1] / "profiles" / "mixes"
 ARRIVALS = ("closed", "poisson", "bursty")
@@ -96,10 +96,7 @@ def load_mix(name_or_path: str) -> Mix:
     if not path.is_file():
         raise UserInputError(f"mix {name_or_path!r} not found (available: "
                              f"{', '.join(available_mixes()) or 'none'})")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as error:
-        raise UserInputError(f"mix {path}: {error}") from None
+    data = read_toml(path, "mix")
     try:
         return parse_mix(data, path.stem)
     except UserInputError as error:

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import tomllib
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import httpx
 
 from tokstream.errors import UserInputError
+from tokstream.toml_file import read_toml
 from tokstream.loadgen import metrics
 from tokstream.loadgen.mix import ARRIVALS, Mix, load_mix
 from tokstream.loadgen.plan import Limits, build_spec
@@ -115,12 +115,7 @@ def load_keys(path: str | None, mix: Mix) -> dict[str, str]:
     """{tenant: api key}; every tenant of the mix needs one when a keys file is given."""
     if path is None:
         return {}
-    try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as error:
-        raise UserInputError(f"--keys: {error.strerror}: {path}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise UserInputError(f"--keys {path}: {error}") from None
+    data = read_toml(path, "--keys")
     keys = data.get("keys", data)
     if not isinstance(keys, dict) or not all(isinstance(v, str) and v for v in keys.values()):
         raise UserInputError(f"--keys {path}: expected tenant = \"key\" lines")

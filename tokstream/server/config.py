@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from tokstream.errors import UserInputError
+from tokstream.toml_file import read_toml
 from tokstream.server.admission import AdmissionConfig
 
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "profiles"
@@ -87,10 +88,7 @@ def load_profile(name_or_path: str) -> dict[str, dict]:
                            if _is_serving_profile(p))
         raise UserInputError(f"profile {name_or_path!r} not found (available: "
                              f"{', '.join(available) or 'none'})")
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as error:
-        raise UserInputError(f"profile {path}: {error}") from None
+    data = read_toml(path, "profile")
     unknown = set(data) - set(PROFILE_SECTIONS) - {"description", "kind"}
     if unknown:
         raise UserInputError(f"profile {path}: unknown section(s) {', '.join(sorted(unknown))}")

@@ -22,11 +22,11 @@ import hmac
 import math
 import re
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokstream.errors import UserInputError
+from tokstream.toml_file import read_toml
 from tokstream.server.errors import ApiError
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -140,12 +140,7 @@ TENANT_FIELDS = {"name", "key_sha256", "weight", "priority", "tokens_per_minute"
 
 def load_tenants(path: str | Path) -> Tenants:
     path = Path(path)
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserInputError(f"tenants file {path} not found") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise UserInputError(f"tenants file {path}: {error}") from None
+    data = read_toml(path, "tenants file")
     where = f"tenants file {path}"
     admin = data.get("admin_key_sha256")
     if admin is not None and not (isinstance(admin, str) and HEX64.match(admin.lower())):
