@@ -32,6 +32,19 @@ DEFAULT_TILE = 64
 
 
 @triton.jit
+def online_softmax_update(scores, v, m, l, acc, PRECISION: tl.constexpr):
+    """One key tile of a flash-attention loop. scores (rows, TILE) float32, masked with -inf;
+    v (TILE, DIM_PAD); m, l (rows,) the running max and sum; acc (rows, DIM_PAD) the running
+    unnormalised output. Returns the new m, l, acc."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
                    part_m_ptr, part_l_ptr, part_acc_ptr, scale,
                    stride_q_seq, stride_q_head, stride_kv_head, stride_kv_block, stride_kv_pos,
@@ -74,15 +87,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr,
             k = k.to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (GROUP_PAD, TILE)
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = online_softmax_update(scores, v, m, l, acc, PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l > 0, l, 1.0)[:, None]

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokstream.kernels.paged_decode_attention import dot_precision, upcast_dot_inputs
+from tokstream.kernels.paged_decode_attention import (dot_precision, online_softmax_update,
+                                                      upcast_dot_inputs)
 
 
 @triton.jit
@@ -77,15 +78,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, qlens_ptr, lens_pt
         visible = key_ok[None, :] & (n[None, :] <= position[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         # Every row sees key 0 in the first tile, so m is finite from then on.
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = online_softmax_update(scores, v, m, l, acc, PRECISION)
 
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     out_rows = (query_start + i) * stride_out_tok + head * stride_out_head
