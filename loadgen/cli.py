@@ -9,8 +9,14 @@ def loadtest(
     url: str = typer.Option("http://127.0.0.1:8000", help="The server to load."),
     mix: str = typer.Option("chat", help="A mix in profiles/mixes/ (chat, mixed, long-prompt-flood, shared-prefix, hot-tenant, agent-never-stops) or a TOML file."),
     api: str = typer.Option("anthropic", help="anthropic (/v1/messages) or openai (/v1/chat/completions)."),
-    users: Optional[int] = typer.Option(None, help="Closed loop: concurrent users. Open loop: most requests in flight. Default: the mix's."),
+    users: Optional[int] = typer.Option(None, help="Closed loop: concurrent users. Open loop (and the sweep's Poisson stages): most requests in flight. Default: the mix's."),
     rate: Optional[float] = typer.Option(None, help="Open loop: requests per second (sets --arrival poisson unless given)."),
+    capacity_fraction: Optional[float] = typer.Option(None, help="Open loop at this fraction of the server's measured capacity (sets --arrival poisson unless given). Default: the mix's capacity_fraction, if it has one."),
+    capacity: Optional[str] = typer.Option(None, help="Capacity for a capacity-fraction rate: requests/s, or a file (a sweep's report.json, a probe's capacity.json). Default: probe first."),
+    probe_duration: str = typer.Option("20s", help="How long the capacity probe issues requests (a closed loop of --throughput-users)."),
+    sweep: bool = typer.Option(False, "--sweep", help="Capacity sweep: synchronous, maximum throughput, then --sweep-rates Poisson rates up to capacity; each stage bounded by --duration (default 30s) and --requests."),
+    sweep_rates: int = typer.Option(5, help="Sweep: how many constant rates between the synchronous rate and capacity."),
+    throughput_users: int = typer.Option(32, help="Closed-loop users of the sweep's maximum-throughput stage and of the capacity probe."),
     arrival: Optional[str] = typer.Option(None, help="closed, poisson or bursty. Default: the mix's."),
     burstiness: Optional[float] = typer.Option(None, help="bursty: gamma shape of the gaps (< 1 burstier than Poisson)."),
     duration: Optional[str] = typer.Option(None, help="Stop issuing after this long: 30s, 5m, 1h (0 = no limit). Default: the mix's."),
@@ -27,9 +33,9 @@ def loadtest(
     web: bool = typer.Option(False, "--web", help="Open Locust's web UI on 127.0.0.1 while the run goes."),
     web_port: int = typer.Option(8089, help="Port of Locust's web UI."),
 ):
-    """Load a server with a workload mix (Locust in its own process); report to the terminal,
-    report.json and PNG plots in --out. Exit 1 when errors or integrity failures pass the
-    thresholds, 2 on bad input."""
+    """Load a server with a workload mix (Locust in its own process), or sweep it from one
+    request at a time to capacity (--sweep); report to the terminal, report.json and PNG plots
+    in --out. Exit 1 when errors or integrity failures pass the thresholds, 2 on bad input."""
     from tokstream.errors import UserInputError
     from tokstream.loadgen.runner import Options, run
 
@@ -40,7 +46,10 @@ def loadtest(
                           request_timeout_s=request_timeout, drain_timeout_s=drain_timeout,
                           max_error_rate=max_error_rate,
                           max_integrity_failures=max_integrity_failures,
-                          web_port=web_port if web else None)
+                          web_port=web_port if web else None, sweep=sweep,
+                          sweep_rates=sweep_rates, throughput_users=throughput_users,
+                          capacity=capacity, capacity_fraction=capacity_fraction,
+                          probe_duration=probe_duration)
         code = run(options)
     except UserInputError as error:
         typer.echo(f"error: {error}", err=True)

@@ -6,13 +6,17 @@
     [run]                         # defaults; command-line flags override them
     arrival = "closed"            # closed (users back to back) | poisson | bursty (open loop)
     users = 8                     # closed loop: concurrent users
-    rate = 2.0                    # open loop: requests per second
+    rate = 2.0                    # open loop: requests per second, or instead:
+    capacity_fraction = 0.5       # open loop at this fraction of the server's measured capacity
     burstiness = 1.0              # bursty: gamma shape (< 1 burstier than Poisson)
     duration_s = 60               # stop issuing after this long (0 = no limit)
     requests = 0                  # stop after this many requests (0 = no limit)
 
     [tenants]                     # tenant -> share of requests (a tenant is a key in --keys)
     alice = 1
+
+    [tenant_weights]              # tenant -> its fair-share weight on the server (default 1):
+    alice = 2                     # the report's max-min fair shares are weighted by it
 
     [[class]]                     # a workload class; its requests are summarised together
     name = "chat"
@@ -30,7 +34,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tokstream.errors import UserInputError
@@ -62,6 +66,10 @@ class RunSettings:
     arrival: str = "closed"
     users: int = 8
     rate: float = 1.0
+    """Open loop: requests per second (unless capacity_fraction is given)."""
+    capacity_fraction: float | None = None
+    """Open loop: the rate as this fraction of the server's measured capacity (requests/s of a
+    closed loop at full concurrency), so one mix means the same load on any machine."""
     burstiness: float = 1.0
     duration_s: float = 60.0
     requests: int = 0
@@ -74,6 +82,8 @@ class Mix:
     classes: list[WorkloadClass]
     tenants: dict[str, float] = field(default_factory=lambda: {"default": 1.0})
     run: RunSettings = field(default_factory=RunSettings)
+    tenant_weights: dict[str, float] | None = None
+    """Tenant -> fair-share weight (as the server's tenants file gives it); None: all equal."""
 
     @property
     def main_classes(self) -> list[WorkloadClass]:
@@ -82,6 +92,11 @@ class Mix:
     @property
     def burst_classes(self) -> list[WorkloadClass]:
         return [c for c in self.classes if c.burst_every_s > 0 and c.burst_size > 0]
+
+    def without_bursts(self) -> "Mix":
+        """The main arrivals alone: what a rate (and so a capacity) is measured in."""
+        classes = [replace(c, burst_every_s=0.0, burst_size=0) for c in self.main_classes]
+        return replace(self, classes=classes)
 
 
 def available_mixes() -> list[str]:
@@ -106,7 +121,7 @@ def load_mix(name_or_path: str) -> Mix:
 def parse_mix(data: dict, name: str) -> Mix:
     if data.get("kind") != "mix":
         raise UserInputError('not a workload mix (it needs kind = "mix")')
-    unknown = set(data) - {"kind", "description", "run", "tenants", "class"}
+    unknown = set(data) - {"kind", "description", "run", "tenants", "tenant_weights", "class"}
     if unknown:
         raise UserInputError(f"unknown key(s) {', '.join(sorted(unknown))}")
     raw_classes = data.get("class")
@@ -122,8 +137,18 @@ def parse_mix(data: dict, name: str) -> Mix:
     if not isinstance(tenants, dict) or not tenants or not all(
             _is_number(v) and v > 0 for v in tenants.values()):
         raise UserInputError("[tenants] maps each tenant name to a positive share")
+    weights = data.get("tenant_weights")
+    if weights is not None:
+        if not isinstance(weights, dict) or not all(_is_number(v) and v > 0
+                                                    for v in weights.values()):
+            raise UserInputError("[tenant_weights] maps each tenant name to a positive weight")
+        strangers = sorted(set(weights) - set(tenants))
+        if strangers:
+            raise UserInputError(f"tenant_weights: {', '.join(strangers)} not in [tenants]")
+        weights = {str(t): float(weights.get(t, 1.0)) for t in tenants}
     return Mix(name, str(data.get("description", "")), classes,
-               {str(k): float(v) for k, v in tenants.items()}, _run(data.get("run", {})))
+               {str(k): float(v) for k, v in tenants.items()}, _run(data.get("run", {})),
+               weights)
 
 
 def _workload_class(raw, n: int) -> WorkloadClass:
@@ -169,11 +194,21 @@ def _run(raw) -> RunSettings:
         arrival=raw.get("arrival", "closed"),
         users=int(_number(raw, "users", 8, "run", minimum=1)),
         rate=_number(raw, "rate", 1.0, "run", minimum=0),
+        capacity_fraction=None if "capacity_fraction" not in raw
+        else _number(raw, "capacity_fraction", None, "run", minimum=0),
         burstiness=_number(raw, "burstiness", 1.0, "run", minimum=0),
         duration_s=_number(raw, "duration_s", 60.0, "run", minimum=0),
         requests=int(_number(raw, "requests", 0, "run", minimum=0)))
     if settings.arrival not in ARRIVALS:
         raise UserInputError(f"run.arrival: one of {', '.join(ARRIVALS)}")
+    if settings.capacity_fraction is not None:
+        if "rate" in raw:
+            raise UserInputError("run: give rate or capacity_fraction, not both")
+        if not settings.capacity_fraction > 0:
+            raise UserInputError("run.capacity_fraction: must be > 0")
+        if settings.arrival == "closed":
+            raise UserInputError("run.capacity_fraction: needs an open-loop arrival "
+                                 "(poisson or bursty); a closed loop is set by its users")
     return settings
 
 

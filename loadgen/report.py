@@ -3,8 +3,9 @@
 Each summary block (tokstream.loadgen.metrics.summarize) has completed, failed, ttft_s, itl_s,
 tpot_s, e2e_s (p50/p90/p99), output_tokens_per_s and goodput. The run's summary adds the
 integrity check (every stream: ends exactly once, indices contiguous, digest and usage match
-the tokens received), clamped and mis-sized prompts, late open-loop arrivals and Jain's
-fairness index across tenants.
+the tokens received), clamped and mis-sized prompts, late open-loop arrivals and the fairness
+block (tokstream.loadgen.fairness: Jain's index against each tenant's max-min fair share, and
+the raw and TTFT indexes).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokstream.loadgen.metrics import jain_index, percentile, request_timings, summarize
+from tokstream.loadgen.fairness import fairness
+from tokstream.loadgen.metrics import percentile, request_timings, summarize
 
 LATE_S = 0.1
 """An open-loop request that started this much after its arrival time counts as late."""
@@ -44,22 +46,6 @@ def run_span(samples: list[dict]) -> float:
         return 0.0
     first = min(s["start_s"] for s in samples)
     return max(s["start_s"] + s["e2e_s"] for s in samples) - first
-
-
-def fairness(per_tenant: dict[str, dict]) -> dict:
-    """Jain's indexes over the tenants that sent requests (one that asked nothing is owed
-    nothing)."""
-    active = {t: b for t, b in per_tenant.items() if b["requests"]}
-    throughput = {t: b["total_tokens_per_s"] or 0.0 for t, b in active.items()}
-    ttft_p50 = {t: b["ttft_s"]["p50"] for t, b in active.items()}
-    speeds = [1.0 / v for v in ttft_p50.values() if v]
-    return {
-        "tenants": len(active),
-        "jain_index": jain_index(list(throughput.values())) if len(active) > 1 else None,
-        "basis": "input + output tokens per second served to each tenant",
-        "jain_index_ttft": jain_index(speeds) if len(speeds) > 1 else None,
-        "ttft_basis": "1 / p50 TTFT of each tenant (even waiting, whatever each one asks)",
-    }
 
 
 def integrity_summary(samples: list[dict]) -> dict:
@@ -101,8 +87,10 @@ def build_report(samples: list[dict], config: dict, slo: dict, extra: dict) -> d
         "late_arrivals": sum(1 for lag in late if lag > LATE_S),
         "arrival_lag_p99_s": percentile(late, 99),
         "integrity": integrity_summary(samples),
-        "fairness": fairness(per_tenant),
+        "fairness": fairness(samples, per_tenant, duration, mix.get("tenant_weights")),
     })
+    for tenant, block in per_tenant.items():
+        block["fair_share"] = summary["fairness"]["per_tenant"].get(tenant)
     return {"version": 1, "config": config, **extra, "summary": summary, "class": per_class,
             "tenant": per_tenant, "samples": samples}
 

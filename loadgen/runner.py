@@ -1,9 +1,11 @@
 """The `tokstream loadtest` parent: prepare, run Locust in a child process, report.
 
 Prepare (here, no gevent): read the mix and keys, ask the server its model and context, size
-prompts with count_tokens and check a sample of lengths. Run: the child
-(tokstream.loadgen.locust_run) gets one JSON file and streams progress lines back; it dies with
-this process. Report: summarise the samples it wrote, print tables, write report.json and PNGs.
+prompts with count_tokens and check a sample of lengths: once per call (a Session). Run a
+stage: the child (tokstream.loadgen.locust_run) gets one JSON file and streams progress lines
+back; it dies with this process; the samples it wrote are summarised into that stage's
+report.json. A plain run is one stage (after a capacity probe when the mix states its rate as
+a fraction of capacity); a sweep (tokstream.loadgen.sweep) is several.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import httpx
 from tokstream.errors import UserInputError
 from tokstream.toml_file import read_toml
 from tokstream.loadgen import metrics
+from tokstream.loadgen.capacity import Capacity, rate_from_fraction, read_capacity
 from tokstream.loadgen.mix import ARRIVALS, Mix, load_mix
 from tokstream.loadgen.plan import Limits, build_spec
 from tokstream.loadgen.prompts import TokenCounter, calibrate, verify
@@ -36,10 +39,10 @@ DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, flag: str = "--duration") -> float:
     match = DURATION.match(text)
     if not match:
-        raise UserInputError(f"--duration: {text!r} is not a duration like 30s, 5m or 1h")
+        raise UserInputError(f"{flag}: {text!r} is not a duration like 30s, 5m or 1h")
     return float(match.group(1)) * UNITS[match.group(2)]
 
 
@@ -64,6 +67,19 @@ class Options:
     max_error_rate: float = 0.01
     max_integrity_failures: int = 0
     web_port: int | None = None
+    sweep: bool = False
+    """Run a capacity sweep (synchronous, maximum throughput, then rates between)."""
+    sweep_rates: int = 5
+    """Sweep: how many constant rates between the synchronous rate and capacity."""
+    throughput_users: int = 32
+    """Closed-loop users of the maximum-throughput stage and of the capacity probe."""
+    capacity: str | None = None
+    """A measured capacity to reuse: a number of requests/s or a file (report.json of a sweep,
+    capacity.json of a probe); without it a capacity-fraction run probes first."""
+    capacity_fraction: float | None = None
+    """Open loop at this fraction of the measured capacity (over the mix's rate)."""
+    probe_duration: str = "20s"
+    """How long the capacity probe issues requests (it then drains them)."""
 
     def __post_init__(self):
         if self.api not in ROUTES:
@@ -77,34 +93,63 @@ class Options:
                   ("--request-timeout", self.request_timeout_s, 1e-9),
                   ("--drain-timeout", self.drain_timeout_s, 0),
                   ("--max-integrity-failures", self.max_integrity_failures, 0),
-                  ("--max-error-rate", self.max_error_rate, 0)]
+                  ("--max-error-rate", self.max_error_rate, 0),
+                  ("--sweep-rates", self.sweep_rates, 1),
+                  ("--throughput-users", self.throughput_users, 1)]
         for flag, value, minimum in checks:
             if value is not None and not (math.isfinite(value) and value >= minimum):
                 raise UserInputError(f"{flag}: must be >= {minimum:g}, got {value}")
-        for flag, value in (("--rate", self.rate), ("--burstiness", self.burstiness)):
+        for flag, value in (("--rate", self.rate), ("--burstiness", self.burstiness),
+                            ("--capacity-fraction", self.capacity_fraction)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise UserInputError(f"{flag}: must be > 0, got {value}")
         if self.max_error_rate > 1:
             raise UserInputError("--max-error-rate: a fraction between 0 and 1")
         if self.web_port is not None and not 1 <= self.web_port <= 65535:
             raise UserInputError(f"--web-port: {self.web_port} is not a port")
+        if self.rate is not None and self.capacity_fraction is not None:
+            raise UserInputError("--rate and --capacity-fraction: give one of them")
+        if self.sweep_rates > 50:
+            raise UserInputError(f"--sweep-rates: at most 50, got {self.sweep_rates}")
+        if self.sweep:
+            given = [flag for flag, value in (("--rate", self.rate), ("--arrival", self.arrival),
+                                              ("--capacity-fraction", self.capacity_fraction),
+                                              ("--capacity", self.capacity),
+                                              ("--burstiness", self.burstiness),
+                                              ("--web", self.web_port))
+                     if value is not None]
+            if given:
+                raise UserInputError(f"--sweep sets its own rates: {', '.join(given)} "
+                                     "cannot go with it")
+        if not parse_duration(self.probe_duration, "--probe-duration") > 0:
+            raise UserInputError("--probe-duration: must be > 0")
 
 
 def settings_for(options: Options, mix: Mix) -> dict:
-    """The run's arrivals and bounds: flags over the mix's [run] defaults."""
+    """The run's arrivals and bounds: flags over the mix's [run] defaults. A rate stated as a
+    fraction of capacity leaves "rate" None and "capacity_fraction" set: the caller measures
+    (or reads) the capacity and fills the rate in."""
     run = mix.run
-    arrival = options.arrival or ("poisson" if options.rate is not None and run.arrival == "closed"
+    flag_rate = options.rate is not None or options.capacity_fraction is not None
+    arrival = options.arrival or ("poisson" if flag_rate and run.arrival == "closed"
                                   else run.arrival)
+    fraction = options.capacity_fraction
+    if fraction is None and options.rate is None:
+        fraction = run.capacity_fraction
+    if arrival == "closed":
+        fraction = None  # a closed loop's load is its users
     settings = {
         "arrival": arrival,
         "users": options.users or (run.users if arrival == "closed" else max(run.users, 64)),
-        "rate": options.rate if options.rate is not None else run.rate,
+        "rate": None if fraction is not None
+        else options.rate if options.rate is not None else run.rate,
+        "capacity_fraction": fraction,
         "burstiness": options.burstiness if options.burstiness is not None else run.burstiness,
         "duration_s": parse_duration(options.duration) if options.duration is not None
         else run.duration_s,
         "requests": options.requests if options.requests is not None else run.requests,
     }
-    if arrival != "closed" and settings["rate"] <= 0:
+    if arrival != "closed" and fraction is None and settings["rate"] <= 0:
         raise UserInputError(f"--rate: open-loop arrivals ({arrival}) need a rate > 0")
     if not settings["duration_s"] and not settings["requests"]:
         raise UserInputError("no bound: give --duration or --requests (or both)")
@@ -267,25 +312,58 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def run(options: Options) -> int:
+@dataclass
+class Session:
+    """What every stage of one `loadtest` call shares, read and measured once."""
+
+    options: Options
+    mix: Mix
+    keys: dict[str, str]
+    """Tenant -> API key (empty: no keys)."""
+    slo: dict[str, float]
+    out: Path
+    prepared: dict
+    """prepare()'s plain data: model, context, prompt book, limits, verified lengths."""
+
+
+def open_session(options: Options, mix: Mix) -> Session:
+    """Read the SLO and keys, make --out, and size prompts against the server."""
     try:
         slo = metrics.parse_slo(options.slo)
     except ValueError as error:
         raise UserInputError(str(error)) from None
-    mix = load_mix(options.mix)
-    settings = settings_for(options, mix)
     keys = load_keys(options.keys, mix)
     out = Path(options.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise UserInputError(f"--out: cannot create {out}: {error.strerror}") from None
-    prepared = prepare(options, mix, keys)
+    return Session(options, mix, keys, slo, out, prepare(options, mix, keys))
+
+
+@dataclass
+class StageResult:
+    """One Locust run, summarised (its report.json is written in its directory)."""
+
+    report: dict
+    reasons: list[str]
+    """Why it failed the run's thresholds (empty when it passed)."""
+    interrupted: bool
+    """Ctrl-C stopped it: the report covers what was recorded until then."""
+
+
+def run_stage(session: Session, settings: dict, out: Path, mix: Mix | None = None,
+              plots: bool = True) -> StageResult:
+    """Run Locust once with `settings` (and `mix`, default the session's) and write its
+    report.json (and, with `plots`, its PNGs) in `out`."""
+    options, mix = session.options, mix or session.mix
+    out.mkdir(parents=True, exist_ok=True)
+    prepared = session.prepared
     results = out / "samples.jsonl"
     results.unlink(missing_ok=True)
     config = {"url": options.url, "api": options.api, "model": prepared["model"],
               "seed": options.seed, "mix": asdict(mix), "settings": settings,
-              "book": prepared["book"], "limits": prepared["limits"], "keys": keys,
+              "book": prepared["book"], "limits": prepared["limits"], "keys": session.keys,
               "results_path": str(results), "request_timeout_s": options.request_timeout_s,
               "drain_timeout_s": options.drain_timeout_s, "progress_interval_s": 1.0,
               "web_port": options.web_port}
@@ -296,23 +374,56 @@ def run(options: Options) -> int:
     done = run_locust(config, out, limit_s)
     samples = read_samples(results)
     public = {k: v for k, v in config.items() if k not in ("keys", "book", "results_path")}
-    public.update(mix_name=mix.name, tenants_with_keys=sorted(keys), context=prepared["context"],
-                  verified_lengths=prepared["verified_lengths"], slo=slo,
-                  max_error_rate=options.max_error_rate,
+    public.update(mix_name=mix.name, tenants_with_keys=sorted(session.keys),
+                  context=prepared["context"], verified_lengths=prepared["verified_lengths"],
+                  slo=session.slo, max_error_rate=options.max_error_rate,
                   max_integrity_failures=options.max_integrity_failures)
-    report = build_report(samples, public, slo, {"started_at": started_at,
-                                                "locust": done.get("locust_stats", {})})
+    report = build_report(samples, public, session.slo,
+                          {"started_at": started_at, "locust": done.get("locust_stats", {})})
     reasons = verdict(report, options.max_error_rate, options.max_integrity_failures)
     report["verdict"] = {"ok": not reasons, "reasons": reasons}
     (out / "report.json").write_text(json.dumps(report), encoding="utf-8")
-    from tokstream.loadgen.plots import plot_report
+    if plots:
+        from tokstream.loadgen.plots import plot_report
+
+        plot_report(report, out)
+    results.unlink(missing_ok=True)
+    return StageResult(report, reasons, bool(done.get("interrupted")))
+
+
+def resolve_capacity(session: Session) -> Capacity:
+    """--capacity when given, else a short maximum-throughput probe (its capacity.json is
+    written in --out for the next run to reuse)."""
+    if session.options.capacity is not None:
+        return read_capacity(session.options.capacity, session.mix.name)
+    from tokstream.loadgen.sweep import probe_capacity
+
+    return probe_capacity(session)
+
+
+def run(options: Options) -> int:
+    mix = load_mix(options.mix)
+    if options.sweep:
+        from tokstream.loadgen.sweep import SweepBounds, run_sweep
+
+        bounds = SweepBounds.from_options(options, mix)  # bad input stops before any request
+        return run_sweep(open_session(options, mix), bounds)
+    settings = settings_for(options, mix)
+    session = open_session(options, mix)
+    if settings["capacity_fraction"] is not None:
+        capacity = resolve_capacity(session)
+        settings["rate"] = rate_from_fraction(settings["capacity_fraction"], capacity)
+        settings["capacity"] = capacity.row()
+        print(f"rate {settings['rate']:.3g} req/s = {settings['capacity_fraction']:g} x "
+              f"capacity {capacity.requests_per_s:.3g} req/s ({capacity.source})",
+              file=sys.stderr)
+    result = run_stage(session, settings, session.out)
     from tokstream.loadgen.tables import print_report
 
-    plot_report(report, out)
-    results.unlink(missing_ok=True)
-    print_report(report, reasons)
+    print_report(result.report, result.reasons)
+    out = session.out
     plots = ", ".join(p.name for p in sorted(out.glob("*.png")))
     print(f"report: {out / 'report.json'}; plots: {plots}")
-    if done.get("interrupted"):
+    if result.interrupted:
         return 130
-    return 1 if reasons else 0
+    return 1 if result.reasons else 0

@@ -31,6 +31,51 @@ def _table(title: str, blocks: dict[str, dict], key_title: str) -> Table:
     return table
 
 
+def _fair_share_table(shares: dict[str, dict]) -> Table:
+    table = Table(title="Fairness against demand (input + output tokens/s)",
+                  title_justify="left")
+    for column in ("tenant", "weight", "demand", "fair share", "achieved",
+                   "achieved / fair share"):
+        table.add_column(column, justify="left" if column == "tenant" else "right")
+    for name, share in shares.items():
+        table.add_row(name, _num(share["weight"], 2), _num(share["demand_tokens_per_s"]),
+                      _num(share["fair_share_tokens_per_s"]),
+                      _num(share["achieved_tokens_per_s"]), _num(share["ratio"], 3))
+    return table
+
+
+def print_sweep(report: dict, console: Console | None = None) -> None:
+    """The sweep's table: one row a stage, then its capacity and verdict."""
+    import sys
+
+    console = console or Console(width=None if sys.stdout.isatty() else 150)
+    sweep = report["sweep"]
+    table = Table(title=f"Sweep of mix {report['config']['mix_name']}", title_justify="left")
+    for column in ("stage", "offered req/s", "achieved req/s", "out tok/s",
+                   "TTFT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "sent", "ok", "failed",
+                   "cancelled"):
+        table.add_column(column, justify="left" if column == "stage" else "right")
+    for row in sweep["stages"]:
+        offered = (_num(row["offered_requests_per_s"], 3) if row["offered_requests_per_s"]
+                   is not None else f"closed, {row['users']} user"
+                   + ("s" if row["users"] > 1 else ""))
+        table.add_row(row["name"], offered, _num(row["achieved_requests_per_s"], 3),
+                      _num(row["output_tokens_per_s"]),
+                      "/".join(_ms(row["ttft_s"][p]) for p in ("p50", "p90", "p99")),
+                      "/".join(_ms(row["itl_s"][p]) for p in ("p50", "p90", "p99")),
+                      str(row["sent"]), str(row["completed"]), str(row["failed"]),
+                      str(row["cancelled"]))
+    console.print(table)
+    capacity = sweep["capacity"]
+    console.print(f"synchronous rate {_num(sweep['synchronous_requests_per_s'], 3)} req/s; "
+                  f"capacity {_num(capacity and capacity['requests_per_s'], 3)} req/s"
+                  + (f" ({capacity['users']} users)" if capacity else "")
+                  + ("; the mix's bursts were left out" if sweep["bursts_left_out"] else ""),
+                  highlight=False)
+    for reason in report["verdict"]["reasons"]:
+        console.print(f"[bold red]FAIL[/]: {reason}", highlight=False)
+
+
 def print_report(report: dict, reasons: list[str], console: Console | None = None) -> None:
     import sys
 
@@ -39,10 +84,19 @@ def print_report(report: dict, reasons: list[str], console: Console | None = Non
     summary = report["summary"]
     console.print(_table("By workload class", {**report["class"], "all": summary}, "class"))
     console.print(_table("By tenant", report["tenant"], "tenant"))
+    shares = summary["fairness"]["per_tenant"]
+    if len(shares) > 1:
+        console.print(_fair_share_table(shares))
     integrity = summary["integrity"]
     fairness = summary["fairness"]
     slo = summary["goodput"]["slo"]
-    lines = [
+    settings = report["config"].get("settings", {})
+    lines = []
+    if settings.get("capacity"):
+        capacity = settings["capacity"]
+        lines.append(f"rate {settings['rate']:.3g} req/s = {settings['capacity_fraction']:g} x "
+                     f"capacity {capacity['requests_per_s']:.3g} req/s ({capacity['source']})")
+    lines += [
         f"duration {summary['duration_s']:.1f} s; output {_num(summary['output_tokens_per_s'])} "
         f"tok/s, total {_num(summary['total_tokens_per_s'])} tok/s",
         f"goodput {_num(summary['goodput']['requests_per_s'], 2)} req/s "
@@ -51,8 +105,10 @@ def print_report(report: dict, reasons: list[str], console: Console | None = Non
            else " completed; no --slo given") + ")",
         f"integrity: {integrity['streams_checked']} streams checked, "
         f"{integrity['streams_failed']} failed {integrity['problems'] or ''}".rstrip(),
-        f"fairness: Jain's index {_num(fairness['jain_index'], 3)} over tenants' tokens/s, "
-        f"{_num(fairness['jain_index_ttft'], 3)} over their 1/TTFT",
+        f"fairness: Jain's index {_num(fairness['jain_index_fair_share'], 3)} over achieved / "
+        f"max-min fair share (worst tenant {_num(fairness['min_fair_share_ratio'], 2)} of its "
+        f"share); raw {_num(fairness['jain_index_raw_tokens'], 3)} over tokens/s whatever "
+        f"each asked, {_num(fairness['jain_index_ttft'], 3)} over 1/TTFT",
         f"requests clamped to the context: {summary['clamped']}; prompts raised to the "
         f"template's minimum: {summary['raised_to_minimum']}; prompts not the length planned: "
         f"{summary['prompt_tokens_mismatched']}; open-loop arrivals late: "

@@ -90,9 +90,11 @@ def test_jain_index():
     assert math.isclose(jain_index([3.0] * 7), 1.0)
 
 
-def trace(index, tenant, start, events, end, out, inp=100, workload="chat", status="ok"):
+def trace(index, tenant, start, events, end, out, inp=100, workload="chat", status="ok",
+          max_tokens=None):
     """A raw sample as the Locust process writes it: event times relative to the send."""
     return {"index": index, "workload": workload, "tenant": tenant, "status": status,
+            "max_tokens": out if max_tokens is None else max_tokens,
             "error_type": None if status == "ok" else "overloaded_error", "start_s": start,
             "scheduled_s": None, "event_times_s": events, "event_tokens": [1] * len(events),
             "end_s": end, "input_tokens": inp if status == "ok" else None,
@@ -126,8 +128,22 @@ def test_report_blocks_from_synthetic_traces():
         (205, 104)
     assert a["share_of_tokens"] == pytest.approx(205 / 309)
     assert a["share_of_requests"] == 0.5
-    # Jain over the tenants that sent requests: tokens/s 205/4 and 104/4
+    # raw Jain over the tenants that sent requests: tokens/s 205/4 and 104/4
     fairness = summary["fairness"]
     assert fairness["tenants"] == 2
-    assert fairness["jain_index"] == pytest.approx((205 + 104) ** 2 / (2 * (205 ** 2 + 104 ** 2)))
+    assert fairness["jain_index_raw_tokens"] == pytest.approx(
+        (205 + 104) ** 2 / (2 * (205 ** 2 + 104 ** 2)))
     assert fairness["jain_index_ttft"] == pytest.approx(jain_index([1 / 1.0, 1 / 0.5]))
+    # against demand: a asked 100+3 + 100+2 = 205 tokens, b 100+4 + 100+0 = 204 (its failed
+    # request's max_tokens is 0 here); 309 served. Both ask more than half of it, so each one's
+    # fair share is half (154.5 tokens): a got 205 of it (x1.33), b 104 (x0.67)
+    shares = fairness["per_tenant"]
+    assert shares["a"]["demand_tokens_per_s"] == 205 / 4 and shares["b"]["demand_tokens_per_s"] \
+        == 204 / 4
+    assert shares["a"]["fair_share_tokens_per_s"] == shares["b"]["fair_share_tokens_per_s"] \
+        == pytest.approx(154.5 / 4)
+    assert shares["b"]["ratio"] == pytest.approx(104 / 154.5)
+    assert fairness["jain_index_fair_share"] == pytest.approx(jain_index([205 / 154.5,
+                                                                          104 / 154.5]))
+    assert fairness["min_fair_share_ratio"] == pytest.approx(104 / 154.5)
+    assert report["tenant"]["a"]["fair_share"] == shares["a"] and "c" not in shares

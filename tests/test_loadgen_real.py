@@ -48,4 +48,6 @@ def test_short_real_run_on_smollm2_with_tenant_keys(tmp_path):
     for name, block in report["tenant"].items():
         assert tenants[name]["prompt_tokens"] == block["input_tokens"]
         assert tenants[name]["output_tokens"] == block["output_tokens"]
-    assert len(report["tenant"]) == 2 and report["summary"]["fairness"]["jain_index"] > 0
+    fairness = report["summary"]["fairness"]
+    assert len(report["tenant"]) == 2 and fairness["jain_index_raw_tokens"] > 0
+    assert set(fairness["per_tenant"]) == {"hot", "cold-1"}
