@@ -10,46 +10,19 @@ TOKSTREAM_CPU_KERNELS=0) `load()` returns None and the torch reference runs inst
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger("tokstream.kernels")
+from tokstream.kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
-# Reassociation lets the compiler vectorise the dot products (sums in a different order,
-# still float32); finite-math stays off because the softmax relies on -inf.
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c11", "-fopenmp", "-fno-math-errno",
-         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+FLAGS = (*cpu_build.BASE_FLAGS, "-std=c11")
 _FUNCTIONS = {torch.float32: "paged_decode_attention_f32",
               torch.bfloat16: "paged_decode_attention_bf16"}
 _library: ctypes.CDLL | None = None
 _tried = False
 _scratch: torch.Tensor | None = None
-
-
-def _cpu_signature() -> str:
-    # -march=native output only runs on CPUs with the same instruction sets.
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return platform.machine() + flags
-
-
-def _library_path() -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
-                         + _cpu_signature().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "tokstream" / "kernels" / f"cpu_paged_attention-{key}.so"
 
 
 def load() -> ctypes.CDLL | None:
@@ -58,25 +31,8 @@ def load() -> ctypes.CDLL | None:
     if _tried:
         return _library
     _tried = True
-    if os.environ.get("TOKSTREAM_CPU_KERNELS", "1") == "0":
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    path = _library_path()
-    try:
-        if not path.exists():
-            if compiler is None:
-                log.warning("no C compiler: CPU decode attention uses the torch reference")
-                return None
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-                built = Path(tmp) / path.name
-                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                               check=True, capture_output=True, text=True)
-                os.replace(built, path)  # atomic: a concurrent builder never sees half a file
-        library = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as exc:
-        detail = getattr(exc, "stderr", "") or exc
-        log.warning("CPU attention kernel unavailable (%s); using the torch reference", detail)
+    library = cpu_build.build(SOURCE, FLAGS)
+    if library is None:
         return None
     for name in _FUNCTIONS.values():
         function = getattr(library, name)

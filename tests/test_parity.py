@@ -87,7 +87,7 @@ def hf_outputs(hf_model, prompts, source):
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(EngineConfig(model="smollm2", dtype="float32")) as engine:
+    with LLM(EngineConfig(model="smollm2", dtype="float32", weights="float32")) as engine:
         yield engine
 
 

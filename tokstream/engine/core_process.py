@@ -34,7 +34,8 @@ def core_main(conn, config: EngineConfig) -> None:
         conn.send(("failed", isinstance(exc, UserInputError), str(exc)))
         return
     conn.send(("ready", {
-        "model": core.model_config.name, "dtype": core.dtype, "pid": os.getpid(),
+        "model": core.model_config.name, "dtype": core.dtype,
+        "weights": core.weights, "pid": os.getpid(),
         "worker_pids": core.executor.pids, "num_blocks": core.block_manager.num_blocks,
         "block_size": core.block_manager.block_size, "max_model_len": core.max_model_len,
         "vocab_size": core.model_config.vocab_size,

@@ -323,3 +323,50 @@ def _tensor_slices(header: GGUFHeader, config: ModelConfig) -> dict:
                                     f" {end}, the file has {header.file_size}")
         slices[name] = (info, qtype, info.offset, end, row_bytes)
     return slices
+
+
+NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+"""ggml types the CPU kernels multiply without dequantising (kernels/cpu_quant_matmul.c)."""
+
+
+@dataclass(frozen=True)
+class QuantizedArray:
+    """A weight matrix kept in its GGUF blocks: data (out_features, row bytes) uint8."""
+
+    data: object
+    """numpy uint8 array, one row of blocks per output feature."""
+    ggml_type: int
+    in_features: int
+
+
+def native_weight_types(path: str | Path) -> set[int]:
+    """The ggml types of a file's 2-D weights (what decides whether native serving applies)."""
+    header = read_gguf_header(path)
+    return {info.ggml_type for info in header.tensors.values() if len(info.shape) == 2}
+
+
+def load_gguf_native(path: str | Path, config: ModelConfig) -> dict[str, object]:
+    """Every tensor under HF Llama names: 2-D weights in a NATIVE_TYPES format stay quantised
+    (QuantizedArray, copied off the file; q/k rows unpermuted, which moves whole rows of
+    blocks), everything else is dequantised to float32 numpy arrays as load_gguf_tensors."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    header = read_gguf_header(path)
+    arch = header.metadata.get("general.architecture")
+    slices = _tensor_slices(header, config)
+    data = np.memmap(header.path, dtype=np.uint8, mode="r")
+    tensors: dict[str, object] = {}
+    for name, (info, qtype, start, end, row_bytes) in slices.items():
+        raw = data[start:end].reshape(*info.shape[:-1], row_bytes)
+        native = len(info.shape) == 2 and info.ggml_type in NATIVE_TYPES
+        weight = np.array(raw) if native else np.array(dequantize(raw, qtype), dtype=np.float32)
+        if arch in PERMUTED_ARCHITECTURES:
+            if ".self_attn.q_proj." in name:
+                weight = unpermute_rotary(weight, config.num_heads)
+            elif ".self_attn.k_proj." in name:
+                weight = unpermute_rotary(weight, config.num_kv_heads)
+        weight = np.ascontiguousarray(weight)
+        tensors[name] = (QuantizedArray(weight, info.ggml_type, info.shape[-1]) if native
+                         else weight)
+    return tensors

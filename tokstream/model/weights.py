@@ -40,6 +40,26 @@ def load_state_dict(source: ModelSource, dtype: torch.dtype, seed: int = 0,
     return tensors
 
 
+def load_native_state_dict(source: ModelSource) -> dict[str, object]:
+    """A GGUF's tensors on CPU with its Q4_0/Q4_1/Q8_0 matrices kept quantised (as
+    QuantizedWeight), the rest (norms, other formats) float32. Read straight from the file:
+    nothing is dequantised or converted, so there is no cache to build."""
+    from tokstream.model.gguf_file import QuantizedArray, load_gguf_native
+    from tokstream.worker.quant_linear import QuantizedWeight
+
+    start = time.perf_counter()
+    tensors = {}
+    for name, value in load_gguf_native(source.path, source.config).items():
+        if isinstance(value, QuantizedArray):
+            tensors[name] = QuantizedWeight(torch.from_numpy(value.data), value.ggml_type,
+                                            value.in_features)
+        else:
+            tensors[name] = torch.from_numpy(value)
+    log.info("native weights of %s read in %.2f s", source.config.name,
+             time.perf_counter() - start)
+    return tensors
+
+
 def dummy_state_dict(config: ModelConfig, dtype: torch.dtype, seed: int = 0,
                      device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """Random weights with the model's real shapes, as vLLM's dummy load format: normal(0, 0.02)

@@ -70,7 +70,8 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id
                                                aliases)
             if url is not None:
                 print(f"tokstream serve: ready on {url} (model {model_id}, "
-                      f"{engine.info.get('dtype')}, {engine.info.get('num_blocks')} KV blocks; "
+                      f"{engine.info.get('dtype')}, {engine.info.get('weights')} weights, "
+                      f"{engine.info.get('num_blocks')} KV blocks; "
                       f"gateway pid {__import__('os').getpid()}, engine pid {engine.pid})",
                       file=sys.stderr, flush=True)
             yield

@@ -16,6 +16,7 @@ from torch import nn
 
 from tokstream.config import ModelConfig
 from tokstream.worker.attention import AttentionMetadata
+from tokstream.worker.quant_linear import QuantizedWeight, cat_rows, quantized_linear
 
 
 def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
@@ -30,6 +31,13 @@ def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
 
 def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for float weights and for GGUF-quantised ones (native weights)."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,7 +96,7 @@ class DecoderLayer(nn.Module):
         self.gate_up = param(2 * inter, h)  # column-parallel, [gate; up]
         self.down = param(h, inter)  # row-parallel
         self.split = (q, kv, kv)
-        self.linear = F.linear
+        self.linear = linear
 
     def forward(self, x, rope, kv_cache, meta, all_reduce, ops):
         """x (T, hidden) float32, updated in place and returned; ops: the kernel backend."""
@@ -134,7 +142,7 @@ class LlamaModel(nn.Module):
                                  requires_grad=False)
         self.dtype = dtype
         self.rotary = Rotary(config.head_dim, config.max_position, config.rope_theta)
-        self.head_linear = F.linear
+        self.head_linear = linear
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """input_ids, positions (T,) -> hidden states (T, hidden)."""
@@ -146,13 +154,18 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, kv_cache, meta, self.all_reduce, self.backend)
         return self.backend.add_rms_norm(x, None, self.norm, self.config.rms_norm_eps, self.dtype)
 
+    def _lookup(self, input_ids):
+        if isinstance(self.embed, QuantizedWeight):
+            return self.embed.embedding(input_ids)
+        return F.embedding(input_ids, self.embed)
+
     def _embed(self, input_ids):
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.embed)
+            return self._lookup(input_ids)
         first = self.tp_rank * self.vocab_per_rank
         local = input_ids - first
         outside = (local < 0) | (local >= self.vocab_per_rank)
-        x = F.embedding(local.masked_fill(outside, 0), self.embed)
+        x = self._lookup(local.masked_fill(outside, 0))
         return self.all_reduce(x.masked_fill(outside[:, None], 0))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -163,11 +176,25 @@ class LlamaModel(nn.Module):
             logits = torch.cat(self.all_gather(logits), dim=-1)  # (S, vocab_per_rank * tp)
         return logits[:, :self.config.vocab_size]
 
+    def quantized_weights(self) -> list[QuantizedWeight]:
+        """The weights kept in their GGUF blocks (native weights), each once."""
+        found = [self.embed, self.lm_head]
+        for layer in self.layers:
+            found += [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+        unique = {id(w): w for w in found if isinstance(w, QuantizedWeight)}
+        return list(unique.values())
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights as held: float parameters plus quantised blocks."""
+        return (sum(p.numel() * p.element_size() for p in self.parameters())
+                + sum(w.nbytes() for w in self.quantized_weights()))
+
     def pack_weights_for_cpu(self) -> bool:
         """Reorder bfloat16 matmul weights into oneDNN's blocked layout once, instead of on
         every call (measured: decode-size matmuls ~20% faster, batch 1 ~2x). Call after
         load_weights; returns False (and changes nothing) where oneDNN cannot do it."""
-        if not packed_linear_available(self.dtype, self.embed.device):
+        if self.quantized_weights() or not packed_linear_available(self.dtype,
+                                                                   self.embed.device):
             return False
         for layer in self.layers:
             for name in ("qkv", "o_proj", "gate_up", "down"):
@@ -182,39 +209,64 @@ class LlamaModel(nn.Module):
         return True
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's shard out of a full Hugging Face-named state dict."""
+    def load_weights(self, state_dict: dict[str, torch.Tensor | QuantizedWeight]) -> None:
+        """Copy this rank's shard out of a full Hugging Face-named state dict. A matrix given
+        as a QuantizedWeight (native GGUF weights) replaces the float parameter and is
+        sharded by whole blocks."""
         c, r, n = self.config, self.tp_rank, self.tp_size
 
         def rows(w):
             # Column-parallel slice: this rank's share of the output features.
             size = w.shape[0] // n
+            if isinstance(w, QuantizedWeight):
+                return w.rows(r * size, (r + 1) * size)
             return w[r * size:(r + 1) * size]
 
         def cols(w):
             size = w.shape[1] // n
+            if isinstance(w, QuantizedWeight):
+                return w.columns(r * size, (r + 1) * size)
             return w[:, r * size:(r + 1) * size]
 
         def vocab(w):
-            shard = w[r * self.vocab_per_rank:(r + 1) * self.vocab_per_rank]
+            begin = r * self.vocab_per_rank
+            if isinstance(w, QuantizedWeight):
+                shard = w.rows(begin, min(begin + self.vocab_per_rank, w.out_features))
+                return shard.padded_rows(self.vocab_per_rank)
+            shard = w[begin:begin + self.vocab_per_rank]
             padded = torch.zeros(self.vocab_per_rank, w.shape[1], dtype=w.dtype, device=w.device)
             padded[:shard.shape[0]] = shard
             return padded
 
-        self.embed.copy_(vocab(state_dict["model.embed_tokens.weight"]))
-        if not c.tie_word_embeddings:
-            self.lm_head.copy_(vocab(state_dict["lm_head.weight"]))
+        def cat(parts):
+            if isinstance(parts[0], QuantizedWeight):
+                return cat_rows(parts)
+            return torch.cat(parts)
+
+        def put(module, name, value):
+            if isinstance(value, QuantizedWeight):
+                delattr(module, name)  # the float parameter gives way to the blocks
+                setattr(module, name, value)
+            else:
+                getattr(module, name).copy_(value)
+
+        put(self, "embed", vocab(state_dict["model.embed_tokens.weight"]))
+        if c.tie_word_embeddings:
+            if isinstance(self.embed, QuantizedWeight):
+                put(self, "lm_head", self.embed)
+        else:
+            put(self, "lm_head", vocab(state_dict["lm_head.weight"]))
         self.norm.copy_(state_dict["model.norm.weight"])
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             get = lambda name: state_dict[p + name]  # noqa: E731
             layer.input_norm.copy_(get("input_layernorm.weight"))
             layer.post_norm.copy_(get("post_attention_layernorm.weight"))
-            layer.qkv.copy_(torch.cat([rows(get(f"self_attn.{x}_proj.weight")) for x in "qkv"]))
+            put(layer, "qkv", cat([rows(get(f"self_attn.{x}_proj.weight")) for x in "qkv"]))
             if layer.qkv_bias is not None:
                 layer.qkv_bias.copy_(torch.cat([rows(get(f"self_attn.{x}_proj.bias"))
                                                 for x in "qkv"]))
-            layer.o_proj.copy_(cols(get("self_attn.o_proj.weight")))
-            layer.gate_up.copy_(torch.cat([rows(get("mlp.gate_proj.weight")),
-                                           rows(get("mlp.up_proj.weight"))]))
-            layer.down.copy_(cols(get("mlp.down_proj.weight")))
+            put(layer, "o_proj", cols(get("self_attn.o_proj.weight")))
+            put(layer, "gate_up", cat([rows(get("mlp.gate_proj.weight")),
+                                       rows(get("mlp.up_proj.weight"))]))
+            put(layer, "down", cols(get("mlp.down_proj.weight")))

@@ -191,25 +191,6 @@ class ModelRunner:
                 torch.tensor(sample_rows, dtype=torch.int64, device=self.device), rows)
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """'auto': bfloat16 on GPUs and on CPUs with native bfloat16 matmuls, else float32.
-
-    On this project's CPUs (avx512_bf16) bfloat16 makes a batch-32 SmolLM2 decode step ~2x
-    faster than float32. The residual stream stays float32 (see model.py), which keeps 5 of
-    the 7 reference prompts' 32 greedy tokens identical to float32 and the France answer
-    right (pure bfloat16 changes 4 of 7). Exact parity with the reference asks for float32.
-    """
-    if dtype != "auto":
-        return dtype
-    if device == "cuda":
-        return "bfloat16"
-    try:
-        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):
-        native = False
-    return "bfloat16" if native else "float32"
-
-
 def kv_pool_blocks(config: EngineConfig, model_config: ModelConfig, dtype: str,
                    device: torch.device) -> tuple[int, int]:
     """(num_blocks, bytes per block on this rank) from the memory budget."""

@@ -33,6 +33,8 @@ class WorkerReady:
     """The kernel backend: torch (CPU reference + C decode kernel) or triton."""
     graph_batch_sizes: tuple[int, ...] = ()
     """Decode batch sizes captured as CUDA graphs (none: every step runs eagerly)."""
+    weights: str = "dequantized"
+    """How the weights are held: 'dequantized' (in dtype) or 'native' (GGUF blocks)."""
 
 
 @dataclass
@@ -123,12 +125,13 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
     import torch
 
     from tokstream.model.source import resolve_model
-    from tokstream.model.weights import load_state_dict
+    from tokstream.model.weights import load_native_state_dict, load_state_dict
     from tokstream.worker.backend import choose_backend
+    from tokstream.worker.dtype_choice import resolve_weights
     from tokstream.worker.model import LlamaModel
     from tokstream.worker.model_runner import (TORCH_DTYPES, ModelRunner, allocate_kv_caches,
-                                               allocate_swap_space, kv_pool_blocks,
-                                               resolve_dtype)
+                                               allocate_swap_space, kv_pool_blocks)
+    from tokstream.worker.quant_linear import measure_crossovers
 
     started = time.perf_counter()
     set_threads(config)
@@ -139,18 +142,23 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
     all_reduce = all_gather = None
     if config.tp > 1:
         all_reduce, all_gather = _init_tensor_parallel(config, rank, rendezvous, device.type)
-    dtype = resolve_dtype(config.dtype, device.type)
-    torch_dtype = TORCH_DTYPES[dtype]
     source = resolve_model(config.model)
-    state_dict = load_state_dict(source, torch_dtype, seed=config.seed, device=device)
+    weights, dtype = resolve_weights(config.weights, config.dtype, source, device.type)
+    torch_dtype = TORCH_DTYPES[dtype]
+    if weights == "native":
+        state_dict = load_native_state_dict(source)
+    else:
+        state_dict = load_state_dict(source, torch_dtype, seed=config.seed, device=device)
     backend = choose_backend(device)
     with device:  # build the parameters where they will live
         model = LlamaModel(source.config, torch_dtype, tp_rank=rank, tp_size=config.tp,
                            all_reduce=all_reduce, all_gather=all_gather, backend=backend)
     model.load_weights(state_dict)
     del state_dict
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = model.weight_bytes()
     model.pack_weights_for_cpu()
+    if model.quantized_weights():
+        measure_crossovers(model.quantized_weights())
     num_blocks, block_bytes = kv_pool_blocks(config, source.config, dtype, device)
     kv_caches = allocate_kv_caches(source.config, num_blocks, config.cache.block_size,
                                    config.tp, torch_dtype, device)
@@ -165,7 +173,7 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
                          rank=rank, decode_graphs=graphs)
     ready = WorkerReady(rank, os.getpid(), dtype, str(device), num_blocks, block_bytes,
                         weight_bytes, time.perf_counter() - started, num_swap_blocks,
-                        backend.name, tuple(graphs.sizes) if graphs else ())
+                        backend.name, tuple(graphs.sizes) if graphs else (), weights)
     return runner, ready
 
 

@@ -1,0 +1,81 @@
+"""Compiles a kernels/*.c file once per machine with its C compiler and loads it with ctypes.
+
+The library is cached under $XDG_CACHE_HOME/tokstream/kernels, keyed by the source, the flags
+and the CPU's instruction sets (-march=native output only runs on CPUs that have them).
+Without a compiler, or with TOKSTREAM_CPU_KERNELS=0, `build` returns None and callers run
+their torch path instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("tokstream.kernels")
+
+DISABLE_ENV = "TOKSTREAM_CPU_KERNELS"
+# Reassociation lets the compiler vectorise the dot products (sums in a different order,
+# still float32); finite-math stays off because softmax relies on -inf.
+BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno",
+              "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return line.split(":", 1)[1].split()
+
+
+def cpu_model() -> str:
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+    return line.split(":", 1)[1].strip()
+
+
+def cpu_signature() -> str:
+    return platform.machine() + " ".join(cpu_flags())
+
+
+def library_path(source: Path, flags: tuple[str, ...]) -> Path:
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
+                         + cpu_signature().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "tokstream" / "kernels" / f"{source.stem}-{key}.so"
+
+
+def build(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The compiled library of `source`, built once per machine; None if unavailable."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    path = library_path(source, flags)
+    try:
+        if not path.exists():
+            if compiler is None:
+                log.warning("no C compiler: %s is not used", source.name)
+                return None
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                built = Path(tmp) / path.name
+                subprocess.run([compiler, *flags, str(source), "-o", str(built), "-lm"],
+                               check=True, capture_output=True, text=True)
+                os.replace(built, path)  # atomic: a concurrent builder never sees half a file
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("CPU kernel %s unavailable (%s); using torch instead", source.name, detail)
+        return None

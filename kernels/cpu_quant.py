@@ -1,0 +1,92 @@
+"""Matrix products straight from GGUF-quantised weights on CPU (cpu_quant_matmul.c), compiled
+on first use and called through ctypes with raw tensor pointers.
+
+A weight is its GGUF bytes as a (N, K / 32 * block_bytes) uint8 tensor, rows in output order.
+`matmul` dequantises each weight row into an L1-sized buffer and applies it to every input
+row at once, so the weights are read once per call at their quantised size (Q4_1: 5 bits a
+weight instead of 32). `dequantize` writes the float32 weight out, for products with many
+input rows where a float matrix product over it wins (the caller measures where that is).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from tokstream.kernels import cpu_build
+
+SOURCE = Path(__file__).with_name("cpu_quant_matmul.c")
+# Contraction off: a dequantised weight is then the very float ggml's reference produces.
+FLAGS = (*cpu_build.BASE_FLAGS, "-std=gnu11", "-ffp-contract=off")
+BLOCK = 32
+"""Weights per quantisation block, for every supported type."""
+QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+"""ggml type ids of the formats the kernel reads."""
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+_library: ctypes.CDLL | None = None
+_tried = False
+_scratch: torch.Tensor | None = None
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library, built once per machine; None if unavailable."""
+    global _library, _tried
+    if _tried:
+        return _library
+    _tried = True
+    library = cpu_build.build(SOURCE, FLAGS)
+    if library is None:
+        return None
+    library.quant_matmul.restype = None
+    library.quant_matmul.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_void_p]
+    library.quant_dequantize.restype = None
+    library.quant_dequantize.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_void_p]
+    _library = library
+    return library
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _check(weight: torch.Tensor, qtype: int, k: int) -> int:
+    if qtype not in BLOCK_BYTES or k % BLOCK:
+        raise ValueError(f"unsupported quantised weight: type {qtype}, {k} inputs")
+    if weight.dtype != torch.uint8 or not weight.is_contiguous() or weight.dim() != 2 \
+            or weight.shape[1] != k // BLOCK * BLOCK_BYTES[qtype]:
+        raise ValueError(f"weight must be contiguous uint8 (N, {k // BLOCK * BLOCK_BYTES[qtype]})")
+    return weight.shape[0]
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, k: int,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, K) float32 @ dequantised(weight)^T -> (M, N) float32."""
+    global _scratch
+    n = _check(weight, qtype, k)
+    x = x.contiguous()
+    if x.dtype != torch.float32 or x.shape[-1] != k:
+        raise ValueError(f"x must be float32 (M, {k}), got {x.dtype} {tuple(x.shape)}")
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    needed = torch.get_num_threads() * 4 * k  # the kernel's ROWS x K buffer per thread
+    if _scratch is None or _scratch.numel() < needed:
+        _scratch = torch.empty(needed, dtype=torch.float32)
+    load().quant_matmul(qtype, weight.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),
+                        _scratch.data_ptr())
+    return out
+
+
+def dequantize(weight: torch.Tensor, qtype: int, k: int,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, K) float32, each weight exactly ggml's dequantised value."""
+    n = _check(weight, qtype, k)
+    if out is None:
+        out = torch.empty(n, k, dtype=torch.float32)
+    load().quant_dequantize(qtype, weight.data_ptr(), n, k, out.data_ptr())
+    return out

@@ -1,0 +1,200 @@
+/* Matrix products straight from GGUF-quantised weights on CPU: each weight row is dequantised
+ * into a small float32 buffer (L1-resident) and used at once for every input row, so no float
+ * copy of the weights is kept and each quantised byte is read from memory once per call.
+ *
+ * Layouts (all contiguous, row-major):
+ *   w    (N, K / 32) GGUF blocks of qtype, exactly as stored in the file (row n = output n)
+ *   x    (M, K) float32
+ *   out  (M, N) float32
+ * Block formats (ggml): Q4_0 {f16 d; u8 qs[16]}       w = d * (q - 8)
+ *                       Q4_1 {f16 d, m; u8 qs[16]}    w = d * q + m
+ *                       Q8_0 {f16 d; i8 qs[32]}       w = d * q
+ * In the 4-bit formats byte j holds element j (low nibble) and element j + 16 (high nibble).
+ *
+ * Compiled with -ffp-contract=off so a dequantised weight is the same float as ggml's
+ * reference dequantisation (a multiply, then an add: two roundings); the dot products use
+ * fmaf explicitly and are reassociated into vector lanes (-fassociative-math).
+ * Output rows are spread over the OpenMP threads torch already runs (the same libgomp).
+ * scratch: omp_get_max_threads() * ROWS * K floats.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+#define QK 32
+#define ROWS 4 /* weight rows dequantised and applied together */
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* ggml type ids */
+
+typedef struct { _Float16 d; uint8_t qs[QK / 2]; } block_q4_0;
+typedef struct { _Float16 d, m; uint8_t qs[QK / 2]; } block_q4_1;
+typedef struct { _Float16 d; int8_t qs[QK]; } block_q8_0;
+
+int64_t quant_block_bytes(int64_t qtype) {
+    switch (qtype) {
+    case Q4_0: return sizeof(block_q4_0);
+    case Q4_1: return sizeof(block_q4_1);
+    case Q8_0: return sizeof(block_q8_0);
+    default: return 0;
+    }
+}
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 32 weights of one block, dequantised as ggml does (multiply, then add), into o[0..31]. */
+static inline void dequantize_block(int64_t qtype, const uint8_t *block, float *o) {
+    if (qtype == Q8_0) {
+        const block_q8_0 *b = (const block_q8_0 *)block;
+        const __m512 d = _mm512_set1_ps((float)b->d);
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)b->qs);
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(b->qs + 16));
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
+        _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
+        return;
+    }
+    const __m128i low4 = _mm_set1_epi8(15);
+    const uint8_t *qs;
+    __m512 d, m;
+    if (qtype == Q4_1) {
+        const block_q4_1 *b = (const block_q4_1 *)block;
+        d = _mm512_set1_ps((float)b->d);
+        m = _mm512_set1_ps((float)b->m);
+        qs = b->qs;
+    } else { /* Q4_0: d * (q - 8) */
+        const block_q4_0 *b = (const block_q4_0 *)block;
+        d = _mm512_set1_ps((float)b->d);
+        m = _mm512_setzero_ps();
+        qs = b->qs;
+    }
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(q, low4));
+    __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low4));
+    if (qtype == Q4_0) {
+        const __m512i eight = _mm512_set1_epi32(8);
+        lo = _mm512_sub_epi32(lo, eight);
+        hi = _mm512_sub_epi32(hi, eight);
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d));
+        _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d));
+        return;
+    }
+    _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), d), m));
+    _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), d), m));
+}
+
+static void dequantize_row(int64_t qtype, const uint8_t *row, int64_t K, float *restrict out) {
+    const int64_t bytes = quant_block_bytes(qtype);
+    for (int64_t i = 0; i < K / QK; i++) dequantize_block(qtype, row + i * bytes, out + i * QK);
+}
+
+/* out[i * ldo + j] = dot(w row j, x row i) for ROWS weight rows (K apart in w) and MT input
+ * rows: 4 x MT vector accumulators, each loaded weight reused MT times. */
+static inline void tile(const float *restrict w, const float *restrict x, int64_t ldx,
+                        int64_t K, const int MT, float *restrict out, int64_t ldo) {
+    __m512 acc[4][ROWS];
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < ROWS; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv[ROWS];
+        for (int j = 0; j < ROWS; j++) wv[j] = _mm512_loadu_ps(w + j * K + k);
+        for (int i = 0; i < MT; i++) {
+            const __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
+            for (int j = 0; j < ROWS; j++) acc[i][j] = _mm512_fmadd_ps(wv[j], xv, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < ROWS; j++) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+static void apply_rows(const float *buf, const float *x, int64_t M, int64_t K, float *out,
+                       int64_t ldo) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile(buf, x + m * K, K, K, 4, out + m * ldo, ldo);
+    switch (M - m) {
+    case 3: tile(buf, x + m * K, K, K, 3, out + m * ldo, ldo); break;
+    case 2: tile(buf, x + m * K, K, K, 2, out + m * ldo, ldo); break;
+    case 1: tile(buf, x + m * K, K, K, 1, out + m * ldo, ldo); break;
+    }
+}
+#else /* portable C: the same arithmetic, left to the compiler's vectoriser */
+
+static void dequantize_row(int64_t qtype, const uint8_t *row, int64_t K, float *restrict out) {
+    const int64_t nb = K / QK;
+    if (qtype == Q4_1) {
+        const block_q4_1 *b = (const block_q4_1 *)row;
+        for (int64_t i = 0; i < nb; i++) {
+            const float d = (float)b[i].d, m = (float)b[i].m;
+            float *o = out + i * QK;
+            for (int j = 0; j < QK / 2; j++) {
+                o[j] = d * (float)(b[i].qs[j] & 15) + m;
+                o[j + QK / 2] = d * (float)(b[i].qs[j] >> 4) + m;
+            }
+        }
+    } else if (qtype == Q4_0) {
+        const block_q4_0 *b = (const block_q4_0 *)row;
+        for (int64_t i = 0; i < nb; i++) {
+            const float d = (float)b[i].d;
+            float *o = out + i * QK;
+            for (int j = 0; j < QK / 2; j++) {
+                o[j] = d * (float)((int)(b[i].qs[j] & 15) - 8);
+                o[j + QK / 2] = d * (float)((int)(b[i].qs[j] >> 4) - 8);
+            }
+        }
+    } else { /* Q8_0 */
+        const block_q8_0 *b = (const block_q8_0 *)row;
+        for (int64_t i = 0; i < nb; i++) {
+            const float d = (float)b[i].d;
+            float *o = out + i * QK;
+            for (int j = 0; j < QK; j++) o[j] = d * (float)b[i].qs[j];
+        }
+    }
+}
+
+static void apply_rows(const float *buf, const float *x, int64_t M, int64_t K, float *out,
+                       int64_t ldo) {
+    for (int64_t m = 0; m < M; m++)
+        for (int j = 0; j < ROWS; j++) {
+            const float *w = buf + j * K, *xm = x + m * K;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++) acc = fmaf(w[k], xm[k], acc);
+            out[m * ldo + j] = acc;
+        }
+}
+#endif
+
+/* out (M, N) = x (M, K) @ dequantised(w)^T. K must be a multiple of 32. */
+void quant_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                  int64_t M, float *out, float *scratch) {
+    const int64_t row_bytes = K / QK * quant_block_bytes(qtype);
+    const int64_t groups = (N + ROWS - 1) / ROWS;
+    #pragma omp parallel
+    {
+        float *buf = scratch + (int64_t)omp_get_thread_num() * ROWS * K;
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * ROWS;
+            const int64_t nr = N - n0 < ROWS ? N - n0 : ROWS;
+            for (int64_t j = 0; j < nr; j++)
+                dequantize_row(qtype, w + (n0 + j) * row_bytes, K, buf + j * K);
+            if (nr == ROWS) {
+                apply_rows(buf, x, M, K, out + n0, N);
+                continue;
+            }
+            /* The last, partial group: zero rows, and only nr outputs kept. */
+            for (int64_t k = nr * K; k < ROWS * K; k++) buf[k] = 0.0f;
+            for (int64_t m = 0; m < M; m++) {
+                float part[ROWS];
+                apply_rows(buf, x + m * K, 1, K, part, ROWS);
+                for (int64_t j = 0; j < nr; j++) out[m * N + n0 + j] = part[j];
+            }
+        }
+    }
+}
+
+/* out (N, K) float32 = dequantised(w): for products with many input rows, where a float
+ * matrix product on the whole dequantised weight is faster than quant_matmul. */
+void quant_dequantize(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, float *out) {
+    const int64_t row_bytes = K / QK * quant_block_bytes(qtype);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) dequantize_row(qtype, w + n * row_bytes, K, out + n * K);
+}

@@ -1,0 +1,206 @@
+"""Native GGUF weights on CPU: the fused dequantise-and-multiply kernel against ggml's own
+dequantisation, the weight shards, and the real SmolLM2 served from its Q4_1/Q8_0 blocks
+against the same weights dequantised to float32 (greedy tokens, first-step logits,
+perplexity on a fixed text)."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from tokstream.config import EngineConfig
+from tokstream.errors import UserInputError
+from tokstream.kernels import cpu_quant
+from tokstream.model.source import resolve_model
+from tokstream.model.weights import load_native_state_dict, load_state_dict
+from tokstream.tokenizer import load_tokenizer
+from tokstream.worker.attention import AttentionMetadata, PrefillSeq
+from tokstream.worker.dtype_choice import has_native_bf16, resolve_weights
+from tokstream.worker.model import LlamaModel
+from tokstream.worker.model_runner import allocate_kv_caches
+from tokstream.worker.quant_linear import QuantizedWeight, cat_rows, quantized_linear
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler here")
+
+FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def quantized(name: str, out_features: int, in_features: int, seed: int = 0):
+    """A random weight quantised by gguf's own reference quantiser, and ggml's dequantised
+    float32 values of it."""
+    rng = np.random.default_rng(seed)
+    weight = rng.normal(0, 0.05, (out_features, in_features)).astype(np.float32)
+    qtype = GGMLQuantizationType[name]
+    blocks = quantize(weight, qtype)  # (out, row bytes) uint8
+    reference = dequantize(blocks, qtype).astype(np.float32)
+    return (QuantizedWeight(torch.from_numpy(np.ascontiguousarray(blocks)), int(qtype),
+                            in_features), torch.from_numpy(reference))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_dequantisation_is_ggmls_exactly(name):
+    weight, reference = quantized(name, 37, 96)
+    assert torch.equal(weight.dequantize(), reference)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 33])
+def test_fused_product_matches_the_float_product(name, rows):
+    # 37 outputs: a partial group of weight rows; 96 inputs: three blocks.
+    weight, reference = quantized(name, 37, 96, seed=rows)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    got = cpu_quant.matmul(x, weight.data, weight.qtype, weight.in_features)
+    expected = x.double() @ reference.double().T
+    assert got.shape == (rows, 37)
+    assert torch.allclose(got.double(), expected, atol=1e-5, rtol=1e-5), \
+        (got.double() - expected).abs().max()
+
+
+@pytest.mark.parametrize("crossover", [1, 4])
+def test_both_paths_of_the_linear_agree(crossover):
+    weight, reference = quantized("Q4_1", 64, 64)
+    bias = torch.randn(64)
+    x = torch.randn(6, 64)
+    fused = quantized_linear(x, weight, bias)
+    weight.crossover = crossover  # from here on: dequantise + float matmul
+    dense = quantized_linear(x, weight, bias)
+    expected = x @ reference.T + bias
+    assert torch.allclose(fused, expected, atol=1e-5) and torch.allclose(dense, expected,
+                                                                         atol=1e-5)
+
+
+def test_shards_are_slices_of_the_dequantised_weight():
+    weight, reference = quantized("Q4_1", 12, 128)
+    assert torch.equal(weight.rows(4, 8).dequantize(), reference[4:8])
+    assert torch.equal(weight.columns(32, 96).dequantize(), reference[:, 32:96])
+    padded = weight.padded_rows(16).dequantize()
+    assert torch.equal(padded[:12], reference) and not padded[12:].any()
+    other, other_reference = quantized("Q4_1", 5, 128, seed=3)
+    assert torch.equal(cat_rows([weight, other]).dequantize(),
+                       torch.cat([reference, other_reference]))
+    ids = torch.tensor([3, 0, 11, 3])
+    assert torch.equal(weight.embedding(ids), reference[ids])
+    with pytest.raises(ValueError, match="splits"):
+        weight.columns(16, 64)
+
+
+def test_bad_inputs_are_refused():
+    weight, _ = quantized("Q8_0", 8, 64)
+    with pytest.raises(ValueError):
+        cpu_quant.matmul(torch.randn(2, 32), weight.data, weight.qtype, 64)
+    with pytest.raises(ValueError):
+        cpu_quant.matmul(torch.randn(2, 64).double(), weight.data, weight.qtype, 64)
+    with pytest.raises(ValueError):
+        cpu_quant.matmul(torch.randn(2, 64), weight.data, 12, 64)
+
+
+def test_weights_auto_and_native_choices():
+    dummy = resolve_model("dummy:tiny")
+    assert resolve_weights("auto", "float32", dummy, "cpu") == ("dequantized", "float32")
+    assert resolve_weights("bfloat16", "auto", dummy, "cpu") == ("dequantized", "bfloat16")
+    with pytest.raises(UserInputError, match="GGUF"):
+        resolve_weights("native", "auto", dummy, "cpu")
+    smollm2 = resolve_model("smollm2")
+    assert resolve_weights("auto", "auto", smollm2, "cpu") == ("native", "float32")
+    assert resolve_weights("float32", "auto", smollm2, "cpu") == ("dequantized", "float32")
+    with pytest.raises(UserInputError, match="CPU only"):
+        resolve_weights("native", "auto", smollm2, "cuda")
+    with pytest.raises(UserInputError, match="native computes in float32"):
+        EngineConfig(weights="native", dtype="bfloat16")
+    with pytest.raises(UserInputError, match="give one"):
+        EngineConfig(weights="float32", dtype="bfloat16")
+    with pytest.raises(UserInputError, match="weights must be"):
+        EngineConfig(weights="q4")
+
+
+def test_native_bfloat16_is_read_from_the_cpu_flags():
+    """oneDNN says 'supported' where bfloat16 is only emulated; the flags say what is real."""
+    assert not has_native_bf16(["avx512f", "avx512_vnni", "avx2"])
+    assert has_native_bf16(["avx512f", "avx512_bf16"])
+    assert has_native_bf16(["amx_bf16", "amx_tile"])
+
+
+# ---- the real model ----------------------------------------------------------------------
+
+TEXT = ("The sun rose over the quiet village. Farmers walked to their fields, children ran to"
+        " school, and the baker opened his shop. By noon the market was full of people buying"
+        " bread, fruit and fish. In the evening everyone gathered in the square to talk about"
+        " the day, and the old clock in the tower struck eight as the lights came on.")
+CHAT_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                "How many legs does a spider have?",
+                "Explain gravity to a child in one sentence.", "List three primary colors."]
+RAW_PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def models():
+    source = resolve_model("smollm2")
+    native = LlamaModel(source.config, torch.float32)
+    native.load_weights(load_native_state_dict(source))
+    dense = LlamaModel(source.config, torch.float32)
+    dense.load_weights(load_state_dict(source, torch.float32))
+    return source, native, dense
+
+
+def forward_logits(model, config, ids):
+    n, block_size = len(ids), 16
+    blocks = -(-n // block_size)
+    caches = allocate_kv_caches(config, blocks, block_size, 1, torch.float32, torch.device("cpu"))
+    meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decodes=0,
+                             decode_block_tables=None, decode_key_bias=None,
+                             prefills=[PrefillSeq(0, n, n, torch.arange(blocks))])
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), caches, meta))
+
+
+def greedy(model, config, prompt, steps=32):
+    ids = list(prompt)
+    for _ in range(steps):
+        token = int(forward_logits(model, config, ids)[-1].argmax())
+        ids.append(token)
+        if token in config.eos_token_ids:
+            break
+    return ids[len(prompt):]
+
+
+@pytest.mark.slow
+def test_native_model_holds_quantised_blocks(models):
+    source, native, dense = models
+    assert {w.qtype for w in native.quantized_weights()} == {3, 8}  # Q4_1 layers, Q8_0 head
+    assert native.weight_bytes() < dense.weight_bytes() / 5
+
+
+@pytest.mark.slow
+def test_first_step_logits_within_0_02(models):
+    source, native, dense = models
+    tokenizer = load_tokenizer(source)
+    prompts = ([tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+               + [tokenizer.encode(p) for p in RAW_PROMPTS])
+    for prompt in prompts:
+        gap = (forward_logits(native, source.config, prompt)
+               - forward_logits(dense, source.config, prompt)).abs().max()
+        assert gap < 0.02, gap
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_the_float32_paths(models):
+    source, native, dense = models
+    tokenizer = load_tokenizer(source)
+    for text in CHAT_PROMPTS[:3]:
+        prompt = tokenizer.encode_chat([{"role": "user", "content": text}])
+        assert greedy(native, source.config, prompt) == greedy(dense, source.config, prompt)
+
+
+@pytest.mark.slow
+def test_perplexity_within_half_a_percent(models):
+    source, native, dense = models
+    ids = load_tokenizer(source).encode(TEXT)
+    targets = torch.tensor(ids[1:])
+
+    def perplexity(model):
+        logits = forward_logits(model, source.config, ids)[:-1]
+        return float(torch.nn.functional.cross_entropy(logits, targets).exp())
+
+    ours, reference = perplexity(native), perplexity(dense)
+    assert abs(ours / reference - 1) < 0.005, (ours, reference)

@@ -1,0 +1,160 @@
+"""What `--dtype auto` and `--weights auto` become on a CPU: chosen by measurement.
+
+oneDNN answers "bfloat16 supported" on CPUs that only emulate it (an Intel Xeon without
+avx512_bf16 ran bfloat16 linears at a third of float32's speed), so its answer is not used.
+A CPU without native bfloat16 instructions (avx512_bf16, amx_bf16) serves float32. One with
+them runs a short timed probe of float32 against bfloat16 at the model's own matmul shapes, at
+one row (decode alone) and 32 rows (a batch), and takes bfloat16 only where it is faster in
+total. The result is cached per machine (CPU flags, torch version, shapes), so restarts after a
+failure do not pay for it again, and logged with the rates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tokstream.config import ModelConfig
+from tokstream.kernels import cpu_build
+from tokstream.worker import probe_cache
+
+log = logging.getLogger("tokstream.worker")
+
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+PROBE_ROWS = (1, 32)
+PROBE_ENV = "TOKSTREAM_DTYPE_PROBE"
+"""'always' runs the timed probe even without native bfloat16 flags (tests, curiosity)."""
+
+
+def has_native_bf16(flags: list[str] | None = None) -> bool:
+    flags = cpu_flags() if flags is None else flags
+    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
+
+
+def cpu_flags() -> list[str]:
+    return cpu_build.cpu_flags()
+
+
+def _time(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def measure_linear_rates(model_config: ModelConfig) -> dict[str, dict[int, float]]:
+    """Seconds per F.linear at the model's MLP shape (hidden -> intermediate), by dtype and
+    rows: the best of a few runs, on random weights of the real size."""
+    out_features, in_features = model_config.intermediate_size, model_config.hidden_size
+    timings: dict[str, dict[int, float]] = {}
+    with torch.inference_mode():
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            weight = torch.randn(out_features, in_features).to(dtype)
+            timings[name] = {}
+            for rows in PROBE_ROWS:
+                x = torch.randn(rows, in_features).to(dtype)
+                timings[name][rows] = _time(lambda: F.linear(x, weight))
+    return timings
+
+
+def choose_cpu_dtype(model_config: ModelConfig) -> str:
+    """float32 or bfloat16 for this CPU and model (see the module docstring)."""
+    if not has_native_bf16() and os.environ.get(PROBE_ENV) != "always":
+        log.info("dtype auto: float32 (this CPU has no native bfloat16: none of %s)",
+                 ", ".join(NATIVE_BF16_FLAGS))
+        return "float32"
+    path = probe_cache.path("dtype", str(model_config.hidden_size),
+                            str(model_config.intermediate_size))
+    cached = probe_cache.load(path)
+    if cached and cached.get("choice") in ("float32", "bfloat16"):
+        log.info("dtype auto: %s (measured earlier on this machine: %s)", cached["choice"],
+                 cached.get("timings_ms"))
+        return cached["choice"]
+    timings = measure_linear_rates(model_config)
+    choice = "bfloat16" if sum(timings["bfloat16"].values()) < sum(
+        timings["float32"].values()) else "float32"
+    report = {"choice": choice,
+              "timings_ms": {d: {str(r): round(t * 1e3, 4) for r, t in rows.items()}
+                             for d, rows in timings.items()}}
+    log.info("dtype auto: %s (linear %dx%d ms by rows: %s)", choice,
+             model_config.intermediate_size, model_config.hidden_size, report["timings_ms"])
+    probe_cache.store(path, report)
+    return choice
+
+
+def _random_q4_1(out_features: int, in_features: int) -> torch.Tensor:
+    """Random Q4_1 blocks of a real shape (small float16 scales), for timing only."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    blocks = out_features * in_features // 32
+    raw = np.empty((blocks, 20), dtype=np.uint8)
+    raw[:, :4] = rng.uniform(-0.01, 0.01, (blocks, 2)).astype(np.float16).view(np.uint8)
+    raw[:, 4:] = rng.integers(0, 256, (blocks, 16), dtype=np.uint8)
+    return torch.from_numpy(raw.reshape(out_features, -1))
+
+
+def native_faster_than(dtype: str, model_config: ModelConfig) -> bool:
+    """Whether the fused quantised kernel beats a `dtype` linear at the model's MLP shape,
+    summed over one and 32 rows."""
+    from tokstream.kernels import cpu_quant
+
+    out_features, in_features = model_config.intermediate_size, model_config.hidden_size
+    weight = _random_q4_1(out_features, in_features)
+    dense = torch.randn(out_features, in_features).to(getattr(torch, dtype))
+    native = other = 0.0
+    with torch.inference_mode():
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, in_features)
+            native += _time(lambda: cpu_quant.matmul(x, weight, 3, in_features))
+            xd = x.to(dense.dtype)
+            other += _time(lambda: F.linear(xd, dense))
+    log.info("weights auto: native %.3f ms vs %s %.3f ms (rows %s)", native * 1e3, dtype,
+             other * 1e3, PROBE_ROWS)
+    return native <= other
+
+
+def resolve_weights(weights: str, dtype: str, source, device_type: str) -> tuple[str, str]:
+    """(format, serving dtype) for --weights/--dtype: format 'native' (quantised GGUF blocks,
+    float32 activations) or 'dequantized'. Raises UserInputError where native cannot apply."""
+    from tokstream.errors import UserInputError
+    from tokstream.kernels import cpu_quant
+    from tokstream.model.gguf_file import NATIVE_TYPES, native_weight_types
+
+    if weights not in ("auto", "native"):
+        return "dequantized", weights
+    serving = resolve_dtype(dtype, device_type, source.config)
+    quantized = (source.kind == "gguf"
+                 and bool(native_weight_types(source.path) & NATIVE_TYPES.keys()))
+    if weights == "native":
+        if device_type != "cpu":
+            raise UserInputError("--weights native runs on CPU only (GPU serving dequantises)")
+        if not quantized:
+            raise UserInputError("--weights native needs a GGUF file with Q4_0, Q4_1 or Q8_0"
+                                 f" weights; {source.config.name} has none")
+        if not cpu_quant.available():
+            raise UserInputError("--weights native needs the C kernel, and no C compiler"
+                                 " built it here (see the log)")
+        return "native", "float32"
+    if device_type != "cpu" or not quantized or dtype not in ("auto", "float32") \
+            or not cpu_quant.available():
+        return "dequantized", serving
+    if serving != "float32" and not native_faster_than(serving, source.config):
+        return "dequantized", serving
+    return "native", "float32"
+
+
+def resolve_dtype(dtype: str, device_type: str, model_config: ModelConfig) -> str:
+    """'auto': bfloat16 on GPUs; on CPUs whatever choose_cpu_dtype measured faster."""
+    if dtype != "auto":
+        return dtype
+    if device_type == "cuda":
+        return "bfloat16"
+    return choose_cpu_dtype(model_config)
