@@ -18,6 +18,8 @@ ModelOpt = typer.Option("smollm2", "--model", "-m",
                         help="smollm2 (embedded), a .gguf file, a Hugging Face folder, or dummy:NAME")
 DtypeOpt = typer.Option("auto", help="float32, bfloat16, float16 or auto (bfloat16 where the CPU or GPU has native bfloat16 matmuls, else float32)")
 DeviceOpt = typer.Option("cpu", help="cpu or cuda")
+WeightsOpt = typer.Option("auto", help="native (a GGUF's quantised blocks, CPU), float32, "
+                          "bfloat16, float16 (dequantised), or auto: native where it applies.")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -62,6 +64,7 @@ def generate(
     seed: Optional[int] = typer.Option(None),
     stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
     dtype: str = DtypeOpt,
+    weights: str = WeightsOpt,
     device: str = DeviceOpt,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log to stderr."),
 ):
@@ -73,7 +76,7 @@ def generate(
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, stop=list(stop))
-    config = EngineConfig(model=model, dtype=dtype, device=device)
+    config = EngineConfig(model=model, dtype=dtype, weights=weights, device=device)
     _check_prompt_fits(config, prompt, chat)
     with LLM(config) as llm:
         request = llm.request(prompt, params, chat=chat)
@@ -112,6 +115,7 @@ def bench(
     output_len: int = typer.Option(128, min=1),
     concurrency: int = typer.Option(32, min=1),
     dtype: str = DtypeOpt,
+    weights: str = WeightsOpt,
     device: str = DeviceOpt,
     max_num_batched_tokens: int = typer.Option(1024, help="Token budget per step."),
     max_num_seqs: Optional[int] = typer.Option(None, help="Most running sequences "
@@ -159,7 +163,8 @@ def bench(
     scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                 chunked_prefill=chunked_prefill,
                                 max_prefill_chunk=max_prefill_chunk)
-    config = bench_config(model, dtype, device, spec, cache=cache, scheduler=scheduler)
+    config = bench_config(model, dtype, device, spec, cache=cache, scheduler=scheduler,
+                          weights=weights)
     if max_num_seqs is not None:
         config.scheduler.max_num_seqs = max_num_seqs
     console = Console(stderr=True)
@@ -276,11 +281,16 @@ def plan(
         Console().print(render_plan(result))
 
 
+# serve's help states defaults from the dataclass, not typed twice; this import is light.
+from tokstream.config import SchedulerConfig as _SCHEDULER_DEFAULTS  # noqa: E402
+
+
 @app.command()
 @user_errors
 def serve(
     model: Optional[str] = typer.Option(None, "--model", "-m", help="smollm2 (embedded, the default), a .gguf file, a Hugging Face folder, or dummy:NAME"),
     dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16 or auto (default)"),
+    weights: Optional[str] = typer.Option(None, help="native (a GGUF's quantised blocks, CPU), float32, bfloat16, float16 (dequantised), or auto (default: native where it applies)."),
     device: Optional[str] = typer.Option(None, help="cpu (default) or cuda"),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel ranks, one process each (default 1; must divide the model's query and KV heads)."),
     spare: Optional[bool] = typer.Option(None, "--spare/--no-spare", help="Keep a standby rank group loaded, so a rank failure swaps groups instead of starting processes (default off)."),
@@ -298,6 +308,7 @@ def serve(
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget per step (default 1024)."),
     chunked_prefill: Optional[bool] = typer.Option(None, "--chunked-prefill/--no-chunked-prefill", help="Chunk prompts under the token budget (default on; off: each prompt is prefilled whole)."),
     max_prefill_chunk: Optional[int] = typer.Option(None, help="Most prompt tokens of one request per step (default 0 = the token budget)."),
+    itl_target_ms: Optional[float] = typer.Option(None, "--itl-target-ms", help=f"Inter-token latency target: while streams decode, each step carries only the prefill its measured step cost predicts fits under it (default {_SCHEDULER_DEFAULTS.itl_target_ms:g}; 0 = off)."),
     preemption_mode: Optional[str] = typer.Option(None, help="recompute (default) or swap (preempted KV to host memory)."),
     swap_space: Optional[str] = typer.Option(None, help="Host memory for swapped-out KV, e.g. 4GiB (default; swap mode)."),
     max_waiting_requests: Optional[int] = typer.Option(None, help="Admission: most requests waiting for their first token (default 256)."),
@@ -318,7 +329,8 @@ def serve(
 
     preset = load_profile(profile) if profile else {}
     flags = {
-        "engine": {"model": model, "dtype": dtype, "device": device, "tp": tp, "spare": spare,
+        "engine": {"model": model, "dtype": dtype, "weights": weights, "device": device,
+                   "tp": tp, "spare": spare,
                    "step_timeout_s": step_timeout,
                    "max_recovery_attempts": max_recovery_attempts},
         "cache": {"kv_cache_memory": kv_cache_memory, "num_blocks": num_blocks,
@@ -328,7 +340,8 @@ def serve(
         "scheduler": {"max_num_seqs": max_num_seqs,
                       "max_num_batched_tokens": max_num_batched_tokens,
                       "chunked_prefill": chunked_prefill,
-                      "max_prefill_chunk": max_prefill_chunk},
+                      "max_prefill_chunk": max_prefill_chunk,
+                      "itl_target_ms": itl_target_ms},
         "server": {"host": host, "port": port, "served_model_name": served_model_name,
                    "tenants_file": tenants, "insecure": insecure or None,
                    "max_pending_tokens": max_pending_tokens, "ping_interval_s": ping_interval,

@@ -9,6 +9,9 @@ from tokstream.errors import UserInputError
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+WEIGHT_FORMATS = ("auto", "native", "float32", "bfloat16", "float16")
+
+
 def dtype_bytes(dtype: str) -> int:
     if dtype not in DTYPE_BYTES:
         raise UserInputError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
@@ -145,6 +148,15 @@ class SchedulerConfig:
     """While a shorter prompt waits, long prefills together take at most this share of a
     step's token budget, so a chat request behind a 50k-token prompt starts at once instead
     of after it (1 = no limit). With nothing short waiting they take the whole budget."""
+    itl_target_ms: float = 200.0
+    """Inter-token latency target while streams decode (0 = off): a step that carries decodes
+    gets only the prefill the measured step cost predicts will fit under it; a step with
+    nothing decoding gives prefill the whole budget. Needs chunked_prefill. 200 ms (5 tokens/s
+    per stream) is MLPerf Inference's TPOT limit for Llama-2-70B in its server scenario."""
+    itl_min_prefill_share: float = 0.25
+    """Under an ITL target, the least share of it a step's prefill gets while prompts wait,
+    even when decodes alone fill the target, so waiting prompts always progress (at least one
+    token a step) and the target is passed by at most this share."""
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -163,6 +175,10 @@ class SchedulerConfig:
         if self.long_prefill_tokens < 1 or not 0 < self.long_prefill_share <= 1:
             raise UserInputError("long_prefill_tokens must be >= 1 and long_prefill_share "
                                  "in (0, 1]")
+        if self.itl_target_ms < 0:
+            raise UserInputError("itl_target_ms must be >= 0 (0 = off)")
+        if not 0 <= self.itl_min_prefill_share <= 1:
+            raise UserInputError("itl_min_prefill_share must be in [0, 1]")
         if self.long_request_tokens < 1 or self.max_long_requests_per_tenant < 0:
             raise UserInputError("long_request_tokens must be >= 1 and "
                                  "max_long_requests_per_tenant >= 0")
@@ -175,7 +191,12 @@ class EngineConfig:
     model: str = "smollm2"
     """Model: 'smollm2' (the embedded GGUF), a path to a GGUF file or HF folder, or dummy:NAME."""
     dtype: str = "auto"
-    """Serving dtype; 'auto' picks per device."""
+    """Serving dtype (activations, KV cache; weights too unless native); 'auto' picks per
+    device by measurement."""
+    weights: str = "auto"
+    """Weight format: 'native' (a GGUF's quantised blocks multiplied as stored, CPU, float32
+    activations), 'float32' / 'bfloat16' / 'float16' (dequantised to that dtype), or 'auto'
+    (native where the file and machine allow it, else dequantised to the serving dtype)."""
     device: str = "cpu"
     tp: int = 1
     seed: int = 0
@@ -198,6 +219,14 @@ class EngineConfig:
             raise UserInputError(f"device must be cpu, cuda or auto, not {self.device!r}")
         if self.dtype != "auto":
             dtype_bytes(self.dtype)
+        if self.weights not in WEIGHT_FORMATS:
+            raise UserInputError(f"weights must be one of {', '.join(WEIGHT_FORMATS)},"
+                                 f" not {self.weights!r}")
+        if self.weights not in ("auto", "native") and self.dtype not in ("auto", self.weights):
+            raise UserInputError(f"weights {self.weights} with dtype {self.dtype}: give one"
+                                 " (dequantised weights are in the serving dtype)")
+        if self.weights == "native" and self.dtype not in ("auto", "float32"):
+            raise UserInputError(f"weights native computes in float32, not {self.dtype}")
         if self.tp < 1:
             raise UserInputError("tp must be >= 1")
         if self.step_timeout_s <= 0 or self.collective_timeout_s <= 0:

@@ -52,6 +52,8 @@ class EngineCore:
         self.executor = Executor(config)
         ready = self.executor.ready
         self.dtype = ready.dtype
+        self.weights = ready.weights
+        """'native' (GGUF blocks) or 'dequantized' (weights in dtype)."""
         self.block_manager = BlockManager(ready.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.max_model_len = self.model_config.max_position
@@ -93,7 +95,7 @@ class EngineCore:
         per_token = self.model_config.kv_bytes_per_token(self.dtype)
         tokens = self.block_manager.num_blocks * self.block_manager.block_size
         return (f"model {self.model_config.name} {self.dtype} tp={tp}: "
-                f"weights {ready.weight_bytes * tp / 1e9:.3f} GB, "
+                f"weights {ready.weight_bytes * tp / 1e9:.3f} GB {self.weights}, "
                 f"KV pool {ready.num_blocks * ready.block_bytes * tp / 1e9:.3f} GB "
                 f"({ready.num_blocks} blocks x {self.block_manager.block_size} tokens), "
                 f"KV {per_token} B/token, {tokens} tokens fit, "
