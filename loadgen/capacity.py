@@ -71,9 +71,11 @@ def read_capacity(text: str, mix: str) -> Capacity:
     capacity.json or a sweep's report.json). A capacity measured on another mix is used with
     a warning: its requests were another size."""
     try:
-        return Capacity(float(text), None, None, None, "given")
+        number = float(text)
     except ValueError:
-        pass
+        number = None
+    if number is not None:
+        return Capacity(number, None, None, None, "given")
     path = Path(text)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

@@ -28,7 +28,7 @@ import httpx
 from tokstream.errors import UserInputError
 from tokstream.toml_file import read_toml
 from tokstream.loadgen import metrics
-from tokstream.loadgen.capacity import Capacity, rate_from_fraction, read_capacity
+from tokstream.loadgen.capacity import rate_from_fraction, read_capacity
 from tokstream.loadgen.mix import ARRIVALS, Mix, load_mix
 from tokstream.loadgen.plan import Limits, build_spec
 from tokstream.loadgen.prompts import TokenCounter, calibrate, verify
@@ -391,16 +391,6 @@ def run_stage(session: Session, settings: dict, out: Path, mix: Mix | None = Non
     return StageResult(report, reasons, bool(done.get("interrupted")))
 
 
-def resolve_capacity(session: Session) -> Capacity:
-    """--capacity when given, else a short maximum-throughput probe (its capacity.json is
-    written in --out for the next run to reuse)."""
-    if session.options.capacity is not None:
-        return read_capacity(session.options.capacity, session.mix.name)
-    from tokstream.loadgen.sweep import probe_capacity
-
-    return probe_capacity(session)
-
-
 def run(options: Options) -> int:
     mix = load_mix(options.mix)
     if options.sweep:
@@ -409,9 +399,20 @@ def run(options: Options) -> int:
         bounds = SweepBounds.from_options(options, mix)  # bad input stops before any request
         return run_sweep(open_session(options, mix), bounds)
     settings = settings_for(options, mix)
+    fraction = settings["capacity_fraction"]
+    capacity = None
+    if options.capacity is not None:
+        if fraction is None:
+            print("note: --capacity is not used: this run's rate is absolute or a closed loop",
+                  file=sys.stderr)
+        else:
+            capacity = read_capacity(options.capacity, mix.name)  # before any request
     session = open_session(options, mix)
-    if settings["capacity_fraction"] is not None:
-        capacity = resolve_capacity(session)
+    if fraction is not None:
+        if capacity is None:
+            from tokstream.loadgen.sweep import probe_capacity
+
+            capacity = probe_capacity(session)
         settings["rate"] = rate_from_fraction(settings["capacity_fraction"], capacity)
         settings["capacity"] = capacity.row()
         print(f"rate {settings['rate']:.3g} req/s = {settings['capacity_fraction']:g} x "

@@ -373,6 +373,11 @@ def test_ctrl_c_stops_the_run_and_still_reports(tmp_path):
     (["--arrival", "poisson", "--rate", "-2"], "--rate"),
     (["--keys", "/no/such/keys.toml"], "--keys"),
     (["--url", "http://127.0.0.1:{closed}"], "cannot reach the server"),
+    (["--capacity-fraction", "-1"], "--capacity-fraction"),
+    (["--capacity", "/no/such/capacity.json"], "--capacity"),  # chat states a fraction
+    (["--probe-duration", "soon"], "--probe-duration"),
+    (["--sweep", "--rate", "2"], "--sweep sets its own rates"),
+    (["--sweep", "--duration", "0", "--requests", "0"], "no bound"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     from typer.testing import CliRunner
