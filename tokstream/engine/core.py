@@ -233,6 +233,7 @@ class EngineCore:
         self.prefill_tokens_total += scheduled.num_tokens - decodes
         self.last_step = StepStats(scheduled.num_tokens, len(scheduled.work),
                                    time.perf_counter() - started)
+        self.scheduler.observe_step(scheduled, self.last_step.step_s)
         return deltas
 
     def _plan(self, scheduled: SchedulerOutput) -> StepPlan:

@@ -2,7 +2,9 @@
 
 A step is a token budget filled with running requests first (decodes, and prompts part-way
 through a chunked prefill), then new prompts while blocks, the budget and the sequence cap
-allow. With chunking off a prompt is taken whole, past the budget if need be. When the pool
+allow. With chunking off a prompt is taken whole, past the budget if need be. Under an ITL
+target a step that carries decodes takes only the prefill its learned step cost says fits under
+the target (at least a small floor, so waiting prompts progress). When the pool
 runs dry mid-generation the lowest-priority, latest-arrived running request is preempted: its
 blocks are freed and it is recomputed from prompt + output later, or, in swap mode, its blocks
 are copied to host memory first and copied back on re-admission. Either way its stream is
@@ -20,6 +22,7 @@ from tokstream.config import SchedulerConfig
 from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.fairness import FairnessLedger
 from tokstream.engine.request import Request, RequestStatus
+from tokstream.engine.step_cost import StepCostModel, StepShape, attended_tokens
 from tokstream.engine.waiting_queue import WaitingQueue
 
 
@@ -64,6 +67,37 @@ def running_order(request: Request) -> tuple:
     return (request.priority, request.arrival)
 
 
+def step_shape(work: list[ScheduledWork]) -> StepShape:
+    """A step's work as the cost model sees it (decodes counted as the scheduler does)."""
+    decodes = sum(1 for w in work if w.num_tokens == 1 and w.samples)
+    return StepShape(decodes, sum(w.num_tokens for w in work) - decodes,
+                     sum(attended_tokens(w.start, w.num_tokens) for w in work))
+
+
+@dataclass
+class PrefillTime:
+    """The prefill a step may still take under the ITL target, in predicted seconds."""
+
+    cost: StepCostModel
+    seconds_left: float
+    granted: int = 0
+    """Prefill tokens given so far this step."""
+
+    def tokens(self, start: int, wanted: int) -> int:
+        """Tokens of a chunk from position start that fit (the first chunk gets at least one,
+        so a prompt progresses every step however far the decodes alone are over)."""
+        fits = self.cost.prefill_tokens_within(self.seconds_left, start)
+        return min(wanted, fits if self.granted else max(fits, 1))
+
+    def take(self, start: int, num_tokens: int) -> None:
+        self.seconds_left -= self.cost.prefill_seconds(start, num_tokens)
+        self.granted += num_tokens
+
+    @property
+    def spent(self) -> bool:
+        return self.tokens(0, 1) == 0
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), swap_space: SwapSpace | None = None):
@@ -83,6 +117,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         """Of the preemptions, those that kept their KV in host memory."""
+        self.step_cost = StepCostModel()
+        """Fitted from every step the engine reports (observe_step), target on or off."""
         self._forgotten: list[str] = []
 
     @property
@@ -116,6 +152,9 @@ class Scheduler:
         decodes: list[ScheduledWork] = []
         prefills: list[ScheduledWork] = []
         long_left = self._long_prefill_allowance(budget)
+        # The ITL allowance needs this step's decodes, so it is set at the first prefill chunk.
+        prefill_time: PrefillTime | None = None
+        prefill_time_known = False
 
         scheduled: set[str] = set()
         # Decodes before prefill chunks, each group in running order: a long prompt that
@@ -126,6 +165,14 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._num_new_tokens(request, budget)
+            prefilling = self._is_prefilling(request)
+            if prefilling:
+                if not prefill_time_known:
+                    prefill_time, prefill_time_known = self._prefill_time(decodes), True
+                if prefill_time is not None:
+                    num_new = prefill_time.tokens(request.num_computed_tokens, num_new)
+                    if num_new == 0:
+                        continue
             if self._is_long_prefill(request):
                 num_new = min(num_new, long_left)
                 if num_new == 0:
@@ -134,14 +181,20 @@ class Scheduler:
             new_blocks = self._allocate_or_preempt(request, num_new, out, scheduled)
             if new_blocks is None:
                 continue
+            if prefilling and prefill_time is not None:
+                prefill_time.take(request.num_computed_tokens, num_new)
             scheduled.add(request.request_id)
             work = ScheduledWork(request, request.num_computed_tokens, num_new, new_blocks, False)
             (decodes if num_new == 1 and work.samples else prefills).append(work)
             budget = max(0, budget - num_new)
 
+        if not prefill_time_known:
+            prefill_time = self._prefill_time(decodes)
         # No admissions in a step that had to preempt: the pool is tight.
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
+                break
+            if prefill_time is not None and prefill_time.spent:
                 break
             request = self.waiting.peek(
                 lambda r: self._may_start(r) and (long_left > 0 or not self._is_long_prefill(r)))
@@ -156,6 +209,12 @@ class Scheduler:
                 self.block_manager.match_prefix(request)  # cached prefix blocks count as computed
             start = request.num_computed_tokens
             num_new = self._num_new_tokens(request, budget)
+            if prefill_time is not None:
+                num_new = prefill_time.tokens(start, num_new)
+                if num_new == 0:  # deeper into its prompt (a cached prefix) than time allows
+                    if not swapped:
+                        self.block_manager.free(request)
+                    break
             if self._is_long_prefill(request):
                 num_new = min(num_new, long_left)
                 long_left -= num_new
@@ -166,6 +225,8 @@ class Scheduler:
                 if not swapped:
                     self.block_manager.free(request)  # give the prefix back until it fits
                 break
+            if prefill_time is not None:
+                prefill_time.take(start, num_new)
             if swapped:
                 # Host blocks are copied back into the first new pool blocks before the forward
                 # pass. They can be freed now: no swap-out follows an admission in one step.
@@ -192,6 +253,23 @@ class Scheduler:
         if not self.config.chunked_prefill:
             return remaining
         return min(remaining, budget, self.config.max_prefill_chunk or budget)
+
+    def _prefill_time(self, decodes: list[ScheduledWork]) -> PrefillTime | None:
+        """The step's prefill allowance under the ITL target; None (the budget alone limits)
+        with the target off, chunking off, nothing decoding, or no step measured yet."""
+        target_s = self.config.itl_target_ms / 1000
+        if not (target_s and self.config.chunked_prefill and decodes
+                and self.step_cost.num_observations):
+            return None
+        decode_s = self.step_cost.decode_seconds(
+            len(decodes), sum(attended_tokens(w.start, w.num_tokens) for w in decodes))
+        floor_s = target_s * self.config.itl_min_prefill_share
+        return PrefillTime(self.step_cost, max(target_s - decode_s, floor_s))
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine ran out's work in seconds (schedule to emit): refit the step cost."""
+        if out.work:
+            self.step_cost.observe(step_shape(out.work), seconds)
 
     @staticmethod
     def _is_prefilling(request: Request) -> bool:

@@ -1,0 +1,167 @@
+"""What a step costs, learned online from the steps the engine has run. Pure Python, no torch.
+
+    seconds ~ a + b * decodes + c * prefill_tokens + d * attended_tokens
+
+`attended_tokens` counts (query, key) pairs: a decode at context n attends n keys; a prefill
+chunk of n tokens from position s attends n*s + n(n+1)/2, which is what makes a chunk deep in
+a 50k-token prompt cost many times one at its start. The fit is an exponentially weighted least
+squares, so it follows a machine that gets slower or faster (other processes, thermal limits),
+with three guards: coefficients stay >= 0; a term the recent steps do not exercise (no prefill
+for a while) keeps its last value instead of fading to zero; and a step far off the prediction
+(a pause, a recompile) counts less (Huber weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FEATURE_SCALES = (1.0, 64.0, 1024.0, float(1 << 20))
+"""A typical size of each feature (intercept, decodes, prefill tokens, attended pairs); the fit
+works on features divided by these so its equations stay well conditioned."""
+NUM_FEATURES = len(FEATURE_SCALES)
+
+
+def attended_tokens(start: int, num_tokens: int) -> int:
+    """(query, key) pairs a chunk of num_tokens from position start attends (causal)."""
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes, as the cost model sees it."""
+
+    num_decodes: int
+    """Sequences that compute one token and sample it."""
+    prefill_tokens: int
+    """Tokens computed in prefill chunks."""
+    attended_tokens: int
+    """(query, key) pairs over every sequence in the step (see attended_tokens())."""
+
+    def features(self) -> list[float]:
+        raw = (1.0, self.num_decodes, self.prefill_tokens, self.attended_tokens)
+        return [value / scale for value, scale in zip(raw, FEATURE_SCALES)]
+
+
+@dataclass
+class StepCostModel:
+    """Step time as a linear function of a step's shape, fitted as steps complete."""
+
+    decay: float = 0.95
+    """Weight a past step keeps at each new one: the fit remembers ~1 / (1 - decay) steps."""
+    ridge: float = 1e-3
+    """Pull toward the previous coefficients (in scaled units); negligible wherever recent
+    steps say something, decisive where they say nothing."""
+    intercept_ridge: float = 0.3
+    """The same pull on the fixed cost, stronger: while the first steps cannot tell fixed cost
+    from work, time goes to the work terms, which over- rather than under-predicts a step
+    with more work than those (a cold start errs toward small prefill chunks)."""
+    huber: float = 4.0
+    """A residual past this many typical residuals gets weight huber * typical / |residual|."""
+    min_relative_noise: float = 0.05
+    """Floor of the typical residual as a share of the prediction: real step times jitter by
+    a few percent, and without it an exact fit would ignore a genuine slowdown."""
+    robust_after: int = 8
+    """Observations before Huber weights apply (the first ones are the fit)."""
+    num_observations: int = 0
+    coefficients: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
+    """Seconds per scaled feature: intercept, decodes, prefill tokens, attended pairs."""
+    typical_residual_s: float = 0.0
+    """Exponentially weighted mean absolute residual, in seconds."""
+    _xtx: list[list[float]] = field(
+        default_factory=lambda: [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)])
+    _xty: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
+
+    @property
+    def intercept_s(self) -> float:
+        return self.coefficients[0] / FEATURE_SCALES[0]
+
+    @property
+    def per_decode_s(self) -> float:
+        return self.coefficients[1] / FEATURE_SCALES[1]
+
+    @property
+    def per_prefill_token_s(self) -> float:
+        return self.coefficients[2] / FEATURE_SCALES[2]
+
+    @property
+    def per_attended_token_s(self) -> float:
+        return self.coefficients[3] / FEATURE_SCALES[3]
+
+    def predict(self, shape: StepShape) -> float:
+        return sum(c * x for c, x in zip(self.coefficients, shape.features()))
+
+    def decode_seconds(self, num_decodes: int, attended: int) -> float:
+        """Predicted time of a step that only decodes (its fixed cost included)."""
+        return self.predict(StepShape(num_decodes, 0, attended))
+
+    def prefill_seconds(self, start: int, num_tokens: int) -> float:
+        """Predicted time a prefill chunk adds to a step."""
+        return (self.per_prefill_token_s * num_tokens
+                + self.per_attended_token_s * attended_tokens(start, num_tokens))
+
+    def prefill_tokens_within(self, seconds: float, start: int) -> int:
+        """Most tokens of a chunk from position start whose predicted cost fits in seconds."""
+        if seconds <= 0:
+            return 0
+        # seconds = c*n + d*(n*start + n(n+1)/2): the positive root of the quadratic in n,
+        # written 2s / (l + sqrt(l^2 + 2ds)) so a tiny d does not cancel it to zero.
+        c, d = self.per_prefill_token_s, self.per_attended_token_s
+        linear = c + d * (start + 0.5)
+        denominator = linear + (linear * linear + 2 * d * seconds) ** 0.5
+        return int(2 * seconds / denominator) if denominator > 0 else 1 << 62
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Fold in one measured step."""
+        x = shape.features()
+        weight = 1.0
+        if self.num_observations:
+            predicted = self.predict(shape)
+            residual = abs(seconds - predicted)
+            typical = max(self.typical_residual_s, self.min_relative_noise * max(predicted, 0.0))
+            if self.num_observations >= self.robust_after and residual > self.huber * typical:
+                weight = self.huber * typical / residual
+            self.typical_residual_s = (self.decay * self.typical_residual_s
+                                       + (1 - self.decay) * residual)
+        for i in range(NUM_FEATURES):
+            self._xty[i] = self.decay * self._xty[i] + weight * x[i] * seconds
+            row = self._xtx[i]
+            for j in range(NUM_FEATURES):
+                row[j] = self.decay * row[j] + weight * x[i] * x[j]
+        self.num_observations += 1
+        self.coefficients = self._solve()
+
+    def _solve(self) -> list[float]:
+        """Ridge toward the previous coefficients, none below zero: drop the most negative
+        term and solve again until all are >= 0 (four terms, so at most four solves)."""
+        free = list(range(NUM_FEATURES))
+        while free:
+            ridge = [self.intercept_ridge] + [self.ridge] * (NUM_FEATURES - 1)
+            a = [[self._xtx[i][j] + (ridge[i] if i == j else 0.0) for j in free] for i in free]
+            b = [self._xty[i] + ridge[i] * self.coefficients[i] for i in free]
+            solution = _solve_linear(a, b)
+            worst = min(range(len(free)), key=solution.__getitem__)
+            if solution[worst] >= 0:
+                coefficients = [0.0] * NUM_FEATURES
+                for i, value in zip(free, solution):
+                    coefficients[i] = value
+                return coefficients
+            del free[worst]
+        return [0.0] * NUM_FEATURES
+
+
+def _solve_linear(a: list[list[float]], b: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting; a is symmetric positive definite here (the
+    ridge term), so a pivot is never zero."""
+    n = len(b)
+    m = [row[:] + [value] for row, value in zip(a, b)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            factor = m[r][col] / m[col][col]
+            for k in range(col, n + 1):
+                m[r][k] -= factor * m[col][k]
+    x = [0.0] * n
+    for r in reversed(range(n)):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
