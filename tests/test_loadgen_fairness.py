@@ -132,3 +132,25 @@ def test_mix_tenant_weights_are_parsed_and_checked():
         parse_mix({**base, "tenant_weights": {"z": 1}}, "w")
     with pytest.raises(UserInputError, match="positive weight"):
         parse_mix({**base, "tenant_weights": {"x": 0}}, "w")
+
+
+def test_the_report_weighs_fair_shares_by_the_mixs_tenant_weights():
+    from test_loadgen_metrics import trace
+    from tokstream.loadgen.report import build_report, complete_sample
+
+    # a asks 205 tokens and b 204 in 4 s; 309 served: a got 205, b 104
+    raw = [trace(0, "a", 0.0, [1.0, 1.5, 2.0], 2.0, 3), trace(1, "a", 1.0, [1.0, 2.0], 3.0, 2),
+           trace(2, "b", 2.0, [0.5, 0.75, 1.0, 1.25], 1.5, 4),
+           trace(3, "b", 3.0, [], 1.0, 0, status="error")]
+    samples = [complete_sample(r) for r in raw]
+    mix = {"classes": [{"name": "chat"}], "tenants": {"a": 1, "b": 1}}
+    even = build_report(samples, {"mix": mix}, {}, {})["summary"]["fairness"]
+    assert even["min_fair_share_ratio"] == pytest.approx(104 / 154.5)  # b short of half
+    # with weight 3, a's share (3/4 of 309) covers all it asked: b's share is the other 104
+    weighted = build_report(samples, {"mix": {**mix, "tenant_weights": {"a": 3.0, "b": 1.0}}},
+                            {}, {})
+    fairness = weighted["summary"]["fairness"]
+    assert fairness["per_tenant"]["a"]["weight"] == 3.0
+    assert fairness["per_tenant"]["b"]["fair_share_tokens_per_s"] == pytest.approx(104 / 4)
+    assert fairness["jain_index_fair_share"] == pytest.approx(1.0)
+    assert weighted["tenant"]["b"]["fair_share"]["ratio"] == pytest.approx(1.0)
