@@ -150,11 +150,17 @@ def main() -> None:
                     f"target_{args.target_ms:g}ms": run_variant(llm, args.target_ms, args, 2)}
         dtype = llm.core.dtype
     off, on = variants.values()
+    here = os.path.dirname(os.path.abspath(__file__))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+                            text=True, cwd=here).stdout
+    # Other work in progress in the same tree (a worker or kernel edit) changes the numbers.
+    modified = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                              capture_output=True, text=True, cwd=here).stdout.split("\n")
     result = {
         "command": "python " + " ".join(["bench/itl_target_bench.py"] + sys.argv[1:]),
-        "commit": commit.strip(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": commit.strip(),
+        "uncommitted_changes": [line[3:] for line in modified if line.strip()],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "cpu": cpu_info(),
         "engine": {"model": args.model, "dtype": dtype, "weights": args.weights, "tp": 1,
                    "max_num_batched_tokens": scheduler.max_num_batched_tokens,
