@@ -397,7 +397,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
 
 def test_the_parent_process_never_imports_gevent_locust_or_torch():
     code = ("import sys; import tokstream.cli, tokstream.loadgen.runner, tokstream.loadgen.report,"
-            " tokstream.loadgen.plots, tokstream.loadgen.tables; "
+            " tokstream.loadgen.plots, tokstream.loadgen.tables, tokstream.loadgen.sweep, "
+            "tokstream.loadgen.capacity, tokstream.loadgen.fairness; "
             "print(sorted(m for m in ('gevent', 'locust', 'torch') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60)
