@@ -1,6 +1,7 @@
 """Compiles a kernels/*.c file once per machine with its C compiler and loads it with ctypes.
 
-The library is cached under $XDG_CACHE_HOME/tokstream/kernels, keyed by the source, the flags
+The library is cached under $XDG_CACHE_HOME/tokstream/kernels, keyed by the source (and the
+shared headers beside it), the flags
 and the CPU's instruction sets (-march=native output only runs on CPUs that have them).
 Without a compiler, or with TOKSTREAM_CPU_KERNELS=0, `build` returns None and callers run
 their torch path instead.
@@ -51,7 +52,8 @@ def cpu_signature() -> str:
 
 
 def library_path(source: Path, flags: tuple[str, ...]) -> Path:
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()
                          + cpu_signature().encode()).hexdigest()[:16]
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return root / "tokstream" / "kernels" / f"{source.stem}-{key}.so"

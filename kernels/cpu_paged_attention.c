@@ -93,5 +93,90 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_t
 }
 
 #define IDENTITY(x) (x)
-DEFINE_DECODE(paged_decode_attention_f32, float, IDENTITY, IDENTITY)
+DEFINE_DECODE(paged_decode_attention_f32_generic, float, IDENTITY, IDENTITY)
 DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, bf16_to_float, float_to_bf16)
+
+#ifdef __AVX512F__
+#include "cpu_vector_math.h"
+
+/* One (sequence, kv head) work item, float32, head_dim a multiple of 16: scores, softmax and
+ * the weighted sum of values in vector registers, one pass over the keys and one over the
+ * values. */
+static void decode_item_f32(const float *q, const float *k_head, const float *v_head,
+                            const int64_t *table, int64_t context, int64_t block_size,
+                            int64_t head_dim, int64_t group, float scale, float *scores,
+                            float *acc, float *out) {
+    for (int64_t pos = 0; pos < context; pos++) {
+        const float *krow = k_head + (table[pos / block_size] * block_size + pos % block_size)
+                            * head_dim;
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * head_dim;
+            __m512 dot = _mm512_setzero_ps();
+            for (int64_t d = 0; d < head_dim; d += 16)
+                dot = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(krow + d), dot);
+            scores[g * context + pos] = _mm512_reduce_add_ps(dot) * scale;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        float *row = scores + g * context;
+        __m512 maxv = _mm512_set1_ps(-INFINITY);
+        int64_t pos = 0;
+        for (; pos + 16 <= context; pos += 16) maxv = _mm512_max_ps(maxv, _mm512_loadu_ps(row + pos));
+        float max = _mm512_reduce_max_ps(maxv);
+        for (; pos < context; pos++) max = row[pos] > max ? row[pos] : max;
+        const __m512 mv = _mm512_set1_ps(max);
+        __m512 sumv = _mm512_setzero_ps();
+        for (pos = 0; pos < context; pos += 16) {
+            const __mmask16 live = first_lanes(context - pos);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + pos), mv));
+            sumv = _mm512_add_ps(sumv, _mm512_maskz_mov_ps(live, e));
+            _mm512_mask_storeu_ps(row + pos, live, e);
+        }
+        const float inv = 1.0f / _mm512_reduce_add_ps(sumv);
+        for (pos = 0; pos < context; pos++) row[pos] *= inv;
+    }
+    for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
+    for (int64_t pos = 0; pos < context; pos++) {
+        const float *vrow = v_head + (table[pos / block_size] * block_size + pos % block_size)
+                            * head_dim;
+        for (int64_t g = 0; g < group; g++) {
+            const __m512 p = _mm512_set1_ps(scores[g * context + pos]);
+            float *a = acc + g * head_dim;
+            for (int64_t d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(a + d, _mm512_fmadd_ps(p, _mm512_loadu_ps(vrow + d),
+                                                        _mm512_loadu_ps(a + d)));
+        }
+    }
+    for (int64_t i = 0; i < group * head_dim; i++) out[i] = acc[i];
+}
+#endif
+
+void paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+                                const int64_t *block_tables, const int64_t *context_lens,
+                                float *out, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t num_blocks, int64_t block_size,
+                                int64_t max_blocks, float scale, int64_t seq_begin,
+                                int64_t seq_end, float *scratch) {
+#ifdef __AVX512F__
+    if (head_dim % 16 == 0) {
+        const int64_t group = num_heads / num_kv_heads;
+        const int64_t per_thread = group * (max_blocks * block_size + 2 * head_dim);
+        #pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t item = seq_begin * num_kv_heads; item < seq_end * num_kv_heads; item++) {
+            const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+            const int64_t context = context_lens[s];
+            float *scores = scratch + omp_get_thread_num() * per_thread;
+            const int64_t head = (s * num_heads + kvh * group) * head_dim;
+            const int64_t pool = kvh * num_blocks * block_size * head_dim;
+            decode_item_f32(q + head, k_cache + pool, v_cache + pool,
+                            block_tables + s * max_blocks, context, block_size, head_dim,
+                            group, scale, scores, scores + group * context, out + head);
+        }
+        return;
+    }
+#endif
+    paged_decode_attention_f32_generic(q, k_cache, v_cache, block_tables, context_lens, out,
+                                       num_heads, num_kv_heads, head_dim, num_blocks,
+                                       block_size, max_blocks, scale, seq_begin, seq_end,
+                                       scratch);
+}

@@ -106,6 +106,87 @@ static inline void tile(const float *restrict w, const float *restrict x, int64_
         for (int j = 0; j < ROWS; j++) out[i * ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+/* The 32 weights of one block in two vectors, dequantised in registers (one rounding: a
+ * fused multiply-add, where dequantize_block rounds twice as ggml does). */
+static inline void block_vectors(int64_t qtype, const uint8_t *block, __m512 *lo, __m512 *hi) {
+    if (qtype == Q8_0) {
+        const block_q8_0 *b = (const block_q8_0 *)block;
+        const __m512 d = _mm512_set1_ps((float)b->d);
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)b->qs))), d);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(b->qs + 16)))), d);
+        return;
+    }
+    const __m128i low4 = _mm_set1_epi8(15);
+    __m512 d, m;
+    const uint8_t *qs;
+    if (qtype == Q4_1) {
+        const block_q4_1 *b = (const block_q4_1 *)block;
+        d = _mm512_set1_ps((float)b->d);
+        m = _mm512_set1_ps((float)b->m);
+        qs = b->qs;
+    } else {
+        const block_q4_0 *b = (const block_q4_0 *)block;
+        d = _mm512_set1_ps((float)b->d);
+        m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+        qs = b->qs;
+    }
+    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low4))), d, m);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+        _mm_and_si128(_mm_srli_epi16(q, 4), low4))), d, m);
+}
+
+/* Two weight rows against MT (1-4) input rows, dequantised in registers and used at once: no
+ * buffer, each quantised byte read once. For decode, where the weights' bytes are the cost. */
+static inline void small_pair(int64_t qtype, const uint8_t *row0, const uint8_t *row1,
+                              int64_t K, const float *x, const int MT, float *out, int64_t ldo) {
+    const int64_t bytes = quant_block_bytes(qtype);
+    __m512 acc0[4], acc1[4];
+    for (int i = 0; i < MT; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / QK; b++) {
+        __m512 a_lo, a_hi, b_lo, b_hi;
+        block_vectors(qtype, row0 + b * bytes, &a_lo, &a_hi);
+        block_vectors(qtype, row1 + b * bytes, &b_lo, &b_hi);
+        for (int i = 0; i < MT; i++) {
+            const __m512 x_lo = _mm512_loadu_ps(x + i * K + b * QK);
+            const __m512 x_hi = _mm512_loadu_ps(x + i * K + b * QK + 16);
+            acc0[i] = _mm512_fmadd_ps(a_hi, x_hi, _mm512_fmadd_ps(a_lo, x_lo, acc0[i]));
+            acc1[i] = _mm512_fmadd_ps(b_hi, x_hi, _mm512_fmadd_ps(b_lo, x_lo, acc1[i]));
+        }
+    }
+    for (int i = 0; i < MT; i++) {
+        out[i * ldo] = _mm512_reduce_add_ps(acc0[i]);
+        out[i * ldo + 1] = _mm512_reduce_add_ps(acc1[i]);
+    }
+}
+
+#define SMALL_M 4 /* at most this many input rows: small_pair, no buffer */
+
+static int small_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                        int64_t M, float *out) {
+    if (M > SMALL_M) return 0;
+    const int64_t row_bytes = K / QK * quant_block_bytes(qtype);
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n += 2) {
+        /* an odd last row pairs with itself; only its first output is kept */
+        const uint8_t *row1 = w + (n + 1 < N ? n + 1 : n) * row_bytes;
+        float part[SMALL_M * 2];
+        switch (M) {
+        case 1: small_pair(qtype, w + n * row_bytes, row1, K, x, 1, part, 2); break;
+        case 2: small_pair(qtype, w + n * row_bytes, row1, K, x, 2, part, 2); break;
+        case 3: small_pair(qtype, w + n * row_bytes, row1, K, x, 3, part, 2); break;
+        default: small_pair(qtype, w + n * row_bytes, row1, K, x, 4, part, 2); break;
+        }
+        for (int64_t i = 0; i < M; i++) {
+            out[i * N + n] = part[i * 2];
+            if (n + 1 < N) out[i * N + n + 1] = part[i * 2 + 1];
+        }
+    }
+    return 1;
+}
+
 static void apply_rows(const float *buf, const float *x, int64_t M, int64_t K, float *out,
                        int64_t ldo) {
     int64_t m = 0;
@@ -117,6 +198,12 @@ static void apply_rows(const float *buf, const float *x, int64_t M, int64_t K, f
     }
 }
 #else /* portable C: the same arithmetic, left to the compiler's vectoriser */
+
+static int small_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                        int64_t M, float *out) {
+    (void)qtype; (void)w; (void)N; (void)K; (void)x; (void)M; (void)out;
+    return 0;
+}
 
 static void dequantize_row(int64_t qtype, const uint8_t *row, int64_t K, float *restrict out) {
     const int64_t nb = K / QK;
@@ -165,6 +252,7 @@ static void apply_rows(const float *buf, const float *x, int64_t M, int64_t K, f
 /* out (M, N) = x (M, K) @ dequantised(w)^T. K must be a multiple of 32. */
 void quant_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const float *x,
                   int64_t M, float *out, float *scratch) {
+    if (small_matmul(qtype, w, N, K, x, M, out)) return;
     const int64_t row_bytes = K / QK * quant_block_bytes(qtype);
     const int64_t groups = (N + ROWS - 1) / ROWS;
     #pragma omp parallel

@@ -29,6 +29,11 @@ class TritonBackend:
         return q, k
 
     @staticmethod
+    def silu_mul(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
     def write_kv(k_cache, v_cache, k, v, slot_mapping):
         kv_cache_write.write_kv(k_cache, v_cache, k, v, slot_mapping)
 

@@ -54,3 +54,45 @@ def test_kernel_ignores_what_lies_past_each_sequence():
     k_cache[0, 0] = float("nan")
     after = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.3)
     assert torch.equal(before, after)
+
+
+# ---- the fused elementwise steps (cpu_small_ops.c) against the torch they replace ----------
+
+from tokstream.kernels import cpu_small_ops  # noqa: E402
+from tokstream.worker.model import Rotary, apply_rotary, rms_norm, silu_mul  # noqa: E402
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_matches_torch(tokens, with_delta):
+    x, delta, weight = torch.randn(tokens, 576), torch.randn(tokens, 576), torch.randn(576)
+    expected_x = x + delta if with_delta else x.clone()
+    expected = rms_norm(expected_x, weight, 1e-5)
+    got = cpu_small_ops.add_rms_norm(x, delta if with_delta else None, weight, 1e-5)
+    assert torch.allclose(x, expected_x, atol=1e-6)  # the residual is updated in place
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_rotary_in_place_matches_torch(tokens):
+    heads, kv_heads, head_dim = 9, 3, 64
+    rope = Rotary(head_dim, 256, 100000.0)
+    positions = torch.randint(0, 256, (tokens,))
+    cos, sin = rope.tables(positions, torch.float32)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    q, k, _ = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    before_v = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    cpu_small_ops.rotary(q, k, cos, sin)
+    assert torch.allclose(q, expected_q, atol=1e-5) and torch.allclose(k, expected_k, atol=1e-5)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], before_v)  # v untouched
+
+
+@pytest.mark.parametrize("inter", [1536, 40, 7])
+def test_silu_mul_matches_torch(inter):
+    gate_up = torch.randn(5, 2 * inter) * 6  # wide enough to reach both ends of the sigmoid
+    gate_up[0, 0], gate_up[0, 1] = 100.0, -100.0
+    expected = silu_mul(gate_up)
+    got = cpu_small_ops.silu_mul(gate_up)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (got - expected).abs().max()

@@ -12,8 +12,9 @@ import os
 
 import torch
 
+from tokstream.kernels import cpu_small_ops
 from tokstream.worker import attention
-from tokstream.worker.model import apply_rotary, rms_norm
+from tokstream.worker.model import apply_rotary, rms_norm, silu_mul
 
 BACKEND_ENV = "TOKSTREAM_KERNELS"
 
@@ -26,6 +27,8 @@ class TorchBackend:
     @staticmethod
     def add_rms_norm(x, delta, weight, eps, dtype):
         """x (T, hidden) float32 += delta, then normalised and cast to dtype."""
+        if dtype == torch.float32 and x.is_contiguous() and cpu_small_ops.supports(x):
+            return cpu_small_ops.add_rms_norm(x, delta, weight, eps)
         if delta is not None:
             x += delta
         return rms_norm(x, weight, eps).to(dtype)
@@ -36,7 +39,21 @@ class TorchBackend:
 
     @staticmethod
     def rotate(q, k, rope):
+        """q (T, heads, D), k (T, kv_heads, D) -> rotated; in place where the C kernel can."""
+        cos, sin = rope
+        if (cpu_small_ops.supports(q) and cos.dtype == torch.float32 and cos.is_contiguous()
+                and sin.is_contiguous() and q.stride(0) == k.stride(0)
+                and q.stride()[1:] == (q.shape[2], 1) and k.stride()[1:] == (k.shape[2], 1)):
+            cpu_small_ops.rotary(q, k, cos, sin)
+            return q, k
         return apply_rotary(q, *rope), apply_rotary(k, *rope)
+
+    @staticmethod
+    def silu_mul(gate_up):
+        """(T, 2 * inter) [gate; up] -> silu(gate) * up (T, inter)."""
+        if gate_up.is_contiguous() and cpu_small_ops.supports(gate_up):
+            return cpu_small_ops.silu_mul(gate_up)
+        return silu_mul(gate_up)
 
     write_kv = staticmethod(attention.write_kv)
     attention = staticmethod(attention.paged_attention)

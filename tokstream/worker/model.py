@@ -45,6 +45,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2 * inter) [gate; up] -> silu(gate) * up (T, inter)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -111,8 +117,7 @@ class DecoderLayer(nn.Module):
         attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
         h = ops.add_rms_norm(x, all_reduce(self.linear(attn.reshape(t, -1), self.o_proj)),
                              self.post_norm, self.eps, self.dtype)
-        gate, up = self.linear(h, self.gate_up).chunk(2, dim=-1)
-        x += all_reduce(self.linear(F.silu(gate) * up, self.down))
+        x += all_reduce(self.linear(ops.silu_mul(self.linear(h, self.gate_up)), self.down))
         return x
 
 

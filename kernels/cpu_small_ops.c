@@ -1,0 +1,74 @@
+/* The elementwise steps between a decoder layer's matmuls, fused, float32, on CPU: each reads
+ * its inputs once and writes once, where torch runs several ops (and allocations) for each.
+ * At batch 1 these steps cost as much as the matmuls' Python dispatch: 30 layers x ~10 ops.
+ *
+ *   add_rms_norm  x (T, H) += delta (optional), then out = x / rms(x) * weight
+ *   rotary        q (T, Hq, D), k (T, Hk, D) rotated in place (Hugging Face half-split),
+ *                 rows of q and k `row_stride` floats apart (they are views into one qkv row)
+ *   silu_mul      out (T, I) = silu(gate_up[:, :I]) * gate_up[:, I:]
+ * Tokens are spread over the OpenMP threads torch runs when there are enough of them.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+
+#include "cpu_vector_math.h"
+
+#define PARALLEL_TOKENS 8 /* fewer tokens than this run on the calling thread */
+
+void add_rms_norm(float *x, const float *delta, const float *weight, float eps, int64_t T,
+                  int64_t H, float *out) {
+    #pragma omp parallel for schedule(static) if (T >= PARALLEL_TOKENS)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = x + t * H;
+        float *o = out + t * H;
+        float sum = 0.0f;
+        if (delta) {
+            const float *d = delta + t * H;
+            for (int64_t i = 0; i < H; i++) row[i] += d[i];
+        }
+        for (int64_t i = 0; i < H; i++) sum += row[i] * row[i];
+        const float inv = 1.0f / sqrtf(sum / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) o[i] = row[i] * inv * weight[i];
+    }
+}
+
+static void rotate_heads(float *x, int64_t heads, int64_t D, const float *cos, const float *sin) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *v = x + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = v[i], b = v[i + half];
+            v[i] = a * cos[i] - b * sin[i];
+            v[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+    }
+}
+
+void rotary(float *q, float *k, int64_t row_stride, const float *cos, const float *sin,
+            int64_t T, int64_t Hq, int64_t Hk, int64_t D) {
+    #pragma omp parallel for schedule(static) if (T >= PARALLEL_TOKENS)
+    for (int64_t t = 0; t < T; t++) {
+        rotate_heads(q + t * row_stride, Hq, D, cos + t * D, sin + t * D);
+        rotate_heads(k + t * row_stride, Hk, D, cos + t * D, sin + t * D);
+    }
+}
+
+void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out) {
+    #pragma omp parallel for schedule(static) if (T >= PARALLEL_TOKENS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i < I; i += 16) {
+            const __mmask16 live = first_lanes(I - i);
+            const __m512 gv = _mm512_maskz_loadu_ps(live, g + i);
+            const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(
+                _mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            _mm512_mask_storeu_ps(o + i, live, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(live, u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}

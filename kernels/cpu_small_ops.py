@@ -1,0 +1,67 @@
+"""The fused elementwise steps of a decoder layer on CPU (cpu_small_ops.c): residual add +
+RMSNorm, rotary embedding in place, SiLU(gate) * up. float32 only; compiled on first use like
+the other CPU kernels. `load()` is None without a compiler, and callers use torch instead."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from tokstream.kernels import cpu_build
+
+SOURCE = Path(__file__).with_name("cpu_small_ops.c")
+FLAGS = (*cpu_build.BASE_FLAGS, "-std=gnu11")
+_library: ctypes.CDLL | None = None
+_tried = False
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def load() -> ctypes.CDLL | None:
+    global _library, _tried
+    if _tried:
+        return _library
+    _tried = True
+    library = cpu_build.build(SOURCE, FLAGS)
+    if library is None:
+        return None
+    for name, args in (("add_rms_norm", [_P, _P, _P, _F, _I, _I, _P]),
+                       ("rotary", [_P, _P, _I, _P, _P, _I, _I, _I, _I]),
+                       ("silu_mul", [_P, _I, _I, _P])):
+        function = getattr(library, name)
+        function.restype = None
+        function.argtypes = args
+    _library = library
+    return library
+
+
+def supports(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """x (T, H) contiguous float32 += delta in place; returns the normalised, scaled x."""
+    if delta is not None:
+        delta = delta.contiguous()
+    out = torch.empty_like(x)
+    load().add_rms_norm(x.data_ptr(), delta.data_ptr() if delta is not None else None,
+                        weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """q (T, Hq, D), k (T, Hk, D) rotated in place: views into one (T, row) buffer with the
+    same row stride and contiguous heads; cos, sin (T, D) contiguous."""
+    t, hq, d = q.shape
+    load().rotary(q.data_ptr(), k.data_ptr(), q.stride(0), cos.data_ptr(), sin.data_ptr(), t,
+                  hq, k.shape[1], d)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up (T, 2I) contiguous -> silu(gate) * up (T, I)."""
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+    load().silu_mul(gate_up.data_ptr(), t, two_i // 2, out.data_ptr())
+    return out
