@@ -204,3 +204,49 @@ def test_perplexity_within_half_a_percent(models):
 
     ours, reference = perplexity(native), perplexity(dense)
     assert abs(ours / reference - 1) < 0.005, (ours, reference)
+
+
+def test_probe_results_are_cached_and_a_busy_one_is_remeasured_when_quiet(tmp_path,
+                                                                          monkeypatch):
+    from tokstream.worker import probe_cache, quant_linear
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    a, _ = quantized("Q4_1", 8, 64)
+    b, _ = quantized("Q4_1", 8, 64, seed=1)
+    calls = []
+
+    def fake_measure(weight):
+        calls.append(weight.shape)
+        return 4, [{"rows": 4}]
+
+    monkeypatch.setattr(quant_linear, "measure_crossover", fake_measure)
+    monkeypatch.setattr(probe_cache.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    monkeypatch.setattr(quant_linear.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    quant_linear.measure_crossovers([a, b])
+    assert calls == [(8, 64)] and a.crossover == b.crossover == 4  # one shape, measured once
+    quant_linear.measure_crossovers([a, b])
+    assert len(calls) == 1  # still busy: the stored (busy) result is used
+    monkeypatch.setattr(probe_cache.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setattr(quant_linear.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    quant_linear.measure_crossovers([a, b])
+    assert len(calls) == 2  # quiet now: measured again
+    quant_linear.measure_crossovers([a, b])
+    assert len(calls) == 2  # and that quiet result is kept
+
+
+def test_a_crossover_must_hold_for_the_larger_sizes(monkeypatch):
+    from tokstream.worker import quant_linear
+
+    weight, _ = quantized("Q4_1", 8, 64)
+    # the float path wins at 2 rows, loses at 4, then wins from 8 on: the crossover is 8
+    wins = {1: False, 2: True, 4: False, 8: True, 16: True}
+    timings = iter([])
+
+    def fake_time(fn, repeats=5):
+        return next(timings)
+
+    sizes = [m for m in quant_linear.PROBE_ROWS if m <= 16]
+    timings = iter([t for m in sizes for t in ((1.0, 2.0) if not wins[m] else (2.0, 1.0))])
+    monkeypatch.setattr(quant_linear, "_time", fake_time)
+    crossover, rows = quant_linear.measure_crossover(weight)
+    assert crossover == 8 and [r["rows"] for r in rows] == [1, 2, 4, 8, 16]

@@ -77,6 +77,7 @@ def choose_cpu_dtype(model_config: ModelConfig) -> str:
         log.info("dtype auto: %s (measured earlier on this machine: %s)", cached["choice"],
                  cached.get("timings_ms"))
         return cached["choice"]
+    load_average = os.getloadavg()[0]
     timings = measure_linear_rates(model_config)
     choice = "bfloat16" if sum(timings["bfloat16"].values()) < sum(
         timings["float32"].values()) else "float32"
@@ -85,7 +86,7 @@ def choose_cpu_dtype(model_config: ModelConfig) -> str:
                              for d, rows in timings.items()}}
     log.info("dtype auto: %s (linear %dx%d ms by rows: %s)", choice,
              model_config.intermediate_size, model_config.hidden_size, report["timings_ms"])
-    probe_cache.store(path, report)
+    probe_cache.store(path, report, load_average)
     return choice
 
 

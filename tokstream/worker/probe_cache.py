@@ -21,23 +21,32 @@ def path(kind: str, *parts: str) -> Path:
     return root / "tokstream" / "probes" / f"{kind}-{key}.json"
 
 
+def _busy(load_average: float) -> bool:
+    return load_average > (os.cpu_count() or 1)
+
+
 def load(file: Path) -> dict | None:
+    """A stored result, or None when there is none or it was measured on a busy machine
+    while this one is now quiet (a better measurement can be had)."""
     try:
         found = json.loads(file.read_text())
     except (OSError, ValueError):
         return None
-    return found if isinstance(found, dict) else None
+    if not isinstance(found, dict) or not isinstance(found.get("result"), dict):
+        return None
+    if _busy(found.get("load_average", 0.0)) and not _busy(os.getloadavg()[0]):
+        return None
+    return found["result"]
 
 
-def store(file: Path, result: dict) -> None:
-    """Write atomically, and only from a quiet machine: a probe timed while the load average
-    exceeded the cores measured the other jobs, and is not kept."""
-    if os.getloadavg()[0] > (os.cpu_count() or 1):
-        return
+def store(file: Path, result: dict, load_average: float) -> None:
+    """Write atomically, with the load average the probe ran under (a probe timed while the
+    machine was busier than its cores measured the other jobs too; it is kept, so a busy
+    machine does not pay for the probe at every start, and replaced once one is quiet)."""
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         tmp = file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(result))
+        tmp.write_text(json.dumps({"load_average": load_average, "result": result}))
         os.replace(tmp, file)
     except OSError:
         pass  # a cache is an optimisation

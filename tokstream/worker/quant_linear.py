@@ -11,6 +11,7 @@ never kept) is faster; that crossover is measured per weight shape when the mode
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from tokstream.worker import probe_cache
 
 log = logging.getLogger("tokstream.worker")
 
-PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROBE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Input row counts timed when measuring a shape's crossover."""
 NEVER = 1 << 62
 
@@ -154,14 +155,14 @@ def measure_crossovers(weights: list[QuantizedWeight]) -> dict[str, dict]:
                             repr(PROBE_ROWS))
     report = probe_cache.load(path)
     if report is None or any(_shape_name(s) not in report for s in by_shape):
-        report = {}
+        report, load_average = {}, os.getloadavg()[0]
         with torch.inference_mode():
             for shape, same in by_shape.items():
                 crossover, rows = measure_crossover(same[0])
                 report[_shape_name(shape)] = {
                     "crossover_rows": None if crossover == NEVER else crossover,
                     "timings": rows}
-        probe_cache.store(path, report)
+        probe_cache.store(path, report, load_average)
     for shape, same in by_shape.items():
         found = report[_shape_name(shape)]["crossover_rows"]
         for w in same:
