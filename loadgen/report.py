@@ -87,7 +87,7 @@ def build_report(samples: list[dict], config: dict, slo: dict, extra: dict) -> d
         "late_arrivals": sum(1 for lag in late if lag > LATE_S),
         "arrival_lag_p99_s": percentile(late, 99),
         "integrity": integrity_summary(samples),
-        "fairness": fairness(samples, per_tenant, duration, mix.get("tenant_weights")),
+        "fairness": fairness(samples, per_tenant, mix.get("tenant_weights")),
     })
     for tenant, block in per_tenant.items():
         block["fair_share"] = summary["fairness"]["per_tenant"].get(tenant)

@@ -58,68 +58,97 @@ def test_water_filling_is_max_min_fair_on_random_demands():
             assert all(share[t] / weights[t] == pytest.approx(level) for t in short)
 
 
-def blocks(served: dict[str, float], requests: dict[str, int], ttft: dict[str, float],
-           duration_s: float) -> dict[str, dict]:
-    """Per-tenant summary blocks as report.summarize makes them (only the fields used)."""
-    return {t: {"requests": requests[t], "input_tokens": served[t] * 0.75,
-                "output_tokens": served[t] * 0.25, "total_tokens_per_s": served[t] / duration_s,
-                "ttft_s": {"p50": ttft[t]}} for t in served}
+def request(tenant: str, sent_at: float, first_token_at: float | None, prompt: int = 100,
+            max_tokens: int = 30, gap: float = 0.1) -> dict:
+    """A sample sent at `sent_at` (run seconds) whose max_tokens output tokens came one per
+    `gap` seconds from `first_token_at` (None: none came)."""
+    times = [] if first_token_at is None else [first_token_at + n * gap - sent_at
+                                               for n in range(max_tokens)]
+    return {"tenant": tenant, "start_s": sent_at, "prompt_tokens": prompt,
+            "max_tokens": max_tokens, "event_times_s": times, "event_tokens": [1] * len(times),
+            "e2e_s": (times[-1] if times else 1.0)}
 
 
-def sent(tenant: str, n: int, prompt: int = 100, max_tokens: int = 30) -> list[dict]:
-    return [{"tenant": tenant, "prompt_tokens": prompt, "max_tokens": max_tokens}] * n
+def blocks(samples: list[dict], raw_tokens: dict[str, float], ttft: dict[str, float]) -> dict:
+    """Per-tenant summary blocks as report.summarize makes them (the fields fairness reads):
+    whole-run tokens/s (`raw_tokens` over 10 s) and p50 TTFT."""
+    return {t: {"requests": sum(1 for s in samples if s["tenant"] == t),
+                "total_tokens_per_s": raw_tokens[t] / 10.0, "ttft_s": {"p50": ttft[t]}}
+            for t in raw_tokens}
 
 
-HOT = sent("hot", 10) + sent("cold-1", 1) + sent("cold-2", 1) + sent("cold-3", 1)
-"""The hot-tenant shape: hot sends 10 requests of 130 tokens, each cold tenant one."""
-REQUESTS = {"hot": 10, "cold-1": 1, "cold-2": 1, "cold-3": 1}
+COLD = ("cold-1", "cold-2", "cold-3")
+RAW = {"hot": 1300.0, **{t: 130.0 for t in COLD}}
+"""Whole-run tokens served once everything drained: all that each tenant asked (10:1:1:1)."""
+
+
+def hot_tenant_run(cold_first_token_at: float, hot_served_in_window: int) -> list[dict]:
+    """The hot-tenant shape over a 10 s load window (first send at 0, last at 10): hot sends
+    10 requests of 130 tokens, each cold tenant one. `hot_served_in_window` of hot's requests
+    stream all their tokens by t = 10; the others get their first token after it."""
+    hot = [request("hot", 0.0, 0.5 + 0.5 * n if n < hot_served_in_window else 10.5)
+           for n in range(9)] + [request("hot", 10.0, 10.5)]
+    return hot + [request(t, 0.0, cold_first_token_at) for t in COLD]
 
 
 def test_a_fair_server_reads_fair_under_a_hot_tenant():
-    # served 1,040 tokens in 10 s: each cold tenant all it asked (130), hot the rest (650)
-    served = {"hot": 650.0, "cold-1": 130.0, "cold-2": 130.0, "cold-3": 130.0}
+    # the cold requests go first (done by t = 4); 5 of hot's stream in full by t = 10
+    samples = hot_tenant_run(cold_first_token_at=1.0, hot_served_in_window=5)
     ttft = {"hot": 24.7, "cold-1": 3.2, "cold-2": 3.9, "cold-3": 3.5}
-    figures = fairness(HOT, blocks(served, REQUESTS, ttft, 10.0), 10.0)
-    assert figures["tenants"] == 4
-    # the raw index misreads it: (650 + 390)^2 / (4 (650^2 + 3 130^2))
-    assert figures["jain_index_raw_tokens"] == pytest.approx(1040 ** 2 / (4 * 473200))
-    assert figures["jain_index_raw_tokens"] < 0.6
-    # against demand it is fair: every tenant got exactly its max-min share
+    figures = fairness(samples, blocks(samples, RAW, ttft))
+    assert figures["tenants"] == 4 and figures["window_s"] == [0.0, 10.0]
+    # the raw index reads the demand, not the server: 169 / 412 for 10:1:1:1
+    assert figures["jain_index_raw_tokens"] == pytest.approx(169 / 412)
+    # against demand it is fair: in the window hot asked 1,300 tokens and each cold tenant 130;
+    # 1,040 were served: each cold tenant all it asked, hot the other 650, its max-min share
     assert figures["jain_index_fair_share"] == pytest.approx(1.0)
     assert figures["min_fair_share_ratio"] == pytest.approx(1.0)
     shares = figures["per_tenant"]
     assert shares["hot"]["demand_tokens_per_s"] == 130.0
     assert shares["cold-1"]["demand_tokens_per_s"] == 13.0
+    assert shares["hot"]["achieved_tokens_per_s"] == 65.0
     assert shares["hot"]["fair_share_tokens_per_s"] == pytest.approx(65.0)
     assert shares["cold-2"]["fair_share_tokens_per_s"] == pytest.approx(13.0)
-    assert shares["cold-3"]["achieved_tokens_per_s"] == 13.0 and shares["hot"]["ratio"] == \
-        pytest.approx(1.0)
+    assert shares["cold-3"]["achieved_tokens_per_s"] == 13.0
 
 
 def test_first_come_first_served_reads_unfair_against_demand():
-    # the same 1,040 tokens split in proportion to requests (10:1:1:1): cold tenants get 80 of
-    # the 130 they asked while hot gets more than its share
-    served = {"hot": 800.0, "cold-1": 80.0, "cold-2": 80.0, "cold-3": 80.0}
-    ttft = {t: 10.0 for t in served}
-    figures = fairness(HOT, blocks(served, REQUESTS, ttft, 10.0), 10.0)
-    ratios = [800 / 650] + [80 / 130] * 3
+    # hot's requests go first: 7 stream in full by t = 10 (910 tokens); the cold ones start at
+    # t = 9.05 and have 10 of their 30 output tokens by then (110 each). Everything drains in
+    # the end, so the whole run's tokens are the same as the fair server's
+    samples = hot_tenant_run(cold_first_token_at=9.05, hot_served_in_window=7)
+    figures = fairness(samples, blocks(samples, RAW, {t: 10.0 for t in RAW}))
+    assert figures["jain_index_raw_tokens"] == pytest.approx(169 / 412)  # no different
+    # 1,240 served in the window: an equal share (310) covers each cold tenant's 130, so they
+    # are owed all of it; hot's share is the other 850
+    shares = figures["per_tenant"]
+    assert shares["cold-1"]["fair_share_tokens_per_s"] == pytest.approx(13.0)
+    assert shares["hot"]["fair_share_tokens_per_s"] == pytest.approx(85.0)
+    ratios = [91 / 85] + [11 / 13] * 3
     assert figures["jain_index_fair_share"] == pytest.approx(jain_index(ratios))
-    assert figures["min_fair_share_ratio"] == pytest.approx(80 / 130)
-    assert figures["per_tenant"]["cold-1"]["ratio"] == pytest.approx(80 / 130)
+    assert figures["min_fair_share_ratio"] == pytest.approx(11 / 13)
+    assert shares["cold-1"]["ratio"] == pytest.approx(11 / 13)
 
 
 def test_tenants_that_sent_nothing_are_left_out_and_weights_apply():
-    served = {"a": 60.0, "b": 30.0, "idle": 0.0}
-    per_tenant = blocks(served, {"a": 1, "b": 1, "idle": 0}, {"a": 1.0, "b": 1.0, "idle": None},
-                        1.0)
-    samples = sent("a", 1, 50, 50) + sent("b", 1, 50, 50)  # both asked 100
-    shares = tenant_shares(samples, per_tenant, 1.0, {"a": 2.0, "b": 1.0, "idle": 1.0})
-    assert set(shares) == {"a", "b"}
-    assert shares["a"] == TenantShare(100.0, 60.0, 60.0, 2.0)  # weight 2 of 90 served: 60
-    assert shares["b"].ratio == pytest.approx(1.0)
-    figures = fairness(samples, per_tenant, 1.0, {"a": 2.0, "b": 1.0, "idle": 1.0})
+    # a 1 s window. a asks 100 tokens and is served its prompt and 10 tokens (60); b asks 50 + 50
+    # and is served 20 + 10 of its first request (30), nothing of the one sent at the end
+    samples = [request("a", 0.0, 0.505, prompt=50, max_tokens=50, gap=0.05),
+               request("b", 0.0, 0.505, prompt=20, max_tokens=30, gap=0.05),
+               request("b", 1.0, None, prompt=30, max_tokens=20)]
+    weights = {"a": 2.0, "b": 1.0, "idle": 1.0}
+    shares = tenant_shares(samples, weights)
+    assert set(shares) == {"a", "b"}  # idle sent nothing: no demand, no share
+    # 90 served; weight 2:1 gives a 60 and b 30, each what it got
+    assert shares["a"] == TenantShare(100.0, 60.0, 60.0, 2.0)
+    assert shares["b"] == TenantShare(100.0, 30.0, 30.0, 1.0)
+    per_tenant = blocks(samples, {"a": 60.0, "b": 30.0, "idle": 0.0},
+                        {"a": 1.0, "b": 1.0, "idle": None})
+    figures = fairness(samples, per_tenant, weights)
     assert figures["tenants"] == 2 and figures["jain_index_fair_share"] == pytest.approx(1.0)
-    assert fairness(samples[:1], blocks({"a": 60.0}, {"a": 1}, {"a": 1.0}, 1.0), 1.0)[
+    even = fairness(samples, per_tenant)  # equal weights: 45 each; a over, b under
+    assert even["min_fair_share_ratio"] == pytest.approx(30 / 45)
+    assert fairness(samples[:1], blocks(samples[:1], {"a": 60.0}, {"a": 1.0}))[
         "jain_index_fair_share"] is None  # one tenant: nothing to compare
 
 
@@ -138,19 +167,20 @@ def test_the_report_weighs_fair_shares_by_the_mixs_tenant_weights():
     from test_loadgen_metrics import trace
     from tokstream.loadgen.report import build_report, complete_sample
 
-    # a asks 205 tokens and b 204 in 4 s; 309 served: a got 205, b 104
+    # the load window is 0-3 s (first send to last): a asks 205 tokens and is served all 205;
+    # b asks 204 and is served 103 (b's last request failed, one token came after t = 3)
     raw = [trace(0, "a", 0.0, [1.0, 1.5, 2.0], 2.0, 3), trace(1, "a", 1.0, [1.0, 2.0], 3.0, 2),
            trace(2, "b", 2.0, [0.5, 0.75, 1.0, 1.25], 1.5, 4),
            trace(3, "b", 3.0, [], 1.0, 0, status="error")]
     samples = [complete_sample(r) for r in raw]
     mix = {"classes": [{"name": "chat"}], "tenants": {"a": 1, "b": 1}}
     even = build_report(samples, {"mix": mix}, {}, {})["summary"]["fairness"]
-    assert even["min_fair_share_ratio"] == pytest.approx(104 / 154.5)  # b short of half
-    # with weight 3, a's share (3/4 of 309) covers all it asked: b's share is the other 104
+    assert even["min_fair_share_ratio"] == pytest.approx(103 / 154)  # b short of half of 308
+    # with weight 3, a's share (3/4 of 308) covers all it asked: b's share is the other 103
     weighted = build_report(samples, {"mix": {**mix, "tenant_weights": {"a": 3.0, "b": 1.0}}},
                             {}, {})
     fairness = weighted["summary"]["fairness"]
     assert fairness["per_tenant"]["a"]["weight"] == 3.0
-    assert fairness["per_tenant"]["b"]["fair_share_tokens_per_s"] == pytest.approx(104 / 4)
+    assert fairness["per_tenant"]["b"]["fair_share_tokens_per_s"] == pytest.approx(103 / 3)
     assert fairness["jain_index_fair_share"] == pytest.approx(1.0)
     assert weighted["tenant"]["b"]["fair_share"]["ratio"] == pytest.approx(1.0)

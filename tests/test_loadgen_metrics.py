@@ -134,16 +134,18 @@ def test_report_blocks_from_synthetic_traces():
     assert fairness["jain_index_raw_tokens"] == pytest.approx(
         (205 + 104) ** 2 / (2 * (205 ** 2 + 104 ** 2)))
     assert fairness["jain_index_ttft"] == pytest.approx(jain_index([1 / 1.0, 1 / 0.5]))
-    # against demand: a asked 100+3 + 100+2 = 205 tokens, b 100+4 + 100+0 = 204 (its failed
-    # request's max_tokens is 0 here); 309 served. Both ask more than half of it, so each one's
-    # fair share is half (154.5 tokens): a got 205 of it (x1.33), b 104 (x0.67)
+    # against demand, from the first send (0) to the last (3): a asked 100+3 + 100+2 = 205
+    # tokens and was served all of them by t = 3; b asked 100+4 + 100+0 = 204 (its failed
+    # request's max_tokens is 0 here) and was served 100 + 3 (its 4th token came at 3.25).
+    # Both ask more than half of the 308 served: each one's fair share is 154
     shares = fairness["per_tenant"]
-    assert shares["a"]["demand_tokens_per_s"] == 205 / 4 and shares["b"]["demand_tokens_per_s"] \
-        == 204 / 4
+    assert fairness["window_s"] == [0.0, 3.0]
+    assert shares["a"]["demand_tokens_per_s"] == 205 / 3 and shares["b"]["demand_tokens_per_s"] \
+        == 204 / 3
+    assert shares["b"]["achieved_tokens_per_s"] == 103 / 3
     assert shares["a"]["fair_share_tokens_per_s"] == shares["b"]["fair_share_tokens_per_s"] \
-        == pytest.approx(154.5 / 4)
-    assert shares["b"]["ratio"] == pytest.approx(104 / 154.5)
-    assert fairness["jain_index_fair_share"] == pytest.approx(jain_index([205 / 154.5,
-                                                                          104 / 154.5]))
-    assert fairness["min_fair_share_ratio"] == pytest.approx(104 / 154.5)
+        == pytest.approx(154 / 3)
+    assert shares["b"]["ratio"] == pytest.approx(103 / 154)
+    assert fairness["jain_index_fair_share"] == pytest.approx(jain_index([205 / 154, 103 / 154]))
+    assert fairness["min_fair_share_ratio"] == pytest.approx(103 / 154)
     assert report["tenant"]["a"]["fair_share"] == shares["a"] and "c" not in shares
