@@ -152,7 +152,8 @@ def fairness(samples: list[dict], per_tenant: dict[str, dict],
         "window_s": list(load_window(samples)) if samples else None,
         "per_tenant": {t: s.row() for t, s in shares.items()},
         "jain_index_raw_tokens": jain_index(raw) if several else None,
-        "raw_tokens_basis": "input + output tokens/s served to each tenant, whatever it asked "
+        "raw_tokens_basis": "input + output tokens/s of each tenant's completed requests over "
+                            "the whole run, whatever it asked "
                             "(low under a hot tenant even when the server was fair)",
         "jain_index_ttft": jain_index(speeds) if len(speeds) > 1 else None,
         "ttft_basis": "1 / p50 TTFT of each tenant (even waiting, whatever each one asks)",

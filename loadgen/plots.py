@@ -97,7 +97,7 @@ def _tenant_share(report: dict, path: Path) -> None:
 
     tenants = sorted(report["tenant"])
     shares = [report["tenant"][t].get("fair_share") or {} for t in tenants]
-    figure, axis = plt.subplots(figsize=(max(6, 1.4 * len(tenants) + 3), 5))
+    figure, axis = plt.subplots(figsize=(max(8, 1.4 * len(tenants) + 3), 5))
     positions = range(len(tenants))
     for offset, key, label in ((-0.27, "demand_tokens_per_s", "demand (tokens/s offered)"),
                                (0.0, "fair_share_tokens_per_s", "max-min fair share"),
@@ -108,10 +108,10 @@ def _tenant_share(report: dict, path: Path) -> None:
     axis.set_ylabel("input + output tokens/s")
     fairness = report["summary"]["fairness"]
     figures = [f"{name} {value:.3f}" for name, value in (
-        ("Jain vs fair share", fairness.get("jain_index_fair_share")),
-        ("raw", fairness.get("jain_index_raw_tokens"))) if value is not None]
-    axis.set_title("Per-tenant demand, fair share and throughput"
-                   + (f" (Jain's index: {', '.join(figures)})" if figures else ""))
+        ("against fair share", fairness.get("jain_index_fair_share")),
+        ("over raw tokens/s", fairness.get("jain_index_raw_tokens"))) if value is not None]
+    axis.set_title("Per-tenant demand, max-min fair share and throughput (load window)"
+                   + (f"\nJain's index {', '.join(figures)}" if figures else ""))
     axis.grid(True, axis="y", alpha=0.3)
     axis.legend()
     figure.tight_layout()
