@@ -118,7 +118,6 @@ static inline void block_vectors(int64_t qtype, const uint8_t *block, __m512 *lo
             _mm_loadu_si128((const __m128i *)(b->qs + 16)))), d);
         return;
     }
-    const __m128i low4 = _mm_set1_epi8(15);
     __m512 d, m;
     const uint8_t *qs;
     if (qtype == Q4_1) {
@@ -132,10 +131,12 @@ static inline void block_vectors(int64_t qtype, const uint8_t *block, __m512 *lo
         m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
         qs = b->qs;
     }
-    const __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low4))), d, m);
-    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-        _mm_and_si128(_mm_srli_epi16(q, 4), low4))), d, m);
+    /* One widening of the 16 bytes to 16 lanes, then both nibbles by lane-wise mask and shift
+     * (the widening is a shuffle, and shuffles have one port; the mask and shift have two). */
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    const __m512i low4 = _mm512_set1_epi32(15);
+    *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low4)), d, m);
+    *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
 }
 
 /* Two weight rows against MT (1-4) input rows, dequantised in registers and used at once: no
@@ -143,8 +144,11 @@ static inline void block_vectors(int64_t qtype, const uint8_t *block, __m512 *lo
 static inline void small_pair(int64_t qtype, const uint8_t *row0, const uint8_t *row1,
                               int64_t K, const float *x, const int MT, float *out, int64_t ldo) {
     const int64_t bytes = quant_block_bytes(qtype);
-    __m512 acc0[4], acc1[4];
-    for (int i = 0; i < MT; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
+    /* Separate sums for each half block: four independent FMA chains per input row, so the
+     * FMA latency is hidden behind the dequantisation. */
+    __m512 acc0_lo[4], acc0_hi[4], acc1_lo[4], acc1_hi[4];
+    for (int i = 0; i < MT; i++)
+        acc0_lo[i] = acc0_hi[i] = acc1_lo[i] = acc1_hi[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / QK; b++) {
         __m512 a_lo, a_hi, b_lo, b_hi;
         block_vectors(qtype, row0 + b * bytes, &a_lo, &a_hi);
@@ -152,13 +156,15 @@ static inline void small_pair(int64_t qtype, const uint8_t *row0, const uint8_t 
         for (int i = 0; i < MT; i++) {
             const __m512 x_lo = _mm512_loadu_ps(x + i * K + b * QK);
             const __m512 x_hi = _mm512_loadu_ps(x + i * K + b * QK + 16);
-            acc0[i] = _mm512_fmadd_ps(a_hi, x_hi, _mm512_fmadd_ps(a_lo, x_lo, acc0[i]));
-            acc1[i] = _mm512_fmadd_ps(b_hi, x_hi, _mm512_fmadd_ps(b_lo, x_lo, acc1[i]));
+            acc0_lo[i] = _mm512_fmadd_ps(a_lo, x_lo, acc0_lo[i]);
+            acc0_hi[i] = _mm512_fmadd_ps(a_hi, x_hi, acc0_hi[i]);
+            acc1_lo[i] = _mm512_fmadd_ps(b_lo, x_lo, acc1_lo[i]);
+            acc1_hi[i] = _mm512_fmadd_ps(b_hi, x_hi, acc1_hi[i]);
         }
     }
     for (int i = 0; i < MT; i++) {
-        out[i * ldo] = _mm512_reduce_add_ps(acc0[i]);
-        out[i * ldo + 1] = _mm512_reduce_add_ps(acc1[i]);
+        out[i * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc0_lo[i], acc0_hi[i]));
+        out[i * ldo + 1] = _mm512_reduce_add_ps(_mm512_add_ps(acc1_lo[i], acc1_hi[i]));
     }
 }
 

@@ -6,6 +6,7 @@
  *   rotary        q (T, Hq, D), k (T, Hk, D) rotated in place (Hugging Face half-split),
  *                 rows of q and k `row_stride` floats apart (they are views into one qkv row)
  *   silu_mul      out (T, I) = silu(gate_up[:, :I]) * gate_up[:, I:]
+ *   write_kv      new keys and values scattered into their cache slots
  * Tokens are spread over the OpenMP threads torch runs when there are enough of them.
  */
 #include <math.h>
@@ -71,4 +72,20 @@ void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out) {
 #endif
         for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
+}
+
+/* k, v (T, Hk, D) rows `row_stride` floats apart (views into one qkv row) copied into the
+ * caches (Hk, num_slots, D) at slots[t]. */
+void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t *slots,
+              int64_t T, int64_t Hk, int64_t D, int64_t num_slots, float *k_cache,
+              float *v_cache) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < Hk; h++) {
+            const int64_t at = (h * num_slots + slots[t]) * D;
+            const float *ks = k + t * row_stride + h * D, *vs = v + t * row_stride + h * D;
+            for (int64_t d = 0; d < D; d++) {
+                k_cache[at + d] = ks[d];
+                v_cache[at + d] = vs[d];
+            }
+        }
 }

@@ -28,7 +28,8 @@ def load() -> ctypes.CDLL | None:
         return None
     for name, args in (("add_rms_norm", [_P, _P, _P, _F, _I, _I, _P]),
                        ("rotary", [_P, _P, _I, _P, _P, _I, _I, _I, _I]),
-                       ("silu_mul", [_P, _I, _I, _P])):
+                       ("silu_mul", [_P, _I, _I, _P]),
+                       ("write_kv", [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P])):
         function = getattr(library, name)
         function.restype = None
         function.argtypes = args
@@ -65,3 +66,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
     load().silu_mul(gate_up.data_ptr(), t, two_i // 2, out.data_ptr())
     return out
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v (T, kv_heads, D), views into one buffer with one row stride and contiguous heads;
+    caches (kv_heads, num_blocks, block_size, D) contiguous; slot_mapping (T,) int64."""
+    t, heads, d = k.shape
+    slots = slot_mapping.contiguous()
+    load().write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), t, heads, d,
+                    k_cache.shape[1] * k_cache.shape[2], k_cache.data_ptr(), v_cache.data_ptr())

@@ -96,3 +96,40 @@ def test_silu_mul_matches_torch(inter):
     expected = silu_mul(gate_up)
     got = cpu_small_ops.silu_mul(gate_up)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-5), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_the_backend_rotates_qkv_views_in_place(tokens):
+    """The model's q and k are views into one qkv row (with one token torch gives them
+    different row strides); the backend takes the C path for both and matches torch."""
+    from tokstream.worker.backend import TorchBackend
+
+    rope = Rotary(64, 256, 100000.0)
+    tables = TorchBackend.rope_tables(rope, torch.arange(tokens) + 7, torch.float32)
+    qkv = torch.randn(tokens, 15 * 64)
+    q, k, _ = qkv.split((9 * 64, 3 * 64, 3 * 64), dim=-1)
+    q, k = q.view(tokens, 9, 64), k.view(tokens, 3, 64)
+    expected_q, expected_k = apply_rotary(q, *tables), apply_rotary(k, *tables)
+    got_q, got_k = TorchBackend.rotate(q, k, tables)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    assert torch.allclose(got_q, expected_q, atol=1e-5)
+    assert torch.allclose(got_k, expected_k, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_kv_writes_match_torch(tokens, monkeypatch):
+    from tokstream.worker import attention
+    from tokstream.worker.attention import write_kv
+    from tokstream.worker.backend import TorchBackend
+
+    qkv = torch.randn(tokens, 15 * 64)
+    _, k, v = qkv.split((9 * 64, 3 * 64, 3 * 64), dim=-1)
+    k, v = k.view(tokens, 3, 64), v.view(tokens, 3, 64)
+    slots = torch.randperm(8 * 16)[:tokens]
+    expected = [torch.zeros(3, 8, 16, 64) for _ in range(2)]
+    got = [torch.zeros(3, 8, 16, 64) for _ in range(2)]
+    write_kv(*expected, k, v, slots)
+    monkeypatch.setattr(attention, "write_kv", None)  # the C path must be the one taken
+    TorchBackend.write_kv(*got, k, v, slots)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert got[0].any()

@@ -42,7 +42,9 @@ class TorchBackend:
         """q (T, heads, D), k (T, kv_heads, D) -> rotated; in place where the C kernel can."""
         cos, sin = rope
         if (cpu_small_ops.supports(q) and cos.dtype == torch.float32 and cos.is_contiguous()
-                and sin.is_contiguous() and q.stride(0) == k.stride(0)
+                and sin.is_contiguous()
+                # one token: torch reports any row stride for a size-1 dimension
+                and (q.shape[0] == 1 or q.stride(0) == k.stride(0))
                 and q.stride()[1:] == (q.shape[2], 1) and k.stride()[1:] == (k.shape[2], 1)):
             cpu_small_ops.rotary(q, k, cos, sin)
             return q, k
@@ -55,7 +57,16 @@ class TorchBackend:
             return cpu_small_ops.silu_mul(gate_up)
         return silu_mul(gate_up)
 
-    write_kv = staticmethod(attention.write_kv)
+    @staticmethod
+    def write_kv(k_cache, v_cache, k, v, slot_mapping):
+        if (cpu_small_ops.supports(k) and k_cache.dtype == torch.float32
+                and k_cache.is_contiguous() and v_cache.is_contiguous()
+                and (k.shape[0] == 1 or k.stride(0) == v.stride(0))
+                and k.stride()[1:] == (k.shape[2], 1) and v.stride()[1:] == (v.shape[2], 1)
+                and slot_mapping.dtype == torch.int64):
+            cpu_small_ops.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        else:
+            attention.write_kv(k_cache, v_cache, k, v, slot_mapping)
     attention = staticmethod(attention.paged_attention)
 
 
