@@ -149,6 +149,111 @@ static void decode_item_f32(const float *q, const float *k_head, const float *v_
     }
     for (int64_t i = 0; i < group * head_dim; i++) out[i] = acc[i];
 }
+
+/* Lane i of the result is the sum of v[i]'s 16 lanes: a transpose-and-add tree, ~3 vector
+ * ops per sum where a horizontal reduction of each vector takes ~8. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 u[8], s[4];
+    for (int j = 0; j < 8; j++)
+        u[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++)
+        s[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0xEE));
+    const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x88),
+                                   _mm512_shuffle_f32x4(s[0], s[1], 0xDD));
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x88),
+                                   _mm512_shuffle_f32x4(s[2], s[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
+}
+
+/* decode_item_f32 for head_dim 64 and up to 4 query heads per kv head (G): scores 16 positions
+ * at a time with one tree sum, and the weighted values summed in registers. */
+static inline void decode_item_d64(const float *q, const float *k_head, const float *v_head,
+                                   const int64_t *table, int64_t context, int64_t block_size,
+                                   const int G, float scale, float *scores, float *out) {
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t p0 = 0; p0 < context; p0 += 16) {
+        const int64_t n = context - p0 < 16 ? context - p0 : 16;
+        const float *krow[16];
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t pos = p0 + i;
+            krow[i] = k_head + (table[pos / block_size] * block_size + pos % block_size) * 64;
+        }
+        for (int g = 0; g < G; g++) {
+            const float *qg = q + g * 64;
+            const __m512 q0 = _mm512_loadu_ps(qg), q1 = _mm512_loadu_ps(qg + 16),
+                         q2 = _mm512_loadu_ps(qg + 32), q3 = _mm512_loadu_ps(qg + 48);
+            __m512 dots[16];
+            for (int64_t i = 0; i < 16; i++) {
+                if (i >= n) { dots[i] = _mm512_setzero_ps(); continue; }
+                const float *k = krow[i];
+                __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
+                __m512 b = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
+                a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
+                b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), b);
+                dots[i] = _mm512_add_ps(a, b);
+            }
+            _mm512_mask_storeu_ps(scores + g * context + p0, first_lanes(n),
+                                  _mm512_mul_ps(sum16(dots), scale_v));
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        float *row = scores + g * context;
+        __m512 maxv = _mm512_set1_ps(-INFINITY);
+        for (int64_t pos = 0; pos < context; pos += 16)
+            maxv = _mm512_max_ps(maxv, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY),
+                                                             first_lanes(context - pos), row + pos));
+        const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(maxv));
+        __m512 sumv = _mm512_setzero_ps();
+        for (int64_t pos = 0; pos < context; pos += 16) {
+            const __mmask16 live = first_lanes(context - pos);
+            const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(
+                _mm512_maskz_loadu_ps(live, row + pos), mv)));
+            sumv = _mm512_add_ps(sumv, e);
+            _mm512_mask_storeu_ps(row + pos, live, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sumv));
+        for (int64_t pos = 0; pos < context; pos += 16) {
+            const __mmask16 live = first_lanes(context - pos);
+            _mm512_mask_storeu_ps(row + pos, live,
+                                  _mm512_mul_ps(_mm512_maskz_loadu_ps(live, row + pos), inv));
+        }
+    }
+    __m512 acc[4][4];
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < 4; d++) acc[g][d] = _mm512_setzero_ps();
+    for (int64_t pos = 0; pos < context; pos++) {
+        const float *v = v_head + (table[pos / block_size] * block_size + pos % block_size) * 64;
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16),
+                     v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+        for (int g = 0; g < G; g++) {
+            const __m512 p = _mm512_set1_ps(scores[g * context + pos]);
+            acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(p, v1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(p, v2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(p, v3, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int d = 0; d < 4; d++) _mm512_storeu_ps(out + g * 64 + d * 16, acc[g][d]);
+}
+
+static void decode_item_f32_any(const float *q, const float *k_head, const float *v_head,
+                                const int64_t *table, int64_t context, int64_t block_size,
+                                int64_t head_dim, int64_t group, float scale, float *scores,
+                                float *acc, float *out) {
+    if (head_dim == 64) {
+        switch (group) {
+        case 1: decode_item_d64(q, k_head, v_head, table, context, block_size, 1, scale, scores, out); return;
+        case 2: decode_item_d64(q, k_head, v_head, table, context, block_size, 2, scale, scores, out); return;
+        case 3: decode_item_d64(q, k_head, v_head, table, context, block_size, 3, scale, scores, out); return;
+        case 4: decode_item_d64(q, k_head, v_head, table, context, block_size, 4, scale, scores, out); return;
+        }
+    }
+    decode_item_f32(q, k_head, v_head, table, context, block_size, head_dim, group, scale,
+                    scores, acc, out);
+}
 #endif
 
 void paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
@@ -168,7 +273,7 @@ void paged_decode_attention_f32(const float *q, const float *k_cache, const floa
             float *scores = scratch + omp_get_thread_num() * per_thread;
             const int64_t head = (s * num_heads + kvh * group) * head_dim;
             const int64_t pool = kvh * num_blocks * block_size * head_dim;
-            decode_item_f32(q + head, k_cache + pool, v_cache + pool,
+            decode_item_f32_any(q + head, k_cache + pool, v_cache + pool,
                             block_tables + s * max_blocks, context, block_size, head_dim,
                             group, scale, scores, scores + group * context, out + head);
         }

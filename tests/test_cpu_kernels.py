@@ -13,7 +13,8 @@ pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C compi
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 32, 8), (4, 1, 128, 16)])
+    (9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 32, 8), (4, 1, 128, 16), (8, 2, 64, 8),
+    (4, 4, 64, 16), (6, 3, 64, 4)])
 def test_kernel_matches_reference(dtype, atol, heads, kv_heads, head_dim, block_size):
     rng = random.Random(heads * head_dim)
     torch.manual_seed(heads + block_size)
