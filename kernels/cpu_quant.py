@@ -24,7 +24,11 @@ BLOCK = 32
 """Weights per quantisation block, for every supported type."""
 QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 """ggml type ids of the formats the kernel reads."""
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+FLOAT_SCALES = 100
+"""Added to a type id: the same blocks with float32 scales (with_float_scales)."""
+BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 102: 20, 103: 24, 108: 36}
+_SCALES = {2: 1, 3: 2, 8: 1}
+"""float16 scales at the head of each block: d, or d and m (Q4_1)."""
 _library: ctypes.CDLL | None = None
 _tried = False
 _scratch: torch.Tensor | None = None
@@ -48,6 +52,26 @@ def load() -> ctypes.CDLL | None:
                                          ctypes.c_int64, ctypes.c_void_p]
     _library = library
     return library
+
+
+def with_float_scales(blocks, qtype: int):
+    """(N, row bytes) uint8 numpy blocks of a ggml type -> the same blocks with their float16
+    scales widened to float32 (exact), and the new type id. The kernel then broadcasts each
+    scale straight from memory (measured: the decode products' bottleneck was converting
+    float16 scales, one or two per 32 weights); the weights stay 4 or 8 bits."""
+    import numpy as np
+
+    if qtype not in _SCALES:
+        raise ValueError(f"no float-scale form of type {qtype}")
+    n, row_bytes = blocks.shape
+    nb = row_bytes // BLOCK_BYTES[qtype]
+    raw = blocks.reshape(n, nb, BLOCK_BYTES[qtype])
+    k = _SCALES[qtype]
+    scales = np.ascontiguousarray(raw[:, :, :2 * k]).view(np.float16).astype(np.float32)
+    out = np.empty((n, nb, BLOCK_BYTES[qtype + FLOAT_SCALES]), dtype=np.uint8)
+    out[:, :, :4 * k] = scales.view(np.uint8).reshape(n, nb, 4 * k)
+    out[:, :, 4 * k:] = raw[:, :, 2 * k:]
+    return out.reshape(n, -1), qtype + FLOAT_SCALES
 
 
 def available() -> bool:

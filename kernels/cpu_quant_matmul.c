@@ -24,60 +24,82 @@
 #define QK 32
 #define ROWS 4 /* weight rows dequantised and applied together */
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* ggml type ids */
+/* ggml type ids, and the same formats with their scales widened to float32 at load (+100):
+ * a float32 scale is broadcast straight from memory, where a float16 one needs a conversion
+ * and a shuffle for every block of 32 weights, the decode loop's bottleneck. */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_0F = 102, Q4_1F = 103, Q8_0F = 108 };
 
 typedef struct { _Float16 d; uint8_t qs[QK / 2]; } block_q4_0;
 typedef struct { _Float16 d, m; uint8_t qs[QK / 2]; } block_q4_1;
 typedef struct { _Float16 d; int8_t qs[QK]; } block_q8_0;
+typedef struct { float d; uint8_t qs[QK / 2]; } block_q4_0f;
+typedef struct { float d, m; uint8_t qs[QK / 2]; } block_q4_1f;
+typedef struct { float d; int8_t qs[QK]; } block_q8_0f;
 
 int64_t quant_block_bytes(int64_t qtype) {
     switch (qtype) {
     case Q4_0: return sizeof(block_q4_0);
     case Q4_1: return sizeof(block_q4_1);
     case Q8_0: return sizeof(block_q8_0);
+    case Q4_0F: return sizeof(block_q4_0f);
+    case Q4_1F: return sizeof(block_q4_1f);
+    case Q8_0F: return sizeof(block_q8_0f);
     default: return 0;
     }
 }
+
+/* The block's scale d, offset m (Q4_1; 0 otherwise) and quants; *kind is 4 or 8 bits. */
+static inline const uint8_t *block_parts(int64_t qtype, const uint8_t *block, float *d,
+                                         float *m, int *kind) {
+    *m = 0.0f;
+    *kind = 4;
+    switch (qtype) {
+    case Q4_0: *d = (float)((const block_q4_0 *)block)->d; return ((const block_q4_0 *)block)->qs;
+    case Q4_1:
+        *d = (float)((const block_q4_1 *)block)->d;
+        *m = (float)((const block_q4_1 *)block)->m;
+        return ((const block_q4_1 *)block)->qs;
+    case Q4_0F: *d = ((const block_q4_0f *)block)->d; return ((const block_q4_0f *)block)->qs;
+    case Q4_1F:
+        *d = ((const block_q4_1f *)block)->d;
+        *m = ((const block_q4_1f *)block)->m;
+        return ((const block_q4_1f *)block)->qs;
+    case Q8_0F: *kind = 8; *d = ((const block_q8_0f *)block)->d;
+        return (const uint8_t *)((const block_q8_0f *)block)->qs;
+    default: *kind = 8; *d = (float)((const block_q8_0 *)block)->d;
+        return (const uint8_t *)((const block_q8_0 *)block)->qs;
+    }
+}
+
+static inline int is_q4_0(int64_t qtype) { return qtype == Q4_0 || qtype == Q4_0F; }
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 
 /* 32 weights of one block, dequantised as ggml does (multiply, then add), into o[0..31]. */
 static inline void dequantize_block(int64_t qtype, const uint8_t *block, float *o) {
-    if (qtype == Q8_0) {
-        const block_q8_0 *b = (const block_q8_0 *)block;
-        const __m512 d = _mm512_set1_ps((float)b->d);
-        const __m128i q0 = _mm_loadu_si128((const __m128i *)b->qs);
-        const __m128i q1 = _mm_loadu_si128((const __m128i *)(b->qs + 16));
+    float ds, ms;
+    int kind;
+    const uint8_t *qs = block_parts(qtype, block, &ds, &ms, &kind);
+    const __m512 d = _mm512_set1_ps(ds);
+    if (kind == 8) {
+        const __m128i q0 = _mm_loadu_si128((const __m128i *)qs);
+        const __m128i q1 = _mm_loadu_si128((const __m128i *)(qs + 16));
         _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), d));
         _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), d));
         return;
     }
     const __m128i low4 = _mm_set1_epi8(15);
-    const uint8_t *qs;
-    __m512 d, m;
-    if (qtype == Q4_1) {
-        const block_q4_1 *b = (const block_q4_1 *)block;
-        d = _mm512_set1_ps((float)b->d);
-        m = _mm512_set1_ps((float)b->m);
-        qs = b->qs;
-    } else { /* Q4_0: d * (q - 8) */
-        const block_q4_0 *b = (const block_q4_0 *)block;
-        d = _mm512_set1_ps((float)b->d);
-        m = _mm512_setzero_ps();
-        qs = b->qs;
-    }
     const __m128i q = _mm_loadu_si128((const __m128i *)qs);
     __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(q, low4));
     __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low4));
-    if (qtype == Q4_0) {
+    if (is_q4_0(qtype)) { /* d * (q - 8) */
         const __m512i eight = _mm512_set1_epi32(8);
-        lo = _mm512_sub_epi32(lo, eight);
-        hi = _mm512_sub_epi32(hi, eight);
-        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), d));
-        _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(hi), d));
+        _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)), d));
+        _mm512_storeu_ps(o + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)), d));
         return;
     }
+    const __m512 m = _mm512_set1_ps(ms);
     _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), d), m));
     _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), d), m));
 }
@@ -109,28 +131,19 @@ static inline void tile(const float *restrict w, const float *restrict x, int64_
 /* The 32 weights of one block in two vectors, dequantised in registers (one rounding: a
  * fused multiply-add, where dequantize_block rounds twice as ggml does). */
 static inline void block_vectors(int64_t qtype, const uint8_t *block, __m512 *lo, __m512 *hi) {
-    if (qtype == Q8_0) {
-        const block_q8_0 *b = (const block_q8_0 *)block;
-        const __m512 d = _mm512_set1_ps((float)b->d);
+    float ds, ms;
+    int kind;
+    const uint8_t *qs = block_parts(qtype, block, &ds, &ms, &kind);
+    const __m512 d = _mm512_set1_ps(ds);
+    if (kind == 8) {
         *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i *)b->qs))), d);
+            _mm_loadu_si128((const __m128i *)qs))), d);
         *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128((const __m128i *)(b->qs + 16)))), d);
+            _mm_loadu_si128((const __m128i *)(qs + 16)))), d);
         return;
     }
-    __m512 d, m;
-    const uint8_t *qs;
-    if (qtype == Q4_1) {
-        const block_q4_1 *b = (const block_q4_1 *)block;
-        d = _mm512_set1_ps((float)b->d);
-        m = _mm512_set1_ps((float)b->m);
-        qs = b->qs;
-    } else {
-        const block_q4_0 *b = (const block_q4_0 *)block;
-        d = _mm512_set1_ps((float)b->d);
-        m = _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
-        qs = b->qs;
-    }
+    /* Q4_0 as q * d + (-8 d): exactly d * (q - 8), rounded once. */
+    const __m512 m = is_q4_0(qtype) ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)) : _mm512_set1_ps(ms);
     /* One widening of the 16 bytes to 16 lanes, then both nibbles by lane-wise mask and shift
      * (the widening is a shuffle, and shuffles have one port; the mask and shift have two). */
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
@@ -151,6 +164,9 @@ static inline void small_pair(int64_t qtype, const uint8_t *row0, const uint8_t 
         acc0_lo[i] = acc0_hi[i] = acc1_lo[i] = acc1_hi[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / QK; b++) {
         __m512 a_lo, a_hi, b_lo, b_hi;
+        /* the next pair of rows, a few blocks ahead of the hardware prefetcher */
+        _mm_prefetch((const char *)(row1 + (K / QK + b) * bytes + 256), _MM_HINT_T0);
+        _mm_prefetch((const char *)(row1 + (2 * (K / QK) + b) * bytes + 256), _MM_HINT_T0);
         block_vectors(qtype, row0 + b * bytes, &a_lo, &a_hi);
         block_vectors(qtype, row1 + b * bytes, &b_lo, &b_hi);
         for (int i = 0; i < MT; i++) {
@@ -212,33 +228,24 @@ static int small_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, c
 }
 
 static void dequantize_row(int64_t qtype, const uint8_t *row, int64_t K, float *restrict out) {
-    const int64_t nb = K / QK;
-    if (qtype == Q4_1) {
-        const block_q4_1 *b = (const block_q4_1 *)row;
-        for (int64_t i = 0; i < nb; i++) {
-            const float d = (float)b[i].d, m = (float)b[i].m;
-            float *o = out + i * QK;
+    const int64_t bytes = quant_block_bytes(qtype);
+    for (int64_t i = 0; i < K / QK; i++) {
+        float d, m;
+        int kind;
+        const uint8_t *qs = block_parts(qtype, row + i * bytes, &d, &m, &kind);
+        float *o = out + i * QK;
+        if (kind == 8) {
+            for (int j = 0; j < QK; j++) o[j] = d * (float)((const int8_t *)qs)[j];
+        } else if (is_q4_0(qtype)) {
             for (int j = 0; j < QK / 2; j++) {
-                o[j] = d * (float)(b[i].qs[j] & 15) + m;
-                o[j + QK / 2] = d * (float)(b[i].qs[j] >> 4) + m;
+                o[j] = d * (float)((int)(qs[j] & 15) - 8);
+                o[j + QK / 2] = d * (float)((int)(qs[j] >> 4) - 8);
             }
-        }
-    } else if (qtype == Q4_0) {
-        const block_q4_0 *b = (const block_q4_0 *)row;
-        for (int64_t i = 0; i < nb; i++) {
-            const float d = (float)b[i].d;
-            float *o = out + i * QK;
+        } else {
             for (int j = 0; j < QK / 2; j++) {
-                o[j] = d * (float)((int)(b[i].qs[j] & 15) - 8);
-                o[j + QK / 2] = d * (float)((int)(b[i].qs[j] >> 4) - 8);
+                o[j] = d * (float)(qs[j] & 15) + m;
+                o[j + QK / 2] = d * (float)(qs[j] >> 4) + m;
             }
-        }
-    } else { /* Q8_0 */
-        const block_q8_0 *b = (const block_q8_0 *)row;
-        for (int64_t i = 0; i < nb; i++) {
-            const float d = (float)b[i].d;
-            float *o = out + i * QK;
-            for (int j = 0; j < QK; j++) o[j] = d * (float)b[i].qs[j];
         }
     }
 }

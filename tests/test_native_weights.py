@@ -45,6 +45,18 @@ def test_dequantisation_is_ggmls_exactly(name):
 
 
 @pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_float_scales_change_no_weight_and_no_product(name, rows):
+    weight, reference = quantized(name, 37, 96)
+    blocks, qtype = cpu_quant.with_float_scales(weight.data.numpy(), weight.qtype)
+    widened = QuantizedWeight(torch.from_numpy(blocks), qtype, 96)
+    assert qtype == weight.qtype + cpu_quant.FLOAT_SCALES
+    assert torch.equal(widened.dequantize(), reference)
+    x = torch.randn(rows, 96)
+    assert torch.equal(quantized_linear(x, widened), quantized_linear(x, weight))
+
+
+@pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 33])
 def test_fused_product_matches_the_float_product(name, rows):
     # 37 outputs: a partial group of weight rows; 96 inputs: three blocks.
@@ -167,8 +179,9 @@ def greedy(model, config, prompt, steps=32):
 @pytest.mark.slow
 def test_native_model_holds_quantised_blocks(models):
     source, native, dense = models
-    assert {w.qtype for w in native.quantized_weights()} == {3, 8}  # Q4_1 layers, Q8_0 head
-    assert native.weight_bytes() < dense.weight_bytes() / 5
+    # Q4_1 layers, Q8_0 head, both with float32 scales
+    assert {w.qtype for w in native.quantized_weights()} == {103, 108}
+    assert native.weight_bytes() < dense.weight_bytes() / 4
 
 
 @pytest.mark.slow

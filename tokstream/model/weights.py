@@ -42,8 +42,9 @@ def load_state_dict(source: ModelSource, dtype: torch.dtype, seed: int = 0,
 
 def load_native_state_dict(source: ModelSource) -> dict[str, object]:
     """A GGUF's tensors on CPU with its Q4_0/Q4_1/Q8_0 matrices kept quantised (as
-    QuantizedWeight), the rest (norms, other formats) float32. Read straight from the file:
-    nothing is dequantised or converted, so there is no cache to build."""
+    QuantizedWeight, scales widened to float32), the rest (norms, other formats) float32.
+    Read straight from the file: no weight is dequantised, so there is no cache to build."""
+    from tokstream.kernels.cpu_quant import with_float_scales
     from tokstream.model.gguf_file import QuantizedArray, load_gguf_native
     from tokstream.worker.quant_linear import QuantizedWeight
 
@@ -51,8 +52,8 @@ def load_native_state_dict(source: ModelSource) -> dict[str, object]:
     tensors = {}
     for name, value in load_gguf_native(source.path, source.config).items():
         if isinstance(value, QuantizedArray):
-            tensors[name] = QuantizedWeight(torch.from_numpy(value.data), value.ggml_type,
-                                            value.in_features)
+            blocks, qtype = with_float_scales(value.data, value.ggml_type)
+            tensors[name] = QuantizedWeight(torch.from_numpy(blocks), qtype, value.in_features)
         else:
             tensors[name] = torch.from_numpy(value)
     log.info("native weights of %s read in %.2f s", source.config.name,
