@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from tokstream.bench import BenchSpec, percentiles, random_prompts  # noqa: E402
+from tokstream.kernels import cpu_build  # noqa: E402
 
 READY = re.compile(r"ready on http://([\d.]+):(\d+)")
 
@@ -178,6 +179,8 @@ def main() -> None:
         "serve_over_bench_output_tokens_per_s": ratio,
         "load_average_before": load_before,
         "cpus": os.cpu_count(),
+        "cpu_model": cpu_build.cpu_model(),
+        "cpu_flags": [f for f in cpu_build.cpu_flags() if f.startswith(("avx", "amx", "fma", "f16c"))],
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
