@@ -20,27 +20,15 @@ SOURCE = Path(__file__).with_name("cpu_paged_attention.c")
 FLAGS = (*cpu_build.BASE_FLAGS, "-std=c11")
 _FUNCTIONS = {torch.float32: "paged_decode_attention_f32",
               torch.bfloat16: "paged_decode_attention_bf16"}
-_library: ctypes.CDLL | None = None
-_tried = False
+_SIGNATURE = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
+              + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
+_LIBRARY = cpu_build.Library(SOURCE, FLAGS, {name: _SIGNATURE for name in _FUNCTIONS.values()})
 _scratch: torch.Tensor | None = None
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, building it once per machine; None if unavailable."""
-    global _library, _tried
-    if _tried:
-        return _library
-    _tried = True
-    library = cpu_build.build(SOURCE, FLAGS)
-    if library is None:
-        return None
-    for name in _FUNCTIONS.values():
-        function = getattr(library, name)
-        function.restype = None
-        function.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
-                             + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
-    _library = library
-    return library
+    return _LIBRARY.load()
 
 
 def supports(q: torch.Tensor) -> bool:

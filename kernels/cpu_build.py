@@ -81,3 +81,26 @@ def build(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("CPU kernel %s unavailable (%s); using torch instead", source.name, detail)
         return None
+
+
+class Library:
+    """One kernels/*.c file's library: built on the first load(), its functions' argument
+    types set from `signatures` (name -> ctypes argument types; every function returns
+    void). load() is None where no library can be had, then and ever after."""
+
+    def __init__(self, source: Path, flags: tuple[str, ...], signatures: dict[str, list]):
+        self.source, self.flags, self.signatures = source, flags, signatures
+        self._library: ctypes.CDLL | None = None
+        self._tried = False
+
+    def load(self) -> ctypes.CDLL | None:
+        if not self._tried:
+            self._tried = True
+            library = build(self.source, self.flags)
+            if library is not None:
+                for name, argtypes in self.signatures.items():
+                    function = getattr(library, name)
+                    function.restype = None
+                    function.argtypes = argtypes
+            self._library = library
+        return self._library

@@ -29,29 +29,16 @@ FLOAT_SCALES = 100
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34, 102: 20, 103: 24, 108: 36}
 _SCALES = {2: 1, 3: 2, 8: 1}
 """float16 scales at the head of each block: d, or d and m (Q4_1)."""
-_library: ctypes.CDLL | None = None
-_tried = False
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
+    "quant_matmul": [_I, _P, _I, _I, _P, _I, _P, _P],
+    "quant_dequantize": [_I, _P, _I, _I, _P]})
 _scratch: torch.Tensor | None = None
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled library, built once per machine; None if unavailable."""
-    global _library, _tried
-    if _tried:
-        return _library
-    _tried = True
-    library = cpu_build.build(SOURCE, FLAGS)
-    if library is None:
-        return None
-    library.quant_matmul.restype = None
-    library.quant_matmul.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                     ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                     ctypes.c_void_p, ctypes.c_void_p]
-    library.quant_dequantize.restype = None
-    library.quant_dequantize.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                                         ctypes.c_int64, ctypes.c_void_p]
-    _library = library
-    return library
+    return _LIBRARY.load()
 
 
 def with_float_scales(blocks, qtype: int):

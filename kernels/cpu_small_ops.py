@@ -13,28 +13,16 @@ from tokstream.kernels import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_small_ops.c")
 FLAGS = (*cpu_build.BASE_FLAGS, "-std=gnu11")
-_library: ctypes.CDLL | None = None
-_tried = False
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
+    "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
+    "rotary": [_P, _P, _I, _P, _P, _I, _I, _I, _I],
+    "silu_mul": [_P, _I, _I, _P],
+    "write_kv": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P]})
 
 
 def load() -> ctypes.CDLL | None:
-    global _library, _tried
-    if _tried:
-        return _library
-    _tried = True
-    library = cpu_build.build(SOURCE, FLAGS)
-    if library is None:
-        return None
-    for name, args in (("add_rms_norm", [_P, _P, _P, _F, _I, _I, _P]),
-                       ("rotary", [_P, _P, _I, _P, _P, _I, _I, _I, _I]),
-                       ("silu_mul", [_P, _I, _I, _P]),
-                       ("write_kv", [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P])):
-        function = getattr(library, name)
-        function.restype = None
-        function.argtypes = args
-    _library = library
-    return library
+    return _LIBRARY.load()
 
 
 def supports(x: torch.Tensor) -> bool:

@@ -248,7 +248,7 @@ def test_probe_results_are_cached_and_a_busy_one_is_remeasured_when_quiet(tmp_pa
 
 
 def test_a_crossover_must_hold_for_the_larger_sizes(monkeypatch):
-    from tokstream.worker import quant_linear
+    from tokstream.worker import probe_cache, quant_linear
 
     weight, _ = quantized("Q4_1", 8, 64)
     # the float path wins at 2 rows, loses at 4, then wins from 8 on: the crossover is 8
@@ -260,6 +260,6 @@ def test_a_crossover_must_hold_for_the_larger_sizes(monkeypatch):
 
     sizes = [m for m in quant_linear.PROBE_ROWS if m <= 16]
     timings = iter([t for m in sizes for t in ((1.0, 2.0) if not wins[m] else (2.0, 1.0))])
-    monkeypatch.setattr(quant_linear, "_time", fake_time)
+    monkeypatch.setattr(probe_cache, "best_time", fake_time)
     crossover, rows = quant_linear.measure_crossover(weight)
     assert crossover == 8 and [r["rows"] for r in rows] == [1, 2, 4, 8, 16]

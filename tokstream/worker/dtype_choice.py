@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import torch
 import torch.nn.functional as F
@@ -39,16 +38,6 @@ def cpu_flags() -> list[str]:
     return cpu_build.cpu_flags()
 
 
-def _time(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 def measure_linear_rates(model_config: ModelConfig) -> dict[str, dict[int, float]]:
     """Seconds per F.linear at the model's MLP shape (hidden -> intermediate), by dtype and
     rows: the best of a few runs, on random weights of the real size."""
@@ -60,7 +49,7 @@ def measure_linear_rates(model_config: ModelConfig) -> dict[str, dict[int, float
             timings[name] = {}
             for rows in PROBE_ROWS:
                 x = torch.randn(rows, in_features).to(dtype)
-                timings[name][rows] = _time(lambda: F.linear(x, weight))
+                timings[name][rows] = probe_cache.best_time(lambda: F.linear(x, weight))
     return timings
 
 
@@ -114,9 +103,10 @@ def native_faster_than(dtype: str, model_config: ModelConfig) -> bool:
     with torch.inference_mode():
         for rows in PROBE_ROWS:
             x = torch.randn(rows, in_features)
-            native += _time(lambda: cpu_quant.matmul(x, weight, 3, in_features))
+            native += probe_cache.best_time(
+                lambda: cpu_quant.matmul(x, weight, 3, in_features))
             xd = x.to(dense.dtype)
-            other += _time(lambda: F.linear(xd, dense))
+            other += probe_cache.best_time(lambda: F.linear(xd, dense))
     log.info("weights auto: native %.3f ms vs %s %.3f ms (rows %s)", native * 1e3, dtype,
              other * 1e3, PROBE_ROWS)
     return native <= other

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -50,3 +51,15 @@ def store(file: Path, result: dict, load_average: float) -> None:
         os.replace(tmp, file)
     except OSError:
         pass  # a cache is an optimisation
+
+
+def best_time(fn, repeats: int = 5) -> float:
+    """Seconds of fn's fastest run out of `repeats`, after one warm-up run (first-touch pages,
+    kernel caches): the least disturbed measurement a probe can take."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best

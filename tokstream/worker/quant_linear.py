@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -114,16 +113,6 @@ def _dequantized(weight: QuantizedWeight) -> torch.Tensor:
     return cpu_quant.dequantize(weight.data, weight.qtype, weight.in_features, out=out)
 
 
-def _time(fn, repeats: int = 5) -> float:
-    fn()  # warm: first-touch pages, kernel caches
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 def measure_crossover(weight: QuantizedWeight) -> tuple[int, list[dict]]:
     """The smallest probed row count from which dequantise + float matmul beats the fused
     kernel (NEVER if it does not), and the timings behind it. Stops once the float path has
@@ -132,8 +121,9 @@ def measure_crossover(weight: QuantizedWeight) -> tuple[int, list[dict]]:
     crossover = NEVER
     for m in PROBE_ROWS:
         x = torch.randn(m, weight.in_features)
-        fused = _time(lambda: cpu_quant.matmul(x, weight.data, weight.qtype, weight.in_features))
-        dense = _time(lambda: F.linear(x, _dequantized(weight)))
+        fused = probe_cache.best_time(
+            lambda: cpu_quant.matmul(x, weight.data, weight.qtype, weight.in_features))
+        dense = probe_cache.best_time(lambda: F.linear(x, _dequantized(weight)))
         rows.append({"rows": m, "fused_ms": round(fused * 1e3, 4),
                      "dequantize_matmul_ms": round(dense * 1e3, 4)})
         if dense < fused:
