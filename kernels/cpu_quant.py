@@ -85,6 +85,8 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, k: int,
     m = x.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return out  # nothing to multiply (a step that samples no row); x has no data pointer
     needed = torch.get_num_threads() * 4 * k  # the kernel's ROWS x K buffer per thread
     if _scratch is None or _scratch.numel() < needed:
         _scratch = torch.empty(needed, dtype=torch.float32)

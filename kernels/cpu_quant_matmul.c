@@ -265,6 +265,7 @@ static void apply_rows(const float *buf, const float *x, int64_t M, int64_t K, f
 /* out (M, N) = x (M, K) @ dequantised(w)^T. K must be a multiple of 32. */
 void quant_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const float *x,
                   int64_t M, float *out, float *scratch) {
+    if (M <= 0) return;
     if (small_matmul(qtype, w, N, K, x, M, out)) return;
     const int64_t row_bytes = K / QK * quant_block_bytes(qtype);
     const int64_t groups = (N + ROWS - 1) / ROWS;

@@ -69,6 +69,20 @@ def test_fused_product_matches_the_float_product(name, rows):
         (got.double() - expected).abs().max()
 
 
+def test_no_rows_give_an_empty_product():
+    """A step that samples nothing asks the head for zero rows (a crash, before this test)."""
+    weight, _ = quantized("Q8_0", 40, 64)
+    for crossover in (quant_linear_module().NEVER, 1):
+        weight.crossover = crossover
+        out = quantized_linear(torch.empty(0, 64), weight)
+        assert out.shape == (0, 40)
+
+
+def quant_linear_module():
+    from tokstream.worker import quant_linear
+    return quant_linear
+
+
 @pytest.mark.parametrize("crossover", [1, 4])
 def test_both_paths_of_the_linear_agree(crossover):
     weight, reference = quantized("Q4_1", 64, 64)
