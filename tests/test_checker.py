@@ -93,3 +93,22 @@ def test_parses_openai_framing_with_comments_and_done():
     report = check_streams([RecordedStream(parse_sse(text))])
     assert report.ok, report.summary()
     assert report.streams[0].text == "t11t12t13t14t15"
+
+
+def test_a_foreign_token_merged_behind_the_callers_own_is_foreign():
+    """A lagging client gets merged events: the event's request_id is its first token's, and
+    `request_ids` names each token's. A misrouted token second in such an event must read as
+    foreign (seen in a demux-mutation run), not as a duplicated or reordered index."""
+    events = anthropic_events(tokens=[11, 12], indices=[0, 1], final=False)
+    events.append(SSEEvent("content_block_delta", json.dumps({
+        "type": "content_block_delta", "delta": {"type": "text_delta", "text": "t13t77"},
+        "tokstream": {"request_id": "msg_a", "request_ids": ["msg_a", "msg_other"],
+                      "token_ids": [13, 77], "indices": [2, 2]}}), "2"))
+    for token, index in ((14, 3), (15, 4)):
+        events.append(SSEEvent("content_block_delta", json.dumps({
+            "type": "content_block_delta", "delta": {"type": "text_delta", "text": f"t{token}"},
+            "tokstream": {"request_id": "msg_a", "token_ids": [token], "indices": [index]}}),
+            str(index)))
+    events += anthropic_events()[-2:]
+    report, _ = check(events)
+    assert report.count("foreign") == 1 and report.count("duplicated") == 0, report.summary()

@@ -196,17 +196,21 @@ def check_stream(stream: RecordedStream) -> StreamReport:
             continue
         if ended and ("token_ids" in ext or "digest" in ext):
             problem("after_end", f"event after the end: {event.data[:80]!r}")
-        stamped_id = ext.get("request_id")
-        foreign = stamped_id is not None and report.request_id is not None \
-            and stamped_id != report.request_id
         token_ids, indices = ext.get("token_ids") or [], ext.get("indices") or []
+        # A merged event names its first token's request; `request_ids` (present only when
+        # they differ) names each token's, so a foreign token merged behind the caller's own
+        # is still seen as foreign, not as a duplicated or reordered index.
+        stamped_ids = ext.get("request_ids")
+        if not isinstance(stamped_ids, list) or len(stamped_ids) != len(token_ids):
+            stamped_ids = [ext.get("request_id")] * len(token_ids)
         if len(token_ids) != len(indices):
             problem("malformed", f"{len(token_ids)} token ids but {len(indices)} indices")
         if token_ids and event.id is None:
             problem("malformed", "token-carrying event without an id line")
         received.extend(token_ids)
-        for token, index in zip(token_ids, indices):
-            if foreign:
+        for token, index, stamped_id in zip(token_ids, indices, stamped_ids):
+            if stamped_id is not None and report.request_id is not None \
+                    and stamped_id != report.request_id:
                 problem("foreign", f"token {token} at index {index} stamped for {stamped_id}")
                 continue
             if index in by_index:
