@@ -94,7 +94,10 @@ def test_cache_exhaustion_preempts_and_changes_no_output(tmp_path):
     code, report, output = chaos(tmp_path, "cache-exhaustion", *TINY, *SHORTER)
     assert_clean(code, report, output)
     fault = report["faults"][0]
-    assert fault["preemptions"] > 0 and fault["demand_tokens"] > fault["num_blocks"] * 16
+    # Preemptions are the proof the pool ran out. demand_tokens counts a prompt only if a
+    # /v1/state poll saw its request, so a fast run under-counts it (seen: 188 tokens for a
+    # 224-token pool, with 2 preemptions); it is not compared with the pool any more.
+    assert fault["preemptions"] > 0 and fault["demand_tokens"] > 0
     assert report["classes"] == {"complete": 8}
 
 
