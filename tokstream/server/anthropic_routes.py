@@ -14,7 +14,7 @@ from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
 from tokstream.server.validation import (get_messages, check_fits, get_bool, get_int, get_number, get_object,
                                          get_strings, parse_off_loop, read_json,
-                                         reject_unsupported, sampling_params, _kind)
+                                         reject_unsupported, sampling_params, shown, _kind)
 from tokstream.server.responses import collect
 
 ROLES = ("user", "assistant")
@@ -33,7 +33,7 @@ def _text_blocks(value, path: str, allow_empty: bool = False) -> str:
             kind = block.get("type")
             if kind != "text":
                 raise bad_request(f"{at}.type", f"only 'text' blocks are supported, got "
-                                                f"{kind!r}")
+                                                f"{shown(kind)}")
             if not isinstance(block.get("text"), str):
                 raise bad_request(f"{at}.text", "must be a string")
             parts.append(block["text"])
@@ -62,7 +62,7 @@ def chat_messages(body: dict) -> list[dict]:
             raise bad_request(at, f"must be an object, not {_kind(message)}")
         role = message.get("role")
         if role not in ROLES:
-            raise bad_request(f"{at}.role", f"must be 'user' or 'assistant', got {role!r}")
+            raise bad_request(f"{at}.role", f"must be 'user' or 'assistant', got {shown(role)}")
         if "content" not in message:
             raise bad_request(f"{at}.content", "required")
         chat.append({"role": role, "content": _text_blocks(message["content"],
@@ -179,7 +179,8 @@ def message_body(stream: Stream, batch: Batch, model: str) -> dict:
 async def create_message(request):
     server: Server = request.app.state.server
     tenant = server.authenticate(request.headers)
-    body = await read_json(request, server.config.max_body_bytes)
+    body = await read_json(request, server.config.max_body_bytes,
+                                server.config.body_timeout_s)
     prompt = await parse_off_loop(request, parse, body, server)
     request_id = f"msg_{uuid.uuid4().hex[:24]}"
     stream = server.submit(request_id, prompt, tenant, ANTHROPIC)
@@ -199,7 +200,8 @@ async def create_message(request):
 async def count_tokens(request):
     server: Server = request.app.state.server
     server.authenticate(request.headers)
-    body = await read_json(request, server.config.max_body_bytes)
+    body = await read_json(request, server.config.max_body_bytes,
+                                server.config.body_timeout_s)
     server.check_model(body.get("model"))
     reject_unsupported(body, {"tools": bool})
     token_ids = await parse_off_loop(request, lambda: encode_messages(server,

@@ -52,8 +52,10 @@ class EngineCollector:
         yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", kv.get("usage", 0.0))
         yield counter("vllm:num_preemptions", "Preemptions (recompute).",
                       snap.get("num_preemptions", 0))
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries (tokens).", 0)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits (tokens).", 0)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries (tokens).",
+                      kv.get("prefix_cache_queries", 0))
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits (tokens).",
+                      kv.get("prefix_cache_hits", 0))
         blocks = GaugeMetricFamily("tokstream_kv_blocks", "KV blocks by state.",
                                    labels=["model_name", "state"])
         for state in ("used", "free", "cached"):

@@ -16,7 +16,7 @@ from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
 from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int, get_number,
                                          get_object, get_strings, parse_off_loop, read_json,
-                                         reject_unsupported, sampling_params)
+                                         reject_unsupported, sampling_params, shown)
 
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
@@ -61,7 +61,7 @@ def chat_prompt(body: dict, server: Server) -> list[int]:
         role = message.get("role")
         if role not in CHAT_ROLES:
             raise bad_request(f"{at}.role", f"must be one of {', '.join(CHAT_ROLES)}, got "
-                                            f"{role!r}")
+                                            f"{shown(role)}")
         content = message.get("content")
         if content is None:
             raise bad_request(f"{at}.content", "required")
@@ -204,7 +204,8 @@ def response_body(stream: Stream, batch: Batch, model: str, chat: bool) -> dict:
 async def _complete(request, chat: bool):
     server: Server = request.app.state.server
     tenant = server.authenticate(request.headers)
-    body = await read_json(request, server.config.max_body_bytes)
+    body = await read_json(request, server.config.max_body_bytes,
+                                server.config.body_timeout_s)
     prompt = await parse_off_loop(request, parse, body, server, chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     stream = server.submit(request_id, prompt, tenant, OPENAI)

@@ -3,28 +3,64 @@ starts with the path of the field to blame, e.g. `messages.2.content.0.type: ...
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import math
+import re
+
+from starlette.requests import ClientDisconnect
 
 from tokstream.errors import PromptTooLongError, UserInputError
 from tokstream.sampling_params import SamplingParams
 from tokstream.server.errors import ApiError, bad_request
+from tokstream.server.responses import ClientGone
+
+log = logging.getLogger("tokstream.server")
 
 _MISSING = object()
 
 
-async def read_json(request, max_bytes: int) -> dict:
+JSON_TYPES = ("application/json",)
+"""Media types read as JSON (and any `+json` one). A browser sends text/plain or form bodies
+cross-origin without a CORS preflight; refusing them keeps such pages from driving the API."""
+MAX_SHOWN_CHARS = 80
+"""Longest client value an error message repeats."""
+
+
+async def read_json(request, max_bytes: int, timeout_s: float | None = None) -> dict:
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if not (media_type in JSON_TYPES or media_type.endswith("+json")):
+        raise ApiError("invalid_request_error",
+                       f"content-type: expected application/json, got "
+                       f"{shown(media_type) if media_type else 'none'}", status=415)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise ApiError("request_too_large",
-                       f"body: {declared} bytes exceed the limit of {max_bytes} bytes")
+                       f"body: {shown(int(declared))} bytes exceed the limit of {max_bytes} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise ApiError("request_too_large",
-                           f"body: more than the limit of {max_bytes} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise ApiError("request_too_large",
+                                   f"body: more than the limit of {max_bytes} bytes")
+    except ClientDisconnect:
+        log.info("%s %s: the client left before its body was complete", request.method,
+                 request.url.path)
+        raise ClientGone(request.url.path) from None
+    except TimeoutError:
+        raise ApiError("invalid_request_error", f"body: not received within {timeout_s:g} s",
+                       status=408) from None
     request.state.body_bytes = len(body)
+    if len(body) > OFFLOAD_BYTES:
+        return await asyncio.to_thread(decode_json, bytes(body))
+    return decode_json(bytes(body))
+
+
+def decode_json(body: bytes) -> dict:
+    """A request body as a JSON object whose strings are all valid Unicode."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -37,10 +73,49 @@ async def read_json(request, max_bytes: int) -> dict:
         raise bad_request("body", f"invalid JSON: {error.msg} at line {error.lineno} "
                                   f"column {error.colno}") from None
     except (ValueError, RecursionError) as error:
-        raise bad_request("body", f"invalid JSON: {error}") from None
+        raise bad_request("body", f"invalid JSON: {shown(str(error))}") from None
     if not isinstance(data, dict):
         raise bad_request("body", f"must be a JSON object, not {_kind(data)}")
+    # Only a \uD8xx-\uDFxx escape makes a lone surrogate; the walk is skipped without one.
+    if re.search(r"\\u[dD][89a-fA-F]", text):
+        path = _surrogate_path(data)
+        if path is not None:
+            raise bad_request(path or "body", "holds a lone UTF-16 surrogate (not Unicode "
+                                              "text)")
     return data
+
+
+def _surrogate_path(value, path: str = "") -> str | None:
+    """The dotted path of the first string (key or value) that is not valid Unicode."""
+    stack = [(value, path)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if not _is_unicode(value):
+                return path
+        elif isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                at = f"{path}.{key[:64]}" if path else key[:64]
+                if not _is_unicode(key):
+                    return path or "body"
+                stack.append((item, at))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}.{n}") for n, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def shown(value, limit: int = MAX_SHOWN_CHARS) -> str:
+    """repr(value) cut to limit characters: error messages never echo a client's megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 5] + "…" + text[-4:]
 
 
 OFFLOAD_BYTES = 65536
@@ -51,7 +126,6 @@ and tokenisation never hold up the event loop (and the streams it is writing).""
 async def parse_off_loop(request, parse, *args):
     """parse(*args) on a thread when the request body was large, inline otherwise."""
     if getattr(request.state, "body_bytes", 0) > OFFLOAD_BYTES:
-        import asyncio
         return await asyncio.to_thread(parse, *args)
     return parse(*args)
 
@@ -79,9 +153,9 @@ def get_int(body: dict, name: str, default=None, *, required: bool = False,
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad_request(name, f"must be an integer, not {_kind(value)}")
     if minimum is not None and value < minimum:
-        raise bad_request(name, f"must be >= {minimum}, got {value}")
+        raise bad_request(name, f"must be >= {minimum}, got {shown(value)}")
     if maximum is not None and value > maximum:
-        raise bad_request(name, f"must be <= {maximum}, got {value}")
+        raise bad_request(name, f"must be <= {maximum}, got {shown(value)}")
     return value
 
 
@@ -109,8 +183,14 @@ def get_bool(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-def get_strings(body: dict, name: str, *, allow_single: bool, max_items: int = 16) -> list[str]:
-    """A list of non-empty strings (or one string where allow_single)."""
+MAX_STOP_CHARS = 256
+"""Longest stop string: each is matched against the text for the request's life."""
+
+
+def get_strings(body: dict, name: str, *, allow_single: bool, max_items: int = 16,
+                max_chars: int = MAX_STOP_CHARS) -> list[str]:
+    """A list of non-empty strings (or one string where allow_single), each at most
+    max_chars long."""
     value = body.get(name, _MISSING)
     if value is _MISSING or value is None:
         return []
@@ -126,6 +206,8 @@ def get_strings(body: dict, name: str, *, allow_single: bool, max_items: int = 1
             raise bad_request(f"{name}.{n}", f"must be a string, not {_kind(item)}")
         if not item:
             raise bad_request(f"{name}.{n}", "must not be empty")
+        if len(item) > max_chars:
+            raise bad_request(f"{name}.{n}", f"at most {max_chars} characters, got {len(item)}")
     return value
 
 
@@ -171,7 +253,7 @@ def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
     if max_tokens is None:
         return room
     if max_tokens > room:
-        raise bad_request("max_tokens", f"{max_tokens} + {num_prompt_tokens} prompt tokens "
+        raise bad_request("max_tokens", f"{shown(max_tokens)} + {num_prompt_tokens} prompt tokens "
                                         f"exceed the model's context of {max_model_len} tokens")
     return max_tokens
 
