@@ -320,6 +320,13 @@ def serve(
     tenants: Optional[str] = typer.Option(None, "--tenants", help="Tenants TOML file (API key hashes, limits, admin key)."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Serving preset: a name in profiles/ (cpu-smollm2, ci, gpu-llama-8b) or a TOML file; flags override it."),
     insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback bind without API keys."),
+    allowed_hosts: Optional[str] = typer.Option(None, help="Comma-separated Host names clients may use besides loopback names and IP literals (.example.com: subdomains too; *: any). Others get 403 (DNS rebinding)."),
+    allowed_origins: Optional[str] = typer.Option(None, help="Comma-separated web origins allowed to call the API from a browser (CORS; default none; *: any)."),
+    header_timeout: Optional[float] = typer.Option(None, help="Seconds a client has to send a complete request head (default 10; slowloris)."),
+    body_timeout: Optional[float] = typer.Option(None, help="Seconds a client has to send a request body (default 30)."),
+    max_connections: Optional[int] = typer.Option(None, help="Open client connections at most; more get 503 (default 0: the descriptor limit less --descriptor-reserve)."),
+    descriptor_reserve: Optional[int] = typer.Option(None, help="File descriptors kept back from client connections for the engine (default 128)."),
+    demux_mutation: Optional[str] = typer.Option(None, hidden=True, help="TEST ONLY: corrupt one token in the demux (drop|repeat|swap|misroute[,...]); refused with --tenants or a public --host."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log to stderr."),
 ):
     """Start the streaming gateway: Anthropic and OpenAI APIs over the engine."""
@@ -346,7 +353,11 @@ def serve(
                    "tenants_file": tenants, "insecure": insecure or None,
                    "max_pending_tokens": max_pending_tokens, "ping_interval_s": ping_interval,
                    "slow_client_grace_s": slow_client_grace,
-                   "max_body_bytes": max_body_bytes, "down_retry_s": down_retry_interval},
+                   "max_body_bytes": max_body_bytes, "down_retry_s": down_retry_interval,
+                   "allowed_hosts": allowed_hosts, "allowed_origins": allowed_origins,
+                   "header_timeout_s": header_timeout, "body_timeout_s": body_timeout,
+                   "max_connections": max_connections,
+                   "descriptor_reserve": descriptor_reserve, "demux_mutation": demux_mutation},
         "admission": {"max_waiting_requests": max_waiting_requests,
                       "max_waiting_tokens": max_waiting_tokens},
     }

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response
 from tokstream.server.anthropic_routes import chat_messages, encode_messages
 from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
 from tokstream.server.state import Server
-from tokstream.server.validation import _kind, get_int, parse_off_loop, read_json
+from tokstream.server.validation import _kind, get_int, parse_off_loop, read_json, shown
 
 MAX_SCORE_TOKENS = 65536
 
@@ -47,7 +47,7 @@ async def request_state(request):
     request_id = request.path_params["request_id"]
     stream = server.registry.streams.get(request_id)
     if stream is None:
-        raise ApiError("not_found_error", f"request_id: no live request {request_id!r}",
+        raise ApiError("not_found_error", f"request_id: no live request {shown(request_id)}",
                        param="request_id")
     core = await server.core_snapshot() or {}
     row = stream.row(time.monotonic())
@@ -85,7 +85,8 @@ async def score(request):
     /v1/messages builds it)."""
     server: Server = request.app.state.server
     server.authenticate_admin(request.headers)
-    body = await read_json(request, server.config.max_body_bytes)
+    body = await read_json(request, server.config.max_body_bytes,
+                                server.config.body_timeout_s)
     if body.get("model") is not None:
         server.check_model(body["model"])
     server.check_ready()

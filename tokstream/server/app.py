@@ -16,6 +16,7 @@ import sys
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
@@ -23,6 +24,8 @@ from tokstream.config import EngineConfig
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.server import admin_routes, anthropic_routes, openai_routes
 from tokstream.server.config import ServerConfig
+from tokstream.server.cors import cors_middleware
+from tokstream.server.host_check import HostCheck
 from tokstream.server.errors import ApiError, api_for_path, error_response
 from tokstream.server.openapi import openapi_schema
 from tokstream.server.state import Server
@@ -79,7 +82,10 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id
             # The server's engine may be a later one than this (after an engine core restart).
             await (server.close() if server is not None else engine.shutdown())
 
-    app = Starlette(routes=routes(), lifespan=lifespan,
+    # Outermost first: a foreign Host is refused before anything else looks at the request.
+    middleware = [Middleware(HostCheck, allowed_hosts=server_config.allowed_hosts),
+                  cors_middleware(server_config.allowed_origins)]
+    app = Starlette(routes=routes(), lifespan=lifespan, middleware=middleware,
                     exception_handlers={HTTPException: http_error})
     return app
 

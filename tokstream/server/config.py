@@ -42,9 +42,38 @@ class ServerConfig:
     down_retry_s: float = 10.0
     """While the replica is down because engine cores keep failing to start, seconds between
     further tries."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """Host names clients may address besides loopback names and IP literals (a leading dot
+    allows subdomains; "*" allows any). Others get 403: a web page that rebinds its own DNS
+    name to this address cannot read the API."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """Web origins whose pages may call the API (CORS); none by default, "*" for any."""
+    header_timeout_s: float = 10.0
+    """From a connection's first byte (or its previous response) to a complete request head;
+    a client that takes longer is disconnected (slowloris)."""
+    body_timeout_s: float = 30.0
+    """Most seconds to receive a request body once its head is in."""
+    max_connections: int = 0
+    """Open client connections at most; past it a new one gets 503 and is closed. 0: the
+    descriptor limit less descriptor_reserve."""
+    descriptor_reserve: int = 128
+    """File descriptors never given to client connections (engine pipes, restarts, logs)."""
+    demux_mutation: str | None = None
+    """TEST ONLY: corrupt one token in the demux (drop, repeat, swap, misroute, or a
+    comma-separated sequence) to prove the integrity checker; refused with a tenants file or
+    a non-loopback bind."""
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self):
+        self.allowed_hosts = _name_list(self.allowed_hosts, "allowed_hosts")
+        self.allowed_origins = _name_list(self.allowed_origins, "allowed_origins")
+        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
+            raise UserInputError("header_timeout_s and body_timeout_s must be > 0")
+        if self.max_connections < 0 or self.descriptor_reserve < 0:
+            raise UserInputError("max_connections and descriptor_reserve must be >= 0")
+        if self.demux_mutation is not None and (self.tenants_file or not is_loopback(self.host)):
+            raise UserInputError("demux_mutation is a test-only switch: refused with a tenants "
+                                 "file or a non-loopback host")
         if not 0 <= self.port < 65536:
             raise UserInputError(f"port must be in [0, 65535], got {self.port}")
         if self.max_pending_tokens < 1:
@@ -63,6 +92,15 @@ class ServerConfig:
         raise UserInputError(
             f"refusing to bind {self.host} without API keys: pass --tenants FILE, or --insecure "
             "to serve an open endpoint on the network")
+
+
+def _name_list(value, name: str) -> list[str]:
+    """A comma-separated string (a flag) or a list of strings (a profile)."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise UserInputError(f"{name} must be a list of strings")
+    return [v.strip().lower() for v in value if v.strip()]
 
 
 def is_loopback(host: str) -> bool:

@@ -114,7 +114,8 @@ class Server:
             from tokstream.server.errors import bad_request
             raise bad_request("model", "must be a non-empty string")
         if model not in self.model_names:
-            raise ApiError("not_found_error", f"model: {model!r} not found; this server serves "
+            from tokstream.server.validation import shown
+            raise ApiError("not_found_error", f"model: {shown(model)} not found; this server serves "
                                               f"{self.model_id!r}", param="model")
 
     def check_ready(self) -> None:
