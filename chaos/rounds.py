@@ -42,6 +42,8 @@ class Context:
     rank: int | None
     timeout_s: float
     baseline_used_blocks: int = 0
+    self_check_failures: int = 0
+    """The engine's count of failed block self-checks before this round."""
     reference: dict[str, list[int]] = field(default_factory=dict)
     """Token ids of the fault-free run, by stream name (greedy and seeded streams)."""
 
@@ -233,7 +235,22 @@ async def _drain(ctx: Context, violations: Violations) -> dict:
                        max(engine, gateway))
     if state["replica"]["status"] != "ready" or await ctx.api.health() != 200:
         violations.add("not_recovered", f"replica {state['replica']['status']} after the drain")
+    check_block_bookkeeping(ctx, state, violations)
     return state
+
+
+def check_block_bookkeeping(ctx: Context, state: dict, violations: Violations) -> None:
+    """The engine's block self-check: run for this snapshot (kv.self_check), and after every
+    recovery in the round (failures counted since the last round)."""
+    kv = state["kv"]
+    now = kv.get("self_check") or []
+    failures = kv.get("self_check_failures", 0) - ctx.self_check_failures
+    ctx.self_check_failures = kv.get("self_check_failures", 0)
+    if now or failures > 0:
+        found = [e for e in state.get("events", []) if e["kind"] == "self_check_failed"]
+        violations.add("block_bookkeeping", f"{failures} failed self-checks this round, now: "
+                                            f"{now[:5]}, after: {found[-1:]}",
+                       max(1, failures))
 
 
 def _interrupted(ctx: Context, fault: dict, rows: list[dict], histories: list[StreamHistory],

@@ -95,10 +95,12 @@ async def _main(options: Options, target: Target) -> dict:
                             "device": steady["state"]["replica"].get("device"),
                             "dtype": steady["state"]["replica"].get("dtype"),
                             "spare": steady["state"]["replica"].get("spare")}
+        failed_checks = steady["state"]["kv"].get("self_check_failures", 0)
         del steady["state"]
         ctx = Context(exp, target, api, facts, clock, options.streams or exp.default_streams,
                       options.max_tokens, options.seed, options.rank, options.timeout_s,
-                      baseline_used_blocks=steady["baseline_used_blocks"])
+                      baseline_used_blocks=steady["baseline_used_blocks"],
+                      self_check_failures=failed_checks)
         ctx.say(f"steady state: health {steady['health']}, probe {steady['probe']}")
         report["reference"] = await _reference(ctx, violations)
         if ctx.exp.reference:

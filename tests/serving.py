@@ -41,7 +41,8 @@ class ServerProcess:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 180):
         self.args = ["serve", "--port", "0", *args]
-        self.env = {**os.environ, **(env or {})}
+        # The engine checks its block bookkeeping after every step (wait_idle reads the verdict).
+        self.env = {**os.environ, "TOKSTREAM_SELF_CHECK": "1", **(env or {})}
         self.start_timeout = start_timeout
         self.url: str | None = None
         self.log: list[str] = []
@@ -99,6 +100,9 @@ class ServerProcess:
             state = self.state(**headers)
             if not state["requests"] and state["kv"]["used_blocks"] == 0 \
                     and state["batch"]["running"] == 0 and state["batch"]["waiting"] == 0:
+                kv = state["kv"]
+                assert not kv.get("self_check") and not kv.get("self_check_failures"), \
+                    [e for e in state["events"] if e["kind"] == "self_check_failed"]
                 return state
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not idle: {json.dumps(state)[:2000]}")

@@ -35,6 +35,7 @@ def run_step(s, token=7):
     out = s.schedule()
     sampled = [token for w in out.work if w.samples]
     s.update(out, sampled)
+    assert s.check() == []
     return out
 
 

@@ -18,6 +18,7 @@ import hashlib
 import re
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 
 from tokstream.engine.request import Request
 
@@ -163,6 +164,57 @@ class BlockManager:
         self._cached_marks = bytearray(self.num_blocks)
         self._block_of.clear()
 
+    def check(self, holders: Iterable[Request], rehash: bool = True) -> list[str]:
+        """What is wrong with the bookkeeping (empty when nothing is), given every request
+        that may hold blocks: each block's reference count equals its holders; each block is
+        exactly one of free, evictable or held; the prefix cache's two maps are each other's
+        inverse; a registered block's hash is the one each holder computed for it, and (with
+        rehash) each holder's hashes are those of its own tokens."""
+        problems = []
+        holders_of = [0] * self.num_blocks
+        for request in holders:
+            parent = b""
+            for index, block_id in enumerate(request.block_ids):
+                if not 0 <= block_id < self.num_blocks:
+                    problems.append(f"{request.request_id} holds block {block_id}: no such block")
+                    continue
+                holders_of[block_id] += 1
+                if index >= len(request.block_hashes):
+                    continue
+                own = request.block_hashes[index]
+                registered = self._hash_of.get(block_id)
+                if registered is not None and registered != own:
+                    problems.append(f"block {block_id}: cached under another prefix than "
+                                    f"{request.request_id}'s block {index}")
+                if rehash:
+                    start = index * self.block_size
+                    parent = chain_hash(parent, request.token_slice(start, start
+                                                                    + self.block_size),
+                                        request.cache_salt)
+                    if parent != own:
+                        problems.append(f"{request.request_id} block {index}: its hash is not "
+                                        "that of its tokens")
+        free, evictable = set(self._free), set(self._evictable)
+        if len(free) != len(self._free):
+            problems.append("a block is on the free list twice")
+        for block_id in range(self.num_blocks):
+            count, held = self.ref_counts[block_id], holders_of[block_id]
+            if count != held:
+                problems.append(f"block {block_id}: reference count {count}, {held} holders")
+            places = (block_id in free) + (block_id in evictable) + (count > 0 or held > 0)
+            if places != 1:
+                problems.append(f"block {block_id}: in {places} of free, evictable and held")
+            if self._cached_marks[block_id] != (block_id in self._hash_of):
+                problems.append(f"block {block_id}: cached mark disagrees with the cache")
+        if not evictable <= self._hash_of.keys():
+            problems.append("an evictable block holds no cached prefix")
+        if free & self._hash_of.keys():
+            problems.append("a free block is still registered in the prefix cache")
+        if len(self._block_of) != len(self._hash_of) or any(
+                self._block_of.get(h) != b for b, h in self._hash_of.items()):
+            problems.append("the prefix cache's hash and block maps disagree")
+        return problems
+
     def _hold(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
             del self._evictable[block_id]
@@ -201,3 +253,13 @@ class SwapSpace:
 
     def reset(self) -> None:
         self._free = deque(range(self.num_blocks))
+
+    def check(self, holders: Iterable[list[int]]) -> list[str]:
+        """What is wrong (empty when nothing is): every host block is free or held by exactly
+        one of holders (swapped-out requests' block lists)."""
+        held = [b for block_ids in holders for b in block_ids]
+        owners = held + list(self._free)
+        if sorted(owners) != list(range(self.num_blocks)):
+            return [f"host blocks: {len(self._free)} free and {len(held)} held of "
+                    f"{self.num_blocks}, not each exactly once"]
+        return []

@@ -33,6 +33,9 @@ DOWN_RETRY_S = 10.0
 MAX_EVENTS = 64
 """Recent engine events (preemptions, capacity finishes) kept for state snapshots."""
 REF_COUNT_CHARS = "0123456789"
+SELF_CHECK_ENV = "TOKSTREAM_SELF_CHECK"
+"""Set (as tests do) to run the block-manager self-check after every step as well, not only
+after every recovery."""
 
 
 @dataclass
@@ -87,6 +90,9 @@ class EngineCore:
         step's."""
         self.recovery_seconds: list[float] = []
         self._next_retry = 0.0
+        self.self_check_failures = 0
+        """Self-checks of the block bookkeeping that found something (see self_check)."""
+        self._check_every_step = bool(os.environ.get(SELF_CHECK_ENV))
         log.info("%s", self.capacity_summary())
 
     def capacity_summary(self) -> str:
@@ -144,11 +150,8 @@ class EngineCore:
         started = time.monotonic()
         self._set_status("recovering", reason)
         self._event("rank_failure", "", reason=reason, pids=self.executor.pids)
-        self.scheduler.requeue_all()
+        self.scheduler.requeue_all()  # the pool's contents died with the ranks
         self._resuming = set(self.scheduler.requests)
-        self.block_manager.reset()  # the pool's contents died with the ranks
-        if self.swap_space is not None:
-            self.swap_space.reset()
         for attempt in range(1, self.config.max_recovery_attempts + 1):
             try:
                 self.executor.restart()
@@ -163,8 +166,19 @@ class EngineCore:
             self._event("restarted", "", seconds=round(seconds, 3), pids=self.executor.pids,
                         resumed=len(self.scheduler.requests))
             self._set_status("ready", None)
+            self.self_check("recovery")
             return []
         return self._go_down(reason)
+
+    def self_check(self, after: str, rehash: bool = True) -> list[str]:
+        """Check the block bookkeeping (Scheduler.check); a finding is logged, counted and
+        kept as an event: a request may be reading another's KV."""
+        problems = self.scheduler.check(rehash)
+        if problems:
+            self.self_check_failures += 1
+            log.error("block bookkeeping broken after %s: %s", after, "; ".join(problems[:5]))
+            self._event("self_check_failed", "", after=after, problems=problems[:20])
+        return problems
 
     def _go_down(self, reason: str) -> list[RequestDelta]:
         self._set_status("down", reason)
@@ -234,6 +248,8 @@ class EngineCore:
         self.last_step = StepStats(scheduled.num_tokens, len(scheduled.work),
                                    time.perf_counter() - started)
         self.scheduler.observe_step(scheduled, self.last_step.step_s)
+        if self._check_every_step:
+            self.self_check("a step", rehash=False)
         return deltas
 
     def _plan(self, scheduled: SchedulerOutput) -> StepPlan:
@@ -372,7 +388,11 @@ class EngineCore:
                    "swap_blocks": self.swap_space.num_blocks if self.swap_space else 0,
                    "free_swap_blocks": (self.swap_space.num_free_blocks
                                         if self.swap_space else 0),
-                   "block_map": self._block_map()},
+                   "block_map": self._block_map(),
+                   # Problems the bookkeeping has now (none when sound), and how many
+                   # self-checks since the start found any.
+                   "self_check": self.scheduler.check(rehash=False),
+                   "self_check_failures": self.self_check_failures},
             "requests": requests,
             "tenants": scheduler.ledger.snapshot(),
             "policy": self.config.scheduler.policy,

@@ -219,7 +219,12 @@ class Scheduler:
                 num_new = min(num_new, long_left)
                 long_left -= num_new
             if num_new > budget and prefills:
-                break  # chunking off: a whole prompt past the budget goes first in a later step
+                # Chunking off: a whole prompt past the budget goes first in a later step. Its
+                # cached prefix goes back meanwhile: a waiting request holds no pool blocks
+                # (a rank-group restart forgets every block, and would leave it holding some).
+                if not swapped:
+                    self.block_manager.free(request)
+                break
             if self.block_manager.allocate(
                     request, num_new, reserve=self.config.watermark_blocks) is None:
                 if not swapped:
@@ -308,18 +313,37 @@ class Scheduler:
                 return None
 
     def requeue_all(self) -> None:
-        """The rank group is gone: every running request goes back to the front of the line,
-        in its order, to be recomputed from prompt + output; swapped-out KV is gone too."""
+        """The rank group is gone, and the pool's and host buffers' contents with it: every
+        running request goes back to the front of the line, in its order, to be recomputed
+        from prompt + output; every block, pool or host, is forgotten."""
         for request in reversed(list(self.running)):
             self.running.remove(request)
-            self.block_manager.free(request)
             request.status = RequestStatus.PREEMPTED
             self.waiting.push_front(request)
         for request in self.waiting:
-            if request.is_swapped:
-                self._release_swap(request)  # the new ranks' host buffers start empty
-                request.num_computed_tokens = 0
+            self.block_manager.free(request)
+            self._release_swap(request)
+            request.num_computed_tokens = 0
+        self.block_manager.reset()
+        if self.swap_space is not None:
+            self.swap_space.reset()
         self._forgotten = []  # the new ranks know nothing to forget
+
+    def check(self, rehash: bool = True) -> list[str]:
+        """What is wrong with the block bookkeeping (empty when nothing is): the block
+        manager's and swap space's own checks over every live request, and only running
+        requests hold pool blocks (only waiting ones host blocks)."""
+        live = list(self.requests.values())
+        problems = self.block_manager.check(live, rehash)
+        if self.swap_space is not None:
+            problems += self.swap_space.check(r.swapped_block_ids for r in live)
+        for request in live:
+            if request.block_ids and request.status != RequestStatus.RUNNING:
+                problems.append(f"{request.request_id} is {request.status.name.lower()} but "
+                                f"holds {len(request.block_ids)} pool blocks")
+            if request.swapped_block_ids and request.status == RequestStatus.RUNNING:
+                problems.append(f"{request.request_id} runs but holds host blocks")
+        return problems
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
