@@ -3,7 +3,9 @@ moment (stream j has received k tokens; for kill-rank also while a prompt is mid
 
 from __future__ import annotations
 
+import os
 import signal
+from urllib.parse import urlparse
 
 import psutil
 
@@ -16,9 +18,10 @@ TRIGGER_TIMEOUT_S = 300.0
 LONG_PROMPT_TRIES = 3
 
 
-def victim(state: dict, fault: str, rank: int | None) -> tuple[str, int]:
-    """(what, pid) the fault hits, checked to be a process of the server that reported it
-    (a descendant of its gateway), so a stale or foreign pid is never signalled."""
+def victim(state: dict, fault: str, rank: int | None, url: str) -> tuple[str, int]:
+    """(what, pid) the fault hits, checked to be a process of the server listening on url (a
+    descendant of its gateway), so a stale pid, or one a fake server names, is never
+    signalled."""
     if fault == "kill-engine":
         what, pid = "engine core", state["engine"]["pid"]
     else:
@@ -27,16 +30,47 @@ def victim(state: dict, fault: str, rank: int | None) -> tuple[str, int]:
             raise UserInputError(f"rank {rank}: the server has ranks 0..{len(ranks) - 1} "
                                  f"(--tp {len(ranks)})")
         what, pid = f"rank {rank}", ranks[rank]["pid"]
-    gateway = state["gateway"]["pid"]
+    gateway = check_gateway(url, state["gateway"]["pid"])
     try:
         process = psutil.Process(pid)
-        if gateway not in {parent.pid for parent in process.parents()}:
+        if gateway.pid not in {parent.pid for parent in process.parents()}:
             raise UserInputError(f"{what} pid {pid} is not a child of the server's gateway "
-                                 f"(pid {gateway}); refusing to signal it")
+                                 f"(pid {gateway.pid}); refusing to signal it")
     except psutil.NoSuchProcess:
         raise UserInputError(f"{what} pid {pid} from /v1/state is not running on this "
                              "machine; chaos needs a server on this machine") from None
     return what, pid
+
+
+def check_gateway(url: str, pid: int) -> psutil.Process:
+    """The gateway process /v1/state names, once it is proven to be a `tokstream serve` of
+    this user that holds the listening socket of url (what /v1/state says is not trusted)."""
+    port = urlparse(url).port
+    try:
+        process = psutil.Process(pid)
+        listening = {c.laddr.port for c in process.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN}
+        uid = process.uids().real
+        cmdline = process.cmdline()
+    except psutil.Error:
+        raise UserInputError(f"gateway pid {pid} from /v1/state is not a process of this "
+                             "user on this machine; refusing to signal anything") from None
+    if port not in listening:
+        raise UserInputError(f"gateway pid {pid} from /v1/state is not the process listening "
+                             f"on {url}; refusing to signal anything")
+    if uid != os.getuid():
+        raise UserInputError(f"the server on {url} runs as another user; refusing to signal it")
+    if not _is_tokstream_serve(cmdline):
+        raise UserInputError(f"the process listening on {url} (pid {pid}) is not a tokstream "
+                             "server; refusing to signal anything")
+    return process
+
+
+def _is_tokstream_serve(cmdline: list[str]) -> bool:
+    names = [os.path.basename(arg) for arg in cmdline]
+    return "serve" in cmdline and ("tokstream" in names
+                                   or any(a == "-m" and b == "tokstream"
+                                          for a, b in zip(cmdline, cmdline[1:])))
 
 
 def prefilling(state: dict, request_id: str | None) -> dict | None:

@@ -152,7 +152,7 @@ async def _signal_fault(ctx: Context, recorder: Recorder, rng: random.Random,
     if state is None:
         violations.add("fault_not_injected", why)
         return None
-    what, pid = faults.victim(state, ctx.exp.fault, ctx.rank)
+    what, pid = faults.victim(state, ctx.exp.fault, ctx.rank, ctx.target.url)
     group = _group(state, ctx.exp.fault)
     # Times taken before the signal: on a busy machine the server may log its reaction before
     # this process runs again.

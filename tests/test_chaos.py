@@ -125,23 +125,19 @@ MUTATIONS = [("drop", "lost"), ("repeat", "duplicated"), ("swap", "reordered"),
 
 def test_each_demux_mutation_makes_chaos_exit_non_zero(tmp_path):
     """One server whose demux corrupts one token per run (drop, then repeat, swap, misroute),
-    targeted with --url: each run exits 1 with the matching violation."""
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(f'admin_key_sha256 = "{hash_key(ADMIN)}"\n[[tenant]]\nname = "t"\n'
-                       f'key_sha256 = "{hash_key("sk-client")}"\n')
+    targeted with --url: each run exits 1 with the matching violation. (The test-only switch
+    is refused with a tenants file, so this server is an open one on loopback.)"""
     sequence = ",".join(m for m, _ in MUTATIONS)
-    with ServerProcess("--profile", "ci", "--tenants", str(tenants),
-                       env={"TOKSTREAM_DEMUX_MUTATION": sequence}) as server:
+    with ServerProcess("--profile", "ci", "--demux-mutation", sequence) as server:
         for mutation, kind in MUTATIONS:
             code, report, output = chaos(tmp_path, "disconnect-storm", "--url", server.url,
-                                         "--admin-key", ADMIN, "--api-key", "sk-client",
                                          *SHORT)
             assert code == 1, (mutation, output[-2000:])
             assert report["violations"][kind] >= 1, (mutation, report["violation_details"])
             assert "FAIL" in output
         # Every mutation has fired: the same run passes now.
         code, report, output = chaos(tmp_path, "disconnect-storm", "--url", server.url,
-                                     "--admin-key", ADMIN, "--api-key", "sk-client", *SHORT)
+                                     *SHORT)
         assert code == 0, output[-2000:]
 
 

@@ -74,7 +74,7 @@ MUTATIONS = [("drop", "lost"), ("repeat", "duplicated"), ("swap", "reordered"),
 def test_checker_catches_each_mutation_of_the_demux():
     """One server whose demux corrupts one token per run: drop, then repeat, swap, misroute."""
     sequence = ",".join(mutation for mutation, _ in MUTATIONS)
-    with ServerProcess("--profile", "ci", env={"TOKSTREAM_DEMUX_MUTATION": sequence}) as server:
+    with ServerProcess("--profile", "ci", "--demux-mutation", sequence) as server:
         assert any("DEMUX MUTATION" in line for line in server.log)
         for mutation, kind in MUTATIONS:
             streams = asyncio.run(run_concurrently(server.url, MUTATION_BODIES))

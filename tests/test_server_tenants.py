@@ -16,6 +16,8 @@ from tokstream.server.tenants import hash_key, load_tenants
 pytestmark = pytest.mark.timeout(300)
 
 ALICE, BOB, ADMIN = "sk-alice-0123456789", "sk-bob-9876543210", "sk-admin-secret"
+METRICS = "sk-prometheus-scraper"
+CAROL = "sk-carol-counts-tokens"
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +25,7 @@ def tenants_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     path.write_text(f"""
 admin_key_sha256 = "{hash_key(ADMIN)}"
+metrics_key_sha256 = "{hash_key(METRICS)}"
 
 [[tenant]]
 name = "alice"
@@ -35,6 +38,11 @@ name = "bob"
 key_sha256 = "{hash_key(BOB)}"
 priority = 1
 tokens_per_minute = 60
+
+[[tenant]]
+name = "carol"
+key_sha256 = "{hash_key(CAROL)}"
+tokens_per_minute = 200
 """)
     return path
 
@@ -49,7 +57,7 @@ def test_file_holds_only_hashes(tenants_file):
     text = tenants_file.read_text()
     assert ALICE not in text and BOB not in text and ADMIN not in text
     tenants = load_tenants(tenants_file)
-    assert [t.name for t in tenants.tenants] == ["alice", "bob"]
+    assert [t.name for t in tenants.tenants] == ["alice", "bob", "carol"]
     assert tenants.authenticate(ALICE).name == "alice"
 
 
@@ -112,7 +120,7 @@ def test_token_rate_limit_is_429_with_retry_after(server):
         ok = client.post("/v1/messages", json=anthropic_body(max_tokens=2, stream=False),
                          headers={"x-api-key": ALICE})
         assert ok.status_code == 200
-        metrics = client.get("/metrics").text
+        metrics = client.get("/metrics", headers={"authorization": f"Bearer {METRICS}"}).text
         assert 'tokstream_tenant_tokens_total{kind="prompt",tenant="bob"}' in metrics
 
 
@@ -147,3 +155,28 @@ def test_bad_tenants_file_is_a_clean_error(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "key_sha256" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_metrics_need_the_admin_or_the_metrics_key(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/metrics", headers={"x-api-key": ALICE}).status_code == 403
+        for key in (ADMIN, METRICS):
+            response = client.get("/metrics", headers={"authorization": f"Bearer {key}"})
+            assert response.status_code == 200 and "vllm:num_requests_running" in response.text
+        # The metrics key opens nothing else.
+        assert client.get("/v1/state", headers={"x-api-key": METRICS}).status_code == 403
+
+
+def test_count_tokens_is_charged_to_the_tenant(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        body = {"model": "dummy:tiny", "messages": [{"role": "user", "content": "w " * 20}]}
+        codes = []
+        for _ in range(20):
+            response = client.post("/v1/messages/count_tokens", json=body,
+                                   headers={"x-api-key": CAROL})
+            codes.append(response.status_code)
+            if response.status_code == 429:
+                break
+        assert codes[0] == 200 and codes[-1] == 429, codes
+        assert response.json()["error"]["type"] == "rate_limit_error"

@@ -56,7 +56,7 @@ def test_tenant_bucket_and_concurrency():
     with pytest.raises(ApiError) as refused:
         tenant.admit(1)
     assert refused.value.error_type == "rate_limit_error"
-    tenant.release()
+    tenant.settle(max_tokens=0, num_output_tokens=0)
     with pytest.raises(ApiError) as refused:
         tenant.admit(40)  # 10 tokens left
     assert refused.value.retry_after >= 1

@@ -52,6 +52,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
         self._template: "jinja2.Template | None" = None
+        self._plain_backend: BackendTokenizer | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -75,6 +76,22 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_text(self, text: str) -> list[int]:
+        """User-supplied text to ids, special-token strings in it tokenised as plain text (no
+        BOS): a user who types `<|im_end|>` gets those characters, not a control token."""
+        if self._plain_backend is None:
+            # A copy, so threads tokenising on the shared backend never see the flag flip.
+            plain = BackendTokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain_backend = plain
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_strings(self) -> list[str]:
+        """The text of every special (control) token."""
+        return [t.content for t in self.backend.get_added_tokens_decoder().values()
+                if t.special]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # Ids the vocabulary lacks (a random-weight model emits any id) decode to nothing.
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -93,9 +110,33 @@ class Tokenizer:
             raise UserInputError(f"chat template failed on these messages: {error}") from error
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Messages through the chat template to ids: the template's markers are control tokens,
+        special-token strings inside message content are plain text."""
         # The template writes any BOS itself, so none is added here (as transformers does).
-        text = self.apply_chat_template(messages, add_generation_prompt)
-        return self.backend.encode(text, add_special_tokens=False).ids
+        specials = self.special_strings
+        if not any(isinstance(m.get("content"), str) and any(s in m["content"] for s in specials)
+                   for m in messages):
+            text = self.apply_chat_template(messages, add_generation_prompt)
+            return self.backend.encode(text, add_special_tokens=False).ids
+        # Render with a placeholder per message, then tokenise the template's text with special
+        # tokens and each message's own text without.
+        marks = {n: f"\ue000{n}\ue001" for n, m in enumerate(messages)
+                 if isinstance(m.get("content"), str)}
+        masked = [{**m, "content": marks[n]} if n in marks else m
+                  for n, m in enumerate(messages)]
+        text = self.apply_chat_template(masked, add_generation_prompt)
+        found = []
+        for n, mark in marks.items():
+            if text.count(mark) != 1:
+                raise UserInputError("messages: this chat template rewrites message content, "
+                                     "so special-token text in a message cannot be kept as text")
+            found.append((text.index(mark), n, mark))
+        ids, start = [], 0
+        for at, n, mark in sorted(found):
+            ids += self.backend.encode(text[start:at], add_special_tokens=False).ids
+            ids += self.encode_text(messages[n]["content"])
+            start = at + len(mark)
+        return ids + self.backend.encode(text[start:], add_special_tokens=False).ids
 
     def to_json(self) -> str:
         """The tokenizer.json text."""

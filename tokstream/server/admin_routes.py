@@ -22,8 +22,10 @@ async def health(request):
                         headers=None if ready else {"retry-after": "5"})
 
 
+@api_route(OPENAI)
 async def metrics(request):
     server: Server = request.app.state.server
+    server.authenticate_metrics(request.headers)
     await server.core_snapshot()
     server.metrics.live.set(len(server.registry))
     return Response(server.metrics.render(),
@@ -86,7 +88,7 @@ async def score(request):
     server: Server = request.app.state.server
     server.authenticate_admin(request.headers)
     body = await read_json(request, server.config.max_body_bytes,
-                                server.config.body_timeout_s)
+                           server.config.body_timeout_s)
     if body.get("model") is not None:
         server.check_model(body["model"])
     server.check_ready()

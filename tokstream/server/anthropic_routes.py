@@ -78,7 +78,7 @@ def encode_messages(server: Server, chat: list[dict]) -> list[int]:
     try:
         if chat[-1]["role"] == "assistant":
             prefix = tokenizer.encode_chat(chat[:-1])
-            return prefix + tokenizer.encode(chat[-1]["content"])
+            return prefix + tokenizer.encode_text(chat[-1]["content"])
         return tokenizer.encode_chat(chat)
     except UserInputError as error:
         raise bad_request("messages", str(error)) from None
@@ -180,7 +180,7 @@ async def create_message(request):
     server: Server = request.app.state.server
     tenant = server.authenticate(request.headers)
     body = await read_json(request, server.config.max_body_bytes,
-                                server.config.body_timeout_s)
+                           server.config.body_timeout_s)
     prompt = await parse_off_loop(request, parse, body, server)
     request_id = f"msg_{uuid.uuid4().hex[:24]}"
     stream = server.submit(request_id, prompt, tenant, ANTHROPIC)
@@ -199,11 +199,13 @@ async def create_message(request):
 @api_route(ANTHROPIC)
 async def count_tokens(request):
     server: Server = request.app.state.server
-    server.authenticate(request.headers)
+    tenant = server.authenticate(request.headers)
     body = await read_json(request, server.config.max_body_bytes,
-                                server.config.body_timeout_s)
+                           server.config.body_timeout_s)
     server.check_model(body.get("model"))
     reject_unsupported(body, {"tools": bool})
     token_ids = await parse_off_loop(request, lambda: encode_messages(server,
                                                                       chat_messages(body)))
+    if tenant is not None:
+        tenant.charge(len(token_ids))  # counting costs tokenisation: it is not free
     return JSONResponse({"input_tokens": len(token_ids)})

@@ -205,7 +205,7 @@ async def _complete(request, chat: bool):
     server: Server = request.app.state.server
     tenant = server.authenticate(request.headers)
     body = await read_json(request, server.config.max_body_bytes,
-                                server.config.body_timeout_s)
+                           server.config.body_timeout_s)
     prompt = await parse_off_loop(request, parse, body, server, chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     stream = server.submit(request_id, prompt, tenant, OPENAI)

@@ -21,6 +21,7 @@ from tokstream.server.admission import Admission
 from tokstream.server.config import ServerConfig
 from tokstream.server.errors import ApiError
 from tokstream.server.metrics import Metrics
+from tokstream.server.snapshot import SharedSnapshot
 from tokstream.server.streams import Stream, StreamRegistry
 from tokstream.server.supervisor import EngineSupervisor
 from tokstream.server.tenants import Tenant, Tenants, load_tenants
@@ -56,15 +57,19 @@ class Server:
         self.admission = Admission(config.admission)
         self.tenants: Tenants | None = (load_tenants(config.tenants_file)
                                         if config.tenants_file else None)
+        if self.tenants is not None:
+            self.admission.set_weights({t.name: t.weight for t in self.tenants.tenants})
         self.registry = StreamRegistry(engine, self.metrics, config.max_pending_tokens,
-                                       config.slow_client_grace_s)
+                                       config.slow_client_grace_s, config.demux_mutation)
         self.registry.on_finish = self._on_finish
         self.registry.on_cancel = self._on_cancel
         self.registry.on_first_token = self._on_first_token
         self.events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self.started = time.time()
         self._tenant_of: dict[str, Tenant] = {}
-        self._last_snapshot: dict | None = None
+        self.core_state = SharedSnapshot(lambda: self.engine.state(),
+                                         timeout_s=STATE_TIMEOUT_S)
+        """The core snapshot every reader shares (/metrics, /v1/state, top)."""
         self._seeds = random.SystemRandom()
         self._processes: dict[int, psutil.Process] = {}
         """pid -> Process, kept between snapshots: CPU percent is measured since the last call."""
@@ -107,6 +112,10 @@ class Server:
         if self.tenants is not None:
             self.tenants.authenticate_admin(self.presented_key(headers))
 
+    def authenticate_metrics(self, headers) -> None:
+        if self.tenants is not None:
+            self.tenants.authenticate_metrics(self.presented_key(headers))
+
     # --- model and limits -------------------------------------------------------------------
 
     def check_model(self, model) -> None:
@@ -134,9 +143,9 @@ class Server:
         self.check_ready()
         n = len(prompt.token_ids)
         try:
-            self.admission.check(n)
+            self.admission.check(n, tenant.name if tenant else None)
             if tenant is not None:
-                tenant.admit(n)
+                tenant.admit(n, prompt.params.max_tokens)
         except ApiError as error:
             self.metrics.errors.labels(error.error_type).inc()
             self.event("refused", request_id, reason=error.message,
@@ -157,13 +166,14 @@ class Server:
                                         bounded=prompt.stream, engine_fields=fields)
         except (ReplicaError, UserInputError) as error:
             if tenant is not None:
-                tenant.release()
+                tenant.settle(prompt.params.max_tokens, 0)
             raise ApiError("overloaded_error", str(error), retry_after=5) from error
-        self.admission.enter(n)
+        self.admission.enter(n, tenant.name if tenant else None)
         stream.in_admission = True
         if tenant is not None:
             self._tenant_of[request_id] = tenant
         self.metrics.on_admit(stream)
+        self.core_state.invalidate()
         return stream
 
     def _on_first_token(self, stream: Stream) -> None:
@@ -174,7 +184,7 @@ class Server:
             stream.in_admission = False
             waited = (stream.first_token_time - stream.arrival
                       if stream.first_token_time is not None else None)
-            self.admission.leave(stream.num_prompt_tokens, waited)
+            self.admission.leave(stream.num_prompt_tokens, waited, stream.tenant)
 
     def _on_finish(self, stream: Stream, delta) -> None:
         self._settle(stream, delta.num_output_tokens)
@@ -189,11 +199,11 @@ class Server:
 
     def _settle(self, stream: Stream, num_output_tokens: int) -> None:
         """Release a request's admission slot and tenant share, once."""
+        self.core_state.invalidate()
         self._leave_admission(stream)
         tenant = self._tenant_of.pop(stream.request_id, None)
         if tenant is not None:
-            tenant.release()
-            tenant.charge_output(num_output_tokens)
+            tenant.settle(stream.params.max_tokens, num_output_tokens)
 
     def event(self, kind: str, request_id: str | None = None, **fields) -> None:
         self.events.append({"time": time.time(), "kind": kind, "request_id": request_id,
@@ -206,15 +216,11 @@ class Server:
     # --- state ------------------------------------------------------------------------------
 
     async def core_snapshot(self) -> dict | None:
-        """The core's latest snapshot; the previous one if the core is slow or gone."""
+        """The core's latest snapshot, shared; the previous one if the core is slow or gone."""
         if self.engine.dead is None and not self.supervisor.replacing:
-            try:
-                self._last_snapshot = await asyncio.wait_for(self.engine.state(),
-                                                             STATE_TIMEOUT_S)
-            except (asyncio.TimeoutError, ReplicaError):
-                pass
-        self.metrics.engine.snapshot = self._last_snapshot
-        return self._last_snapshot
+            await self.core_state.get()
+        self.metrics.engine.snapshot = self.core_state.value
+        return self.core_state.value
 
     async def snapshot(self) -> dict:
         waited = time.perf_counter()

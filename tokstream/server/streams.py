@@ -28,6 +28,7 @@ log = logging.getLogger("tokstream.server")
 RECENT_TEXT_CHARS = 2000
 """Tail of each stream's text kept for /v1/state/requests/{id}."""
 MUTATION_ENV = "TOKSTREAM_DEMUX_MUTATION"
+"""No longer read: a variable left set in a shell must not corrupt a real server's streams."""
 MUTATIONS = ("drop", "repeat", "swap", "misroute")
 
 
@@ -160,15 +161,16 @@ class Stream:
 
 class DemuxMutation:
     """TEST ONLY: corrupts one token on its way from the engine to the channels, downstream of
-    the engine's stamping, so tests can show the checker catches it. Set TOKSTREAM_DEMUX_MUTATION
-    to drop, repeat, swap or misroute (or a comma-separated sequence of them: each fires once,
+    the engine's stamping, so tests can show the checker catches it. Enabled only by the hidden
+    serve flag --demux-mutation (refused with tenants or a public bind): drop, repeat, swap or
+    misroute (or a comma-separated sequence of them: each fires once,
     in turn); a mutation fires on a token at output index `at_index`."""
 
     def __init__(self, kinds: str, at_index: int = 2):
         self.kinds = [k.strip() for k in kinds.split(",") if k.strip()]
         for kind in self.kinds:
             if kind not in MUTATIONS:
-                raise ValueError(f"{MUTATION_ENV} must name mutations among "
+                raise ValueError(f"demux_mutation must name mutations among "
                                  f"{', '.join(MUTATIONS)}, not {kind!r}")
         self.at_index = at_index
         self._held: RequestDelta | None = None
@@ -241,7 +243,9 @@ class StreamRegistry:
         self.paused = False
         """True while the engine core is being replaced: new streams are registered, and
         submitted with the live ones once a new core is up (resubmit)."""
-        mutation = mutation if mutation is not None else os.environ.get(MUTATION_ENV)
+        if os.environ.get(MUTATION_ENV):
+            log.warning("%s is set but ignored (the test-only switch is serve's hidden "
+                        "--demux-mutation flag)", MUTATION_ENV)
         self.mutation = DemuxMutation(mutation) if mutation else None
         if self.mutation:
             log.warning("DEMUX MUTATION %r ENABLED: streams will be corrupted (tests only)",

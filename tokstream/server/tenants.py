@@ -1,13 +1,15 @@
 """Tenants and API keys, from a TOML file (`--tenants FILE`).
 
     admin_key_sha256 = "9f86d0…"          # sha256 hex of the admin key (admin routes)
+    metrics_key_sha256 = "60303a…"        # optional: a key that may only read /metrics
 
     [[tenant]]
     name = "alice"
     key_sha256 = "2c26b4…"                # sha256 hex of alice's API key; never the key itself
     weight = 2.0                          # share of service when backlogged (fairness)
     priority = 0                          # tier: lower is admitted first, preempted last
-    tokens_per_minute = 200000            # prompt + output tokens; 0 = no limit
+    tokens_per_minute = 200000            # prompt + max_tokens reserved at admission, the
+                                          # unused part refunded at the end; 0 = no limit
     max_concurrent = 32                   # live requests; 0 = no limit
 
 Keys arrive as `x-api-key` or `Authorization: Bearer`; the presented key is hashed and compared
@@ -64,36 +66,47 @@ class Tenant:
                               self.tokens + (now - self.refilled_at) * rate)
         self.refilled_at = now
 
-    def admit(self, num_prompt_tokens: int) -> None:
-        """Raise 429 past a limit; otherwise count the request in and charge its prompt."""
+    def admit(self, num_prompt_tokens: int, max_tokens: int = 0) -> None:
+        """Raise 429 past a limit; otherwise count the request in and reserve its prompt and
+        all the output it may produce (max_tokens), so concurrent requests cannot overrun
+        the budget between admission and their end."""
         if self.max_concurrent and self.live >= self.max_concurrent:
             self.refusals += 1
             raise ApiError("rate_limit_error",
                            f"tenant {self.name!r} has {self.live} requests in flight (limit "
                            f"{self.max_concurrent})", retry_after=1)
-        now = time.monotonic()
-        self._refill(now)
-        if self.tokens_per_minute:
-            # A prompt bigger than the whole budget is let in when the bucket is full.
-            needed = min(num_prompt_tokens, self.tokens_per_minute)
-            if self.tokens < needed:
-                self.refusals += 1
-                wait = (needed - self.tokens) / (self.tokens_per_minute / 60.0)
-                raise ApiError("rate_limit_error",
-                               f"tenant {self.name!r} is over its limit of "
-                               f"{self.tokens_per_minute} tokens per minute",
-                               retry_after=math.ceil(wait))
-            self.tokens -= num_prompt_tokens
+        self._take(num_prompt_tokens + max_tokens)
         self.live += 1
         self.prompt_tokens_total += num_prompt_tokens
 
-    def charge_output(self, n: int) -> None:
-        self.output_tokens_total += n
-        if self.tokens_per_minute:
-            self.tokens -= n
+    def charge(self, num_tokens: int) -> None:
+        """Charge work that is not a generation (count_tokens); 429 when over the budget."""
+        self._take(num_tokens)
 
-    def release(self) -> None:
+    def _take(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        self._refill(now)
+        if not self.tokens_per_minute:
+            return
+        # A request bigger than the whole budget is let in when the bucket is full.
+        needed = min(num_tokens, self.tokens_per_minute)
+        if self.tokens < needed:
+            self.refusals += 1
+            wait = (needed - self.tokens) / (self.tokens_per_minute / 60.0)
+            raise ApiError("rate_limit_error",
+                           f"tenant {self.name!r} is over its limit of "
+                           f"{self.tokens_per_minute} tokens per minute",
+                           retry_after=math.ceil(wait))
+        self.tokens -= num_tokens
+
+    def settle(self, max_tokens: int, num_output_tokens: int) -> None:
+        """The request ended after num_output_tokens: refund the unused reservation."""
         self.live -= 1
+        self.output_tokens_total += num_output_tokens
+        if self.tokens_per_minute:
+            self._refill(time.monotonic())
+            self.tokens = min(float(self.tokens_per_minute),
+                              self.tokens + max(0, max_tokens - num_output_tokens))
 
     def row(self) -> dict:
         self._refill(time.monotonic())
@@ -109,6 +122,8 @@ class Tenant:
 class Tenants:
     tenants: list[Tenant]
     admin_key_sha256: str | None = None
+    metrics_key_sha256: str | None = None
+    """A key that may read /metrics and nothing else (what Prometheus is given)."""
 
     def authenticate(self, key: str | None) -> Tenant:
         """The tenant whose key this is; 401 if none."""
@@ -133,6 +148,16 @@ class Tenants:
         if not hmac.compare_digest(hash_key(key), self.admin_key_sha256):
             raise ApiError("permission_error", "admin routes need the admin key")
 
+    def authenticate_metrics(self, key: str | None) -> None:
+        """/metrics names tenants and their volumes: the admin key or the metrics key."""
+        if not key:
+            raise ApiError("authentication_error", "missing key: /metrics needs the admin or "
+                                                   "the metrics key (Authorization: Bearer)")
+        digest = hash_key(key)
+        allowed = [h for h in (self.admin_key_sha256, self.metrics_key_sha256) if h]
+        if not any([hmac.compare_digest(digest, h) for h in allowed]):
+            raise ApiError("permission_error", "/metrics needs the admin or the metrics key")
+
 
 TENANT_FIELDS = {"name", "key_sha256", "weight", "priority", "tokens_per_minute",
                  "max_concurrent"}
@@ -145,6 +170,10 @@ def load_tenants(path: str | Path) -> Tenants:
     admin = data.get("admin_key_sha256")
     if admin is not None and not (isinstance(admin, str) and HEX64.match(admin.lower())):
         raise UserInputError(f"{where}: admin_key_sha256 must be 64 hex digits (sha256)")
+    metrics_key = data.get("metrics_key_sha256")
+    if metrics_key is not None and not (isinstance(metrics_key, str)
+                                        and HEX64.match(metrics_key.lower())):
+        raise UserInputError(f"{where}: metrics_key_sha256 must be 64 hex digits (sha256)")
     entries = data.get("tenant", [])
     if not isinstance(entries, list) or not entries:
         raise UserInputError(f"{where}: needs at least one [[tenant]] table")
@@ -176,4 +205,5 @@ def load_tenants(path: str | Path) -> Tenants:
                                      + ("" if int_field == "priority" else " >= 0"))
             fields[int_field] = value
         tenants.append(Tenant(name, key.lower(), float(weight), **fields))
-    return Tenants(tenants, admin.lower() if admin else None)
+    return Tenants(tenants, admin.lower() if admin else None,
+                   metrics_key.lower() if metrics_key else None)
