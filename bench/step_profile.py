@@ -144,33 +144,47 @@ def linear_alone(runner, batch: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def timed_steps(runner, plans) -> list[float]:
+    times = []
+    for plan in plans:
+        started = time.perf_counter()
+        runner.execute(plan)
+        times.append(time.perf_counter() - started)
+    return times
+
+
 def profile(weights: str, batch: int, context: int, steps: int) -> dict:
+    """The step as served (the one-call decode stack where it applies), then the same step on
+    the per-layer path with every part timed: the stack has no Python between its parts to
+    time, so the parts are the per-layer path's."""
     block_size = 16
     load_before = os.getloadavg()[0]
-    prefill, decodes, num_blocks = decode_plans(batch, context, block_size, steps + 3)
+    prefill, decodes, num_blocks = decode_plans(batch, context, block_size, 2 * steps + 3)
     runner, fmt, dtype = build_runner(weights, num_blocks, block_size)
     timers = Timers()
     instrument(runner, timers)
     runner.execute(prefill)
     for plan in decodes[:3]:  # warm-up
         runner.execute(plan)
-    step_times = []
+    served = timed_steps(runner, decodes[3:3 + steps])
+    fused = runner.model.fused_decode
+    runner.model.fused_decode = False
     timers.enabled = True
-    for plan in decodes[3:]:
-        started = time.perf_counter()
-        runner.execute(plan)
-        step_times.append(time.perf_counter() - started)
+    per_layer = timed_steps(runner, decodes[3 + steps:])
     timers.enabled = False
-    total = sum(step_times)
+    runner.model.fused_decode = fused
+    total = sum(per_layer)
     parts = {name: seconds / steps * 1e3 for name, seconds in timers.seconds.items()}
     parts["other_python"] = total / steps * 1e3 - sum(parts.values())
     alone = linear_alone(runner, batch, repeats=max(3, steps // 2)) * 1e3
-    step_ms = statistics.median(step_times) * 1e3
+    step_ms = statistics.median(served) * 1e3
     return {"weights": weights, "format": fmt, "dtype": dtype, "batch": batch,
             "context": context, "steps": steps, "load_average_before": load_before,
             "step_ms_median": round(step_ms, 3),
-            "step_ms_mean": round(total / steps * 1e3, 3),
-            "parts_ms_mean": {k: round(v, 3) for k, v in sorted(parts.items())},
+            "step_ms_mean": round(sum(served) / steps * 1e3, 3),
+            "decode_stack": bool(fused and fmt == "native"),
+            "per_layer_step_ms_median": round(statistics.median(per_layer) * 1e3, 3),
+            "per_layer_parts_ms_mean": {k: round(v, 3) for k, v in sorted(parts.items())},
             "linear_alone_ms": round(alone, 3),
             "step_over_linear_alone": round(step_ms / alone, 3),
             "output_tokens_per_s": round(batch / (step_ms / 1e3), 1)}

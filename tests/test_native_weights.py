@@ -16,6 +16,7 @@ from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_native_state_dict, load_state_dict
 from tokstream.tokenizer import load_tokenizer
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
+from tokstream.worker.decode_stack import stack_for_step
 from tokstream.worker.dtype_choice import has_native_bf16, resolve_weights
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import allocate_kv_caches
@@ -277,3 +278,42 @@ def test_a_crossover_must_hold_for_the_larger_sizes(monkeypatch):
     monkeypatch.setattr(probe_cache, "best_time", fake_time)
     crossover, rows = quant_linear.measure_crossover(weight)
     assert crossover == 8 and [r["rows"] for r in rows] == [1, 2, 4, 8, 16]
+
+
+@pytest.mark.slow
+def test_decode_steps_through_the_stack_equal_the_per_layer_path(models):
+    """The real model's decode steps (paged cache, one call for all layers) give the
+    per-layer path's logits exactly."""
+    source, native, _ = models
+    config, block_size = source.config, 16
+    prompt = load_tokenizer(source).encode(RAW_PROMPTS[0])
+    blocks = torch.arange(4)
+    n = len(prompt)
+    caches = allocate_kv_caches(config, 4, block_size, 1, torch.float32, torch.device("cpu"))
+    prefill = AttentionMetadata(slot_mapping=torch.arange(n), num_decodes=0,
+                                decode_block_tables=None, decode_key_bias=None,
+                                prefills=[PrefillSeq(0, n, n, blocks)])
+    with torch.inference_mode():
+        native(torch.tensor(prompt), torch.arange(n), caches, prefill)
+    results = {}
+    for fused in (False, True):
+        native.fused_decode = fused
+        cache_copy = [(k.clone(), v.clone()) for k, v in caches]
+        token, logits = prompt[-1], []
+        for step in range(4):
+            position = n + step
+            bias = torch.full((1, 4 * block_size), float("-inf"))
+            bias[0, :position + 1] = 0
+            meta = AttentionMetadata(slot_mapping=torch.tensor([position]), num_decodes=1,
+                                     decode_block_tables=blocks[None], decode_key_bias=bias,
+                                     prefills=[],
+                                     decode_context_lens=torch.tensor([position + 1]))
+            assert not fused or stack_for_step(native, 1, cache_copy, meta) is not None
+            with torch.inference_mode():
+                out = native.compute_logits(native(torch.tensor([token]),
+                                                   torch.tensor([position]), cache_copy, meta))
+            logits.append(out)
+            token = int(out[0].argmax())
+        results[fused] = torch.cat(logits)
+    native.fused_decode = True
+    assert torch.equal(results[True], results[False])

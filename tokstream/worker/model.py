@@ -16,6 +16,7 @@ from torch import nn
 
 from tokstream.config import ModelConfig
 from tokstream.worker.attention import AttentionMetadata
+from tokstream.worker.decode_stack import stack_for_step
 from tokstream.worker.quant_linear import QuantizedWeight, cat_rows, quantized_linear
 
 
@@ -148,6 +149,9 @@ class LlamaModel(nn.Module):
         self.dtype = dtype
         self.rotary = Rotary(config.head_dim, config.max_position, config.rope_theta)
         self.head_linear = linear
+        self.fused_decode = True
+        """Run decode-only steps' layers as one C call where they can (decode_stack.py);
+        False keeps the per-layer path (tests compare the two)."""
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
         """input_ids, positions (T,) -> hidden states (T, hidden)."""
@@ -155,6 +159,11 @@ class LlamaModel(nn.Module):
         # in the serving dtype, sums and norms keep full precision.
         x = self._embed(input_ids).float()
         rope = self.backend.rope_tables(self.rotary, positions, self.dtype)
+        stack = stack_for_step(self, x.shape[0], kv_caches, meta)
+        if stack is not None:
+            cos, sin = rope
+            return stack.run(x, cos[:, 0], sin[:, 0], meta.slot_mapping,
+                             meta.decode_block_tables, meta.decode_context_lens)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, kv_cache, meta, self.all_reduce, self.backend)
         return self.backend.add_rms_norm(x, None, self.norm, self.config.rms_norm_eps, self.dtype)

@@ -1,0 +1,139 @@
+"""A decode-only step's decoder layers in one C call (cpu_decode_stack.c), for native GGUF
+weights on CPU at one rank: the same kernels the per-layer path calls, with no Python between
+them. `DecodeStack.run` is the whole stack from the embedded tokens to the final norm.
+
+The layer table (weight and cache pointers) is built once per set of caches; each step passes
+only its own small tensors (rotary tables, slots, block tables, context lengths) and reuses
+working buffers sized for the largest batch seen so far.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from tokstream.kernels import cpu_attention, cpu_build, cpu_quant, cpu_small_ops
+
+SOURCE = Path(__file__).with_name("cpu_decode_stack.c")
+FLAGS = (*cpu_build.BASE_FLAGS, "-std=gnu11")
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("quant_matmul", "add_rms_norm", "rotary", "silu_mul",
+                                        "write_kv", "attention")]
+
+
+class _QWeight(ctypes.Structure):
+    _fields_ = [("data", _P), ("qtype", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _QWeight), ("o_proj", _QWeight),
+                ("gate_up", _QWeight), ("down", _QWeight), ("k_cache", _P), ("v_cache", _P)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [(name, _I) for name in ("hidden", "num_heads", "num_kv_heads", "head_dim",
+                                        "intermediate", "num_blocks", "block_size")] + [
+        ("eps", _F), ("scale", _F)]
+
+
+_BUFFERS = ("h", "qkv", "q", "attn", "delta", "gate_up", "act")
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("tokens", _I), ("max_blocks", _I), ("cos", _P), ("sin", _P), ("slots", _P),
+                ("block_tables", _P), ("context_lens", _P), ("final_norm", _P)] + [
+        (name, _P) for name in _BUFFERS + ("matmul_scratch", "attention_scratch")]
+
+
+_LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
+    "decode_stack": [_P, _P, _I, _P, _P, _P, _P]})
+
+
+def _address(library: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+
+
+def load() -> ctypes.CDLL | None:
+    """The library, with every kernel it calls available; None otherwise."""
+    parts = (cpu_quant.load(), cpu_small_ops.load(), cpu_attention.load())
+    return None if any(p is None for p in parts) else _LIBRARY.load()
+
+
+def _kernels() -> _Kernels:
+    quant, small, attention = cpu_quant.load(), cpu_small_ops.load(), cpu_attention.load()
+    return _Kernels(_address(quant, "quant_matmul"), _address(small, "add_rms_norm"),
+                    _address(small, "rotary"), _address(small, "silu_mul"),
+                    _address(small, "write_kv"), _address(attention, "paged_decode_attention_f32"))
+
+
+class DecodeStack:
+    """The decoder layers of one model over one set of KV caches, as a single C call.
+
+    `layers`: per layer (input_norm, post_norm, qkv, o_proj, gate_up, down) with the norms
+    float32 tensors and the products (data uint8 blocks, ggml type id) pairs; `kv_caches`:
+    per layer (k_cache, v_cache) float32 (kv_heads, num_blocks, block_size, head_dim)."""
+
+    def __init__(self, layers, kv_caches, final_norm: torch.Tensor, hidden: int,
+                 num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
+                 eps: float):
+        self._library = load()
+        num_kv, num_blocks, block_size, _ = kv_caches[0][0].shape
+        self._dims = _Dims(hidden, num_heads, num_kv_heads, head_dim, intermediate, num_blocks,
+                           block_size, eps, head_dim ** -0.5)
+        self._kernels = _kernels()
+        table = (_Layer * len(layers))()
+        for entry, (norms_and_weights, (k_cache, v_cache)) in zip(table, zip(layers, kv_caches)):
+            input_norm, post_norm, *products = norms_and_weights
+            entry.input_norm, entry.post_norm = input_norm.data_ptr(), post_norm.data_ptr()
+            for field, (data, qtype) in zip(("qkv", "o_proj", "gate_up", "down"), products):
+                setattr(entry, field, _QWeight(data.data_ptr(), qtype))
+            entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+        self._table = table
+        # The tensors the table points into stay alive as long as it does.
+        self._keep = (layers, kv_caches, final_norm)
+        self._final_norm = final_norm
+        self._widths = {"h": hidden, "qkv": (num_heads + 2 * num_kv_heads) * head_dim,
+                        "q": num_heads * head_dim, "attn": num_heads * head_dim,
+                        "delta": hidden, "gate_up": 2 * intermediate, "act": intermediate}
+        self._matmul_scratch = torch.empty(
+            torch.get_num_threads() * 4 * max(hidden, intermediate, num_heads * head_dim))
+        self._group = num_heads // num_kv_heads
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._attention_scratch = torch.empty(0)
+
+    def _buffer(self, name: str, tokens: int) -> torch.Tensor:
+        found = self._buffers.get(name)
+        if found is None or found.shape[0] < tokens:
+            found = self._buffers[name] = torch.empty(tokens, self._widths[name])
+        return found
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            slots: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden) float32 embedded tokens, updated in place; cos, sin (T, head_dim);
+        slots, context_lens (T,) int64; block_tables (T, max_blocks) int64. Returns the final
+        norm's output (T, hidden)."""
+        tokens = x.shape[0]
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots, block_tables = slots.contiguous(), block_tables.contiguous()
+        context_lens = context_lens.contiguous()
+        max_blocks = block_tables.shape[1]
+        needed = torch.get_num_threads() * self._group * (
+            max_blocks * self._dims.block_size + 2 * self._dims.head_dim)
+        if self._attention_scratch.numel() < needed:
+            self._attention_scratch = torch.empty(needed)
+        out = torch.empty_like(x)
+        step = _Step(tokens, max_blocks, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                     block_tables.data_ptr(), context_lens.data_ptr(),
+                     self._final_norm.data_ptr(),
+                     *(self._buffer(name, tokens).data_ptr() for name in _BUFFERS),
+                     self._matmul_scratch.data_ptr(), self._attention_scratch.data_ptr())
+        self._library.decode_stack(ctypes.byref(self._kernels), self._table, len(self._table),
+                                   ctypes.byref(self._dims), ctypes.byref(step), x.data_ptr(),
+                                   out.data_ptr())
+        return out
