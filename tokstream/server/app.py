@@ -24,6 +24,8 @@ from tokstream.config import EngineConfig
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.server import admin_routes, anthropic_routes, openai_routes
 from tokstream.server.config import ServerConfig
+from tokstream.server.connection_limits import (ConnectionLimits, connection_cap,
+                                                guarded_protocol, raise_descriptor_limit)
 from tokstream.server.cors import cors_middleware
 from tokstream.server.host_check import HostCheck
 from tokstream.server.errors import ApiError, api_for_path, error_response
@@ -129,8 +131,12 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, log_level: str
     shown = f"[{host}]" if ":" in host else host
     app = build_app(engine_config, server_config, model_id, aliases, tokenizer,
                     url=f"http://{shown}:{port}")
+    limits = ConnectionLimits(
+        connection_cap(server_config.max_connections, server_config.descriptor_reserve,
+                       raise_descriptor_limit()), server_config.header_timeout_s)
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=3, timeout_keep_alive=30)
+                            timeout_graceful_shutdown=3, timeout_keep_alive=30,
+                            http=guarded_protocol(limits))
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])

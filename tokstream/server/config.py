@@ -29,7 +29,8 @@ class ServerConfig:
     max_pending_tokens: int = 4096
     """A stream's unread tokens past which its request is cancelled (slow caller)."""
     slow_client_grace_s: float = 30.0
-    """After such a cancel, how long the caller has to read the rest before it is cut off."""
+    """How long a caller may leave a send blocked (reading nothing) before it is cut off:
+    after such a cancel, or with the request finished in the engine, whatever its state."""
     ping_interval_s: float = 5.0
     """Keep-alive on an idle stream (SSE ping), well under common 10 s proxy timeouts."""
     max_body_bytes: int = 4 * 2**20

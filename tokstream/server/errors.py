@@ -65,6 +65,8 @@ def error_response(api: str, error: ApiError) -> Response:
         headers["retry-after"] = str(max(1, int(-(-error.retry_after // 1))))
     if error.error_type == "overloaded_error" and api == ANTHROPIC:
         headers["x-should-retry"] = "true"
+    if error.status == 408:
+        headers["connection"] = "close"  # the rest of the body may still come: not reusable
     body = json.dumps(error_body(api, error.error_type, error.message, error.param))
     return Response(body, status_code=error.status_for(api), headers=headers,
                     media_type="application/json")

@@ -3,7 +3,9 @@
 The writer takes whatever the channel holds (merged if the caller lagged), formats it with the
 API's formatter and sends it; a timer sends a keep-alive when nothing was sent for a ping
 interval; a second task watches for the caller's disconnect and then cancels the writer, and
-the registry aborts the request in the engine.
+the registry aborts the request in the engine. A send that cannot complete within the
+slow-client grace (the caller stopped reading) ends the response and closes the connection,
+whatever the engine's state: nothing else would ever free a finished request's writer.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ def final_integrity(stream: Stream) -> dict:
             "digest": final.output_digest, "finish_reason": final.finish_reason}
 
 
+class ClientStalled(Exception):
+    """The caller read nothing for the slow-client grace."""
+
+
 class EventStreamResponse:
     """ASGI response streaming one request as SSE."""
 
@@ -100,10 +106,12 @@ class EventStreamResponse:
             await asyncio.gather(writer, listener, return_exceptions=True)
             reason = "disconnected" if listener.done() and not listener.cancelled() \
                 and listener.exception() is None and listener.result() else None
-            self.registry.close(self.stream, reason)
+            stalled = writer.done() and not writer.cancelled() \
+                and isinstance(writer.exception(), ClientStalled)
+            self.registry.close(self.stream, "slow_client" if stalled else reason)
         if writer.done() and not writer.cancelled() and writer.exception() is not None:
             error = writer.exception()
-            if not isinstance(error, OSError):
+            if not isinstance(error, (OSError, ClientStalled)):
                 log.error("stream %s writer failed", self.stream.request_id, exc_info=error)
 
     async def _listen(self, receive) -> bool:
@@ -113,6 +121,7 @@ class EventStreamResponse:
                 return True
 
     async def _write(self, send, headers) -> None:
+        send = self._bounded(send)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         channel = self.stream.channel
         loop = asyncio.get_running_loop()
@@ -149,6 +158,21 @@ class EventStreamResponse:
 
     _ping_wanted = False
     _ping_timer = None
+
+    def _bounded(self, send):
+        """send, failing with ClientStalled when one message waits past the grace."""
+        grace = self.registry.slow_client_grace_s
+
+        async def bounded_send(message) -> None:
+            try:
+                async with asyncio.timeout(grace):
+                    await send(message)
+            except TimeoutError:
+                log.warning("%s: the client read nothing for %g s; connection closed",
+                            self.stream.request_id, grace)
+                raise ClientStalled(self.stream.request_id) from None
+
+        return bounded_send
 
     async def _send(self, send, body: bytes) -> None:
         self._sent_since_ping = True

@@ -369,9 +369,7 @@ class StreamRegistry:
         stream.channel.fail("overloaded_error", message)
         if self.on_cancel is not None:
             self.on_cancel(stream, "slow_client")
-        if stream.writer is not None:
-            # A caller that never reads would hold its writer in send() for ever.
-            asyncio.get_running_loop().call_later(self.slow_client_grace_s, stream.writer.cancel)
+        # Its writer, stuck on a full socket, gives up after slow_client_grace_s (sse.py).
 
     def recent_text(self, stream: Stream) -> str:
         return "".join(stream.recent_text)[-RECENT_TEXT_CHARS:]
