@@ -1,6 +1,8 @@
 """Fuzzing every POST endpoint with hypothesis: bodies mixing valid fields and junk, and raw
-bytes. Nothing may produce a 5xx, a streamed answer always ends explicitly, and the server is
-healthy and correct afterwards."""
+bytes; and whole requests on every route (methods, paths, query strings, Host, Origin and
+content-type headers, lone surrogates). Nothing may produce a 5xx, a streamed answer always ends
+explicitly, and the server is healthy, idle and leak-free afterwards. bench/fuzz_gateway.py
+sends 10,000+ of the same requests (REQUESTS) and writes bench/results/fuzz_gateway.json."""
 
 import json
 
@@ -55,6 +57,76 @@ COMPLETION = body(prompt=text | st.lists(st.integers(-5, 600), max_size=8) | jun
 COUNT = body(model=common["model"], messages=st.lists(message, max_size=3) | junk, system=junk)
 SCORE = body(token_ids=st.lists(st.integers(-5, 600), max_size=12) | junk,
              start=st.integers(-2, 12) | junk, prompt_token_ids=junk, output_token_ids=junk)
+
+
+ROUTES = {"/v1/messages": ANTHROPIC, "/v1/chat/completions": CHAT,
+          "/v1/completions": COMPLETION, "/v1/messages/count_tokens": COUNT, "/v1/score": SCORE}
+GET_PATHS = ["/health", "/metrics", "/v1/models", "/v1/state", "/openapi.json",
+             "/v1/state/requests/msg_x", "/v1/state/requests/" + "z" * 300, "/", "/v1",
+             "/v1/messages/x", "/v1/../v1/state", "/v1/state%00", "/metrics/"]
+SURROGATES = st.sampled_from(["\\ud800", "\\udfff", "a\\ud83d", "\\ud83d\\ude00\\udc00"])
+CONTENT_TYPES = st.sampled_from(["application/json"] * 6 + [
+    "application/json; charset=utf-8", "text/plain", "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=b", "application/vnd.api+json", "", "json", "*/*"])
+HOSTS = st.sampled_from([None] * 6 + ["localhost", "127.0.0.1:1", "[::1]", "evil.example",
+                                      "evil.example:80", "", "a" * 300, "localhost.evil"])
+ORIGINS = st.sampled_from([None] * 6 + ["https://app.example", "https://evil.example", "null"])
+
+
+def _json_body(route_and_fields) -> bytes:
+    _, fields = route_and_fields
+    try:
+        return json.dumps(fields).encode()
+    except (ValueError, OverflowError):
+        return b"{}"
+
+
+def _surrogate_body(path_and_text) -> bytes:
+    path, text = path_and_text
+    if path == "/v1/completions":
+        return f'{{"model":"dummy:tiny","max_tokens":2,"prompt":"{text}"}}'.encode()
+    return ('{"model":"dummy:tiny","max_tokens":2,"system":"x","messages":[{"role":"user",'
+            f'"content":"{text}"}}]}}').encode()
+
+
+json_post = st.one_of(*[st.tuples(st.just(p), strategy) for p, strategy in ROUTES.items()]).map(
+    lambda pair: {"method": "POST", "path": pair[0], "content": _json_body(pair)})
+surrogate_post = st.tuples(st.sampled_from(list(ROUTES)), SURROGATES).map(
+    lambda pair: {"method": "POST", "path": pair[0], "content": _surrogate_body(pair)})
+raw_post = st.tuples(st.sampled_from(list(ROUTES)), st.binary(max_size=120)).map(
+    lambda pair: {"method": "POST", "path": pair[0], "content": pair[1]})
+get = st.tuples(st.sampled_from(GET_PATHS), st.text(max_size=12)).map(
+    lambda pair: {"method": "GET", "path": pair[0], "params": {"q": pair[1]} if pair[1] else None})
+odd_method = st.tuples(st.sampled_from(["PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "GET",
+                                        "POST"]), st.sampled_from(list(ROUTES) + GET_PATHS)).map(
+    lambda pair: {"method": pair[0], "path": pair[1], "content": b""})
+REQUESTS = st.tuples(
+    st.one_of(json_post, json_post, json_post, surrogate_post, raw_post, get, odd_method),
+    CONTENT_TYPES, HOSTS, ORIGINS).map(
+    lambda t: {**t[0], "headers": {k: v for k, v in (("content-type", t[1]), ("host", t[2]),
+                                                     ("origin", t[3])) if v is not None}})
+"""A whole request: {method, path, headers, content?, params?}."""
+
+
+def send(client: httpx.Client, request: dict) -> httpx.Response:
+    """Send one fuzzed request, read it to its end, and check what came back: never a 5xx
+    (/health's 503 only while not ready), streams ending explicitly, errors in an API shape."""
+    headers = dict(request["headers"])
+    if request["method"] == "OPTIONS" and "origin" in headers:
+        headers["access-control-request-method"] = "POST"
+    with client.stream(request["method"], request["path"], content=request.get("content"),
+                       params=request.get("params"), headers=headers) as response:
+        response.read()
+    assert response.status_code < 500, (request, response.text[:300])
+    kind = response.headers.get("content-type", "")
+    if response.status_code == 200 and kind.startswith("text/event-stream"):
+        report = check_streams([type_stream(response.content)])
+        assert report.streams[0].status in ("complete", "failed"), report.summary()
+    elif response.status_code >= 400 and kind.startswith("application/json") \
+            and request["method"] != "HEAD":
+        error = response.json()
+        assert "error" in error and error["error"]["message"], error
+    return response
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +185,32 @@ def test_raw_bytes_never_5xx(client, raw):
     for path in ("/v1/messages", "/v1/chat/completions"):
         response = post(client, path, raw)
         assert response.status_code in (200, 400, 404), response.text
+
+
+def gateway_resources(server) -> dict:
+    """Open descriptors, threads and memory of the gateway process (leak check)."""
+    import psutil
+
+    process = psutil.Process(server.state()["gateway"]["pid"])
+    return {"open_fds": process.num_fds(), "threads": process.num_threads(),
+            "rss_bytes": process.memory_info().rss}
+
+
+def test_whole_requests_on_every_route_never_5xx(server, client):
+    server.wait_idle()
+    before = gateway_resources(server)
+
+    @settings(FUZZ, max_examples=300)
+    @given(REQUESTS)
+    def run(request):
+        send(client, request)
+
+    run()
+    state = server.wait_idle()
+    assert state["kv"]["free_blocks"] == state["kv"]["num_blocks"]
+    after = gateway_resources(server)
+    assert after["open_fds"] <= before["open_fds"] + 4, (before, after)
+    assert after["threads"] <= before["threads"] + 4, (before, after)
 
 
 def test_healthy_and_correct_after_fuzzing(server, client):
