@@ -56,12 +56,12 @@ class Timers:
         return timed
 
 
-def build_runner(weights: str, num_blocks: int, block_size: int):
+def build_runner(weights: str, num_blocks: int, block_size: int, kv_cache_dtype: str):
     from tokstream.config import EngineConfig
     from tokstream.model.source import resolve_model
     from tokstream.model.weights import load_native_state_dict, load_state_dict
     from tokstream.worker.backend import TorchBackend
-    from tokstream.worker.dtype_choice import resolve_weights
+    from tokstream.worker.dtype_choice import resolve_kv_cache_dtype, resolve_weights
     from tokstream.worker.model import LlamaModel
     from tokstream.worker.model_runner import TORCH_DTYPES, ModelRunner, allocate_kv_caches
     from tokstream.worker.quant_linear import measure_crossovers
@@ -76,9 +76,10 @@ def build_runner(weights: str, num_blocks: int, block_size: int):
     model.pack_weights_for_cpu()
     if model.quantized_weights():
         measure_crossovers(model.quantized_weights())
-    caches = allocate_kv_caches(source.config, num_blocks, block_size, 1, torch_dtype,
-                                torch.device("cpu"))
-    return ModelRunner(model, caches, block_size, torch.device("cpu")), fmt, dtype
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, "cpu")
+    caches = allocate_kv_caches(source.config, num_blocks, block_size, 1,
+                                TORCH_DTYPES[kv_dtype], torch.device("cpu"))
+    return ModelRunner(model, caches, block_size, torch.device("cpu")), fmt, dtype, kv_dtype
 
 
 def instrument(runner, timers: Timers) -> None:
@@ -153,14 +154,16 @@ def timed_steps(runner, plans) -> list[float]:
     return times
 
 
-def profile(weights: str, batch: int, context: int, steps: int) -> dict:
+def profile(weights: str, batch: int, context: int, steps: int,
+            kv_cache_dtype: str = "auto") -> dict:
     """The step as served (the one-call decode stack where it applies), then the same step on
     the per-layer path with every part timed: the stack has no Python between its parts to
     time, so the parts are the per-layer path's."""
     block_size = 16
     load_before = os.getloadavg()[0]
     prefill, decodes, num_blocks = decode_plans(batch, context, block_size, 2 * steps + 3)
-    runner, fmt, dtype = build_runner(weights, num_blocks, block_size)
+    runner, fmt, dtype, kv_dtype = build_runner(weights, num_blocks, block_size,
+                                                kv_cache_dtype)
     timers = Timers()
     instrument(runner, timers)
     runner.execute(prefill)
@@ -178,7 +181,8 @@ def profile(weights: str, batch: int, context: int, steps: int) -> dict:
     parts["other_python"] = total / steps * 1e3 - sum(parts.values())
     alone = linear_alone(runner, batch, repeats=max(3, steps // 2)) * 1e3
     step_ms = statistics.median(served) * 1e3
-    return {"weights": weights, "format": fmt, "dtype": dtype, "batch": batch,
+    return {"weights": weights, "format": fmt, "dtype": dtype, "kv_cache_dtype": kv_dtype,
+            "batch": batch,
             "context": context, "steps": steps, "load_average_before": load_before,
             "step_ms_median": round(step_ms, 3),
             "step_ms_mean": round(sum(served) / steps * 1e3, 3),
@@ -210,6 +214,8 @@ def main() -> None:
     parser.add_argument("--weights", action="append", help="native, float32, bfloat16, auto "
                         "(repeatable; default native and float32)")
     parser.add_argument("--batch", type=int, action="append", help="repeatable (default 1, 32)")
+    parser.add_argument("--kv-cache-dtype", action="append", help="auto, float32, float16 "
+                        "(repeatable; default auto)")
     parser.add_argument("--context", type=int, default=192, help="tokens already cached")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--engine", action="store_true", help="also time the offline engine")
@@ -219,13 +225,14 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     runs = []
     for weights in args.weights or ["native", "float32"]:
-        for batch in args.batch or [1, 32]:
-            with torch.inference_mode():
-                run = profile(weights, batch, args.context, args.steps)
-            if args.engine:
-                run["engine"] = engine_step(weights, batch, args.context, 64)
-            print(json.dumps(run), flush=True)
-            runs.append(run)
+        for kv_dtype in args.kv_cache_dtype or ["auto"]:
+            for batch in args.batch or [1, 32]:
+                with torch.inference_mode():
+                    run = profile(weights, batch, args.context, args.steps, kv_dtype)
+                if args.engine:
+                    run["engine"] = engine_step(weights, batch, args.context, 64)
+                print(json.dumps(run), flush=True)
+                runs.append(run)
     result = {"machine": machine(), "command": " ".join(sys.argv), "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -85,8 +85,9 @@ def build(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
 
 class Library:
     """One kernels/*.c file's library: built on the first load(), its functions' argument
-    types set from `signatures` (name -> ctypes argument types; every function returns
-    void). load() is None where no library can be had, then and ever after."""
+    types set from `signatures` (name -> ctypes argument types for a function returning
+    void, or (argument types, result type)). load() is None where no library can be had,
+    then and ever after."""
 
     def __init__(self, source: Path, flags: tuple[str, ...], signatures: dict[str, list]):
         self.source, self.flags, self.signatures = source, flags, signatures
@@ -98,9 +99,11 @@ class Library:
             self._tried = True
             library = build(self.source, self.flags)
             if library is not None:
-                for name, argtypes in self.signatures.items():
+                for name, signature in self.signatures.items():
+                    argtypes, restype = signature if isinstance(signature, tuple) \
+                        else (signature, None)
                     function = getattr(library, name)
-                    function.restype = None
+                    function.restype = restype
                     function.argtypes = argtypes
             self._library = library
         return self._library

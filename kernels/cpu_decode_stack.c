@@ -26,8 +26,8 @@ typedef void (*rotary_fn)(float *q, float *k, int64_t row_stride, const float *c
 typedef void (*silu_mul_fn)(const float *gate_up, int64_t T, int64_t I, float *out);
 typedef void (*write_kv_fn)(const float *k, const float *v, int64_t row_stride,
                             const int64_t *slots, int64_t T, int64_t Hk, int64_t D,
-                            int64_t num_slots, float *k_cache, float *v_cache);
-typedef void (*attention_fn)(const float *q, const float *k_cache, const float *v_cache,
+                            int64_t num_slots, void *k_cache, void *v_cache);
+typedef void (*attention_fn)(const float *q, const void *k_cache, const void *v_cache,
                              const int64_t *block_tables, const int64_t *context_lens,
                              float *out, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t num_blocks, int64_t block_size,
@@ -51,7 +51,8 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     QWeight qkv, o_proj, gate_up, down;
-    float *k_cache, *v_cache; /* (kv_heads, num_blocks, block_size, head_dim) */
+    void *k_cache, *v_cache; /* (kv_heads, num_blocks, block_size, head_dim), float32 or
+                              * float16: write_kv and attention are the kernels for it */
 } Layer;
 
 typedef struct {

@@ -64,11 +64,21 @@ def load() -> ctypes.CDLL | None:
     return None if any(p is None for p in parts) else _LIBRARY.load()
 
 
-def _kernels() -> _Kernels:
+_CACHE_KERNELS = {torch.float32: ("write_kv", "paged_decode_attention_f32"),
+                  torch.float16: ("write_kv_f16", "paged_decode_attention_f16kv")}
+"""The cache dtypes the stack runs over: the KV write and the decode attention for each."""
+
+
+def _kernels(cache_dtype: torch.dtype) -> _Kernels:
     quant, small, attention = cpu_quant.load(), cpu_small_ops.load(), cpu_attention.load()
+    write_kv, decode_attention = _CACHE_KERNELS[cache_dtype]
     return _Kernels(_address(quant, "quant_matmul"), _address(small, "add_rms_norm"),
                     _address(small, "rotary"), _address(small, "silu_mul"),
-                    _address(small, "write_kv"), _address(attention, "paged_decode_attention_f32"))
+                    _address(small, write_kv), _address(attention, decode_attention))
+
+
+def supports_cache(cache: torch.Tensor) -> bool:
+    return cache.dtype in _CACHE_KERNELS and cache.is_contiguous() and cache.device.type == "cpu"
 
 
 class DecodeStack:
@@ -76,7 +86,8 @@ class DecodeStack:
 
     `layers`: per layer (input_norm, post_norm, qkv, o_proj, gate_up, down) with the norms
     float32 tensors and the products (data uint8 blocks, ggml type id) pairs; `kv_caches`:
-    per layer (k_cache, v_cache) float32 (kv_heads, num_blocks, block_size, head_dim)."""
+    per layer (k_cache, v_cache) (kv_heads, num_blocks, block_size, head_dim), all float32 or
+    all float16 (supports_cache)."""
 
     def __init__(self, layers, kv_caches, final_norm: torch.Tensor, hidden: int,
                  num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
@@ -85,7 +96,7 @@ class DecodeStack:
         num_kv, num_blocks, block_size, _ = kv_caches[0][0].shape
         self._dims = _Dims(hidden, num_heads, num_kv_heads, head_dim, intermediate, num_blocks,
                            block_size, eps, head_dim ** -0.5)
-        self._kernels = _kernels()
+        self._kernels = _kernels(kv_caches[0][0].dtype)
         table = (_Layer * len(layers))()
         for entry, (norms_and_weights, (k_cache, v_cache)) in zip(table, zip(layers, kv_caches)):
             input_norm, post_norm, *products = norms_and_weights
@@ -101,7 +112,7 @@ class DecodeStack:
                         "q": num_heads * head_dim, "attn": num_heads * head_dim,
                         "delta": hidden, "gate_up": 2 * intermediate, "act": intermediate}
         self._matmul_scratch = torch.empty(
-            torch.get_num_threads() * 4 * max(hidden, intermediate, num_heads * head_dim))
+            cpu_quant.scratch_floats(max(hidden, intermediate, num_heads * head_dim)))
         self._group = num_heads // num_kv_heads
         self._buffers: dict[str, torch.Tensor] = {}
         self._attention_scratch = torch.empty(0)

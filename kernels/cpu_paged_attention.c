@@ -33,8 +33,8 @@ static inline uint16_t float_to_bf16(float f) {
     return (uint16_t)(bits >> 16);
 }
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                     \
-void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_tables,          \
+#define DEFINE_DECODE(NAME, T, C, LOAD, LOADC, STORE)                                           \
+void NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *block_tables,          \
           const int64_t *context_lens, T *out, int64_t num_heads, int64_t num_kv_heads,         \
           int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks,         \
           float scale, int64_t seq_begin, int64_t seq_end, float *scratch) {                    \
@@ -52,15 +52,15 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_t
                 const T *qrow = q + (s * num_heads + kvh * group + g) * head_dim;               \
                 for (int64_t d = 0; d < head_dim; d++) qf[g * head_dim + d] = LOAD(qrow[d]) * scale; \
             }                                                                                   \
-            const T *k_head = k_cache + kvh * num_blocks * block_size * head_dim;               \
-            const T *v_head = v_cache + kvh * num_blocks * block_size * head_dim;               \
+            const C *k_head = k_cache + kvh * num_blocks * block_size * head_dim;               \
+            const C *v_head = v_cache + kvh * num_blocks * block_size * head_dim;               \
             for (int64_t pos = 0; pos < context; pos++) {                                       \
-                const T *krow = k_head + (table[pos / block_size] * block_size                  \
+                const C *krow = k_head + (table[pos / block_size] * block_size                  \
                                           + pos % block_size) * head_dim;                       \
                 for (int64_t g = 0; g < group; g++) {                                           \
                     const float *qg = qf + g * head_dim;                                        \
                     float dot = 0.0f;                                                           \
-                    for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * LOAD(krow[d]);        \
+                    for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * LOADC(krow[d]);       \
                     scores[g * context + pos] = dot;                                            \
                 }                                                                               \
             }                                                                                   \
@@ -77,12 +77,12 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_t
             }                                                                                   \
             memset(acc, 0, sizeof(float) * group * head_dim);                                   \
             for (int64_t pos = 0; pos < context; pos++) {                                       \
-                const T *vrow = v_head + (table[pos / block_size] * block_size                  \
+                const C *vrow = v_head + (table[pos / block_size] * block_size                  \
                                           + pos % block_size) * head_dim;                       \
                 for (int64_t g = 0; g < group; g++) {                                           \
                     const float p = scores[g * context + pos];                                  \
                     float *a = acc + g * head_dim;                                              \
-                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * LOAD(vrow[d]);           \
+                    for (int64_t d = 0; d < head_dim; d++) a[d] += p * LOADC(vrow[d]);          \
                 }                                                                               \
             }                                                                                   \
             for (int64_t g = 0; g < group; g++) {                                               \
@@ -93,8 +93,12 @@ void NAME(const T *q, const T *k_cache, const T *v_cache, const int64_t *block_t
 }
 
 #define IDENTITY(x) (x)
-DEFINE_DECODE(paged_decode_attention_f32_generic, float, IDENTITY, IDENTITY)
-DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, bf16_to_float, float_to_bf16)
+#define WIDEN(x) ((float)(x))
+DEFINE_DECODE(paged_decode_attention_f32_generic, float, float, IDENTITY, IDENTITY, IDENTITY)
+DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, uint16_t, bf16_to_float, bf16_to_float,
+              float_to_bf16)
+/* float32 queries and outputs over a float16 cache (half the bytes a decode step reads) */
+DEFINE_DECODE(paged_decode_attention_f16kv_generic, float, _Float16, IDENTITY, WIDEN, IDENTITY)
 
 #ifdef __AVX512F__
 #include "cpu_vector_math.h"
@@ -150,35 +154,27 @@ static void decode_item_f32(const float *q, const float *k_head, const float *v_
     for (int64_t i = 0; i < group * head_dim; i++) out[i] = acc[i];
 }
 
-/* Lane i of the result is the sum of v[i]'s 16 lanes: a transpose-and-add tree, ~3 vector
- * ops per sum where a horizontal reduction of each vector takes ~8. */
-static inline __m512 sum16(const __m512 v[16]) {
-    __m512 u[8], s[4];
-    for (int j = 0; j < 8; j++)
-        u[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
-                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
-    for (int j = 0; j < 4; j++)
-        s[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0x44),
-                             _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0xEE));
-    const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x88),
-                                   _mm512_shuffle_f32x4(s[0], s[1], 0xDD));
-    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x88),
-                                   _mm512_shuffle_f32x4(s[2], s[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
+/* 16 cached values at element `at` of a float32 (half = 0) or float16 (half = 1) cache. */
+static inline __m512 load_cached(const void *cache, int64_t at, const int half) {
+    if (half)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const _Float16 *)cache + at)));
+    return _mm512_loadu_ps((const float *)cache + at);
 }
 
-/* decode_item_f32 for head_dim 64 and up to 4 query heads per kv head (G): scores 16 positions
- * at a time with one tree sum, and the weighted values summed in registers. */
-static inline void decode_item_d64(const float *q, const float *k_head, const float *v_head,
+/* decode_item_f32 for head_dim 64 and up to 4 query heads per kv head (G), over a float32 or
+ * float16 cache (half): scores 16 positions at a time with one tree sum, and the weighted
+ * values summed in registers. */
+static inline void decode_item_d64(const float *q, const void *k_head, const void *v_head,
                                    const int64_t *table, int64_t context, int64_t block_size,
-                                   const int G, float scale, float *scores, float *out) {
+                                   const int G, const int half, float scale, float *scores,
+                                   float *out) {
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t p0 = 0; p0 < context; p0 += 16) {
         const int64_t n = context - p0 < 16 ? context - p0 : 16;
-        const float *krow[16];
+        int64_t krow[16];
         for (int64_t i = 0; i < n; i++) {
             const int64_t pos = p0 + i;
-            krow[i] = k_head + (table[pos / block_size] * block_size + pos % block_size) * 64;
+            krow[i] = (table[pos / block_size] * block_size + pos % block_size) * 64;
         }
         for (int g = 0; g < G; g++) {
             const float *qg = q + g * 64;
@@ -187,11 +183,11 @@ static inline void decode_item_d64(const float *q, const float *k_head, const fl
             __m512 dots[16];
             for (int64_t i = 0; i < 16; i++) {
                 if (i >= n) { dots[i] = _mm512_setzero_ps(); continue; }
-                const float *k = krow[i];
-                __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
-                __m512 b = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
-                a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
-                b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), b);
+                const int64_t k = krow[i];
+                __m512 a = _mm512_mul_ps(q0, load_cached(k_head, k, half));
+                __m512 b = _mm512_mul_ps(q1, load_cached(k_head, k + 16, half));
+                a = _mm512_fmadd_ps(q2, load_cached(k_head, k + 32, half), a);
+                b = _mm512_fmadd_ps(q3, load_cached(k_head, k + 48, half), b);
                 dots[i] = _mm512_add_ps(a, b);
             }
             _mm512_mask_storeu_ps(scores + g * context + p0, first_lanes(n),
@@ -224,9 +220,9 @@ static inline void decode_item_d64(const float *q, const float *k_head, const fl
     for (int g = 0; g < G; g++)
         for (int d = 0; d < 4; d++) acc[g][d] = _mm512_setzero_ps();
     for (int64_t pos = 0; pos < context; pos++) {
-        const float *v = v_head + (table[pos / block_size] * block_size + pos % block_size) * 64;
-        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16),
-                     v2 = _mm512_loadu_ps(v + 32), v3 = _mm512_loadu_ps(v + 48);
+        const int64_t v = (table[pos / block_size] * block_size + pos % block_size) * 64;
+        const __m512 v0 = load_cached(v_head, v, half), v1 = load_cached(v_head, v + 16, half),
+                     v2 = load_cached(v_head, v + 32, half), v3 = load_cached(v_head, v + 48, half);
         for (int g = 0; g < G; g++) {
             const __m512 p = _mm512_set1_ps(scores[g * context + pos]);
             acc[g][0] = _mm512_fmadd_ps(p, v0, acc[g][0]);
@@ -239,18 +235,29 @@ static inline void decode_item_d64(const float *q, const float *k_head, const fl
         for (int d = 0; d < 4; d++) _mm512_storeu_ps(out + g * 64 + d * 16, acc[g][d]);
 }
 
+/* decode_item_d64 with its group size and cache kind as constants (unrolled loops); 0 when
+ * head_dim or group is not one it has. */
+static inline int decode_item_d64_any(const float *q, const void *k_head, const void *v_head,
+                                      const int64_t *table, int64_t context,
+                                      int64_t block_size, int64_t head_dim, int64_t group,
+                                      const int half, float scale, float *scores, float *out) {
+    if (head_dim != 64) return 0;
+    switch (group) {
+    case 1: decode_item_d64(q, k_head, v_head, table, context, block_size, 1, half, scale, scores, out); return 1;
+    case 2: decode_item_d64(q, k_head, v_head, table, context, block_size, 2, half, scale, scores, out); return 1;
+    case 3: decode_item_d64(q, k_head, v_head, table, context, block_size, 3, half, scale, scores, out); return 1;
+    case 4: decode_item_d64(q, k_head, v_head, table, context, block_size, 4, half, scale, scores, out); return 1;
+    }
+    return 0;
+}
+
 static void decode_item_f32_any(const float *q, const float *k_head, const float *v_head,
                                 const int64_t *table, int64_t context, int64_t block_size,
                                 int64_t head_dim, int64_t group, float scale, float *scores,
                                 float *acc, float *out) {
-    if (head_dim == 64) {
-        switch (group) {
-        case 1: decode_item_d64(q, k_head, v_head, table, context, block_size, 1, scale, scores, out); return;
-        case 2: decode_item_d64(q, k_head, v_head, table, context, block_size, 2, scale, scores, out); return;
-        case 3: decode_item_d64(q, k_head, v_head, table, context, block_size, 3, scale, scores, out); return;
-        case 4: decode_item_d64(q, k_head, v_head, table, context, block_size, 4, scale, scores, out); return;
-        }
-    }
+    if (decode_item_d64_any(q, k_head, v_head, table, context, block_size, head_dim, group, 0,
+                            scale, scores, out))
+        return;
     decode_item_f32(q, k_head, v_head, table, context, block_size, head_dim, group, scale,
                     scores, acc, out);
 }
@@ -284,4 +291,35 @@ void paged_decode_attention_f32(const float *q, const float *k_cache, const floa
                                        num_heads, num_kv_heads, head_dim, num_blocks,
                                        block_size, max_blocks, scale, seq_begin, seq_end,
                                        scratch);
+}
+
+/* paged_decode_attention_f32 over a float16 cache: q and out float32, k_cache and v_cache
+ * float16 (written by cpu_small_ops.c's write_kv_f16). */
+void paged_decode_attention_f16kv(const float *q, const _Float16 *k_cache,
+                                  const _Float16 *v_cache, const int64_t *block_tables,
+                                  const int64_t *context_lens, float *out, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
+                                  int64_t block_size, int64_t max_blocks, float scale,
+                                  int64_t seq_begin, int64_t seq_end, float *scratch) {
+#ifdef __AVX512F__
+    const int64_t group = num_heads / num_kv_heads;
+    if (head_dim == 64 && group <= 4) {
+        const int64_t per_thread = group * (max_blocks * block_size + 2 * head_dim);
+        #pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t item = seq_begin * num_kv_heads; item < seq_end * num_kv_heads; item++) {
+            const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+            float *scores = scratch + omp_get_thread_num() * per_thread;
+            const int64_t head = (s * num_heads + kvh * group) * head_dim;
+            const int64_t pool = kvh * num_blocks * block_size * head_dim;
+            decode_item_d64_any(q + head, k_cache + pool, v_cache + pool,
+                                block_tables + s * max_blocks, context_lens[s], block_size,
+                                head_dim, group, 1, scale, scores, out + head);
+        }
+        return;
+    }
+#endif
+    paged_decode_attention_f16kv_generic(q, k_cache, v_cache, block_tables, context_lens, out,
+                                         num_heads, num_kv_heads, head_dim, num_blocks,
+                                         block_size, max_blocks, scale, seq_begin, seq_end,
+                                         scratch);
 }

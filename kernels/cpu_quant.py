@@ -32,7 +32,8 @@ _SCALES = {2: 1, 3: 2, 8: 1}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
     "quant_matmul": [_I, _P, _I, _I, _P, _I, _P, _P],
-    "quant_dequantize": [_I, _P, _I, _I, _P]})
+    "quant_dequantize": [_I, _P, _I, _I, _P],
+    "quant_scratch_floats": ([_I], _I)})
 _scratch: torch.Tensor | None = None
 
 
@@ -61,6 +62,11 @@ def with_float_scales(blocks, qtype: int):
     return out.reshape(n, -1), qtype + FLOAT_SCALES
 
 
+def scratch_floats(k: int) -> int:
+    """Floats of scratch `matmul` needs for k inputs (a few weight rows per thread)."""
+    return load().quant_scratch_floats(k)
+
+
 def available() -> bool:
     return load() is not None
 
@@ -87,7 +93,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, k: int,
         out = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return out  # nothing to multiply (a step that samples no row); x has no data pointer
-    needed = torch.get_num_threads() * 4 * k  # the kernel's ROWS x K buffer per thread
+    needed = scratch_floats(k)
     if _scratch is None or _scratch.numel() < needed:
         _scratch = torch.empty(needed, dtype=torch.float32)
     load().quant_matmul(qtype, weight.data_ptr(), n, k, x.data_ptr(), m, out.data_ptr(),

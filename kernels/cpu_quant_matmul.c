@@ -15,7 +15,7 @@
  * reference dequantisation (a multiply, then an add: two roundings); the dot products use
  * fmaf explicitly and are reassociated into vector lanes (-fassociative-math).
  * Output rows are spread over the OpenMP threads torch already runs (the same libgomp).
- * scratch: omp_get_max_threads() * ROWS * K floats.
+ * scratch: quant_scratch_floats(K) floats.
  */
 #include <math.h>
 #include <omp.h>
@@ -261,6 +261,9 @@ static void apply_rows(const float *buf, const float *x, int64_t M, int64_t K, f
         }
 }
 #endif
+
+/* Floats of scratch quant_matmul needs for K inputs: a ROWS x K buffer per thread. */
+int64_t quant_scratch_floats(int64_t K) { return (int64_t)omp_get_max_threads() * ROWS * K; }
 
 /* out (M, N) = x (M, K) @ dequantised(w)^T. K must be a multiple of 32. */
 void quant_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const float *x,

@@ -89,3 +89,19 @@ void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t 
             }
         }
 }
+
+/* write_kv into float16 caches: each value rounded to the nearest float16 (half the bytes
+ * decode attention then reads). */
+void write_kv_f16(const float *k, const float *v, int64_t row_stride, const int64_t *slots,
+                  int64_t T, int64_t Hk, int64_t D, int64_t num_slots, _Float16 *k_cache,
+                  _Float16 *v_cache) {
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < Hk; h++) {
+            const int64_t at = (h * num_slots + slots[t]) * D;
+            const float *ks = k + t * row_stride + h * D, *vs = v + t * row_stride + h * D;
+            for (int64_t d = 0; d < D; d++) {
+                k_cache[at + d] = (_Float16)ks[d];
+                v_cache[at + d] = (_Float16)vs[d];
+            }
+        }
+}

@@ -18,7 +18,10 @@ _LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "rotary": [_P, _P, _I, _P, _P, _I, _I, _I, _I],
     "silu_mul": [_P, _I, _I, _P],
-    "write_kv": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P]})
+    "write_kv": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P],
+    "write_kv_f16": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P]})
+_WRITE_KV = {torch.float32: "write_kv", torch.float16: "write_kv_f16"}
+"""The cache dtypes write_kv can store into (float16: each value rounded once)."""
 
 
 def load() -> ctypes.CDLL | None:
@@ -59,8 +62,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v (T, kv_heads, D), views into one buffer with one row stride and contiguous heads;
-    caches (kv_heads, num_blocks, block_size, D) contiguous; slot_mapping (T,) int64."""
+    caches (kv_heads, num_blocks, block_size, D) contiguous, float32 or float16 (_WRITE_KV);
+    slot_mapping (T,) int64."""
     t, heads, d = k.shape
     slots = slot_mapping.contiguous()
-    load().write_kv(k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), t, heads, d,
-                    k_cache.shape[1] * k_cache.shape[2], k_cache.data_ptr(), v_cache.data_ptr())
+    write = getattr(load(), _WRITE_KV[k_cache.dtype])
+    write(k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), t, heads, d,
+          k_cache.shape[1] * k_cache.shape[2], k_cache.data_ptr(), v_cache.data_ptr())

@@ -24,6 +24,23 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* Lane i of the result is the sum of v[i]'s 16 lanes: a transpose-and-add tree, ~3 vector
+ * ops per sum where a horizontal reduction of each vector takes ~8. */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 u[8], s[4];
+    for (int j = 0; j < 8; j++)
+        u[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++)
+        s[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], 0xEE));
+    const __m512 p = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x88),
+                                   _mm512_shuffle_f32x4(s[0], s[1], 0xDD));
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x88),
+                                   _mm512_shuffle_f32x4(s[2], s[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(p, q, 0x88), _mm512_shuffle_f32x4(p, q, 0xDD));
+}
+
 /* A mask of the first `count` lanes (all 16 when count >= 16). */
 static inline __mmask16 first_lanes(long count) {
     return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);

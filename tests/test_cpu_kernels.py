@@ -11,16 +11,20 @@ from tokstream.worker.attention import AttentionMetadata, _decode_attention_refe
 pytestmark = pytest.mark.skipif(cpu_attention.load() is None, reason="no C compiler here")
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,cache_dtype,atol", [
+    (torch.float32, torch.float32, 1e-5), (torch.bfloat16, torch.bfloat16, 2e-2),
+    # float32 queries over a float16 cache: against the reference on the same float16 values
+    (torch.float32, torch.float16, 1e-5)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [
     (9, 3, 64, 16), (4, 4, 16, 4), (8, 2, 32, 8), (4, 1, 128, 16), (8, 2, 64, 8),
     (4, 4, 64, 16), (6, 3, 64, 4)])
-def test_kernel_matches_reference(dtype, atol, heads, kv_heads, head_dim, block_size):
+def test_kernel_matches_reference(dtype, cache_dtype, atol, heads, kv_heads, head_dim,
+                                  block_size):
     rng = random.Random(heads * head_dim)
     torch.manual_seed(heads + block_size)
     num_blocks, num_seqs = 64, 7
-    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim).to(dtype)
-    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim).to(dtype)
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim).to(cache_dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, head_dim).to(cache_dtype)
     # Lengths cover one token, exact block multiples and partial last blocks.
     lengths = [1, block_size, block_size + 1, 3 * block_size - 1, 5, 2 * block_size, 40]
     max_blocks = max(-(-n // block_size) for n in lengths)
@@ -42,6 +46,14 @@ def test_kernel_matches_reference(dtype, atol, heads, kv_heads, head_dim, block_
     assert got.dtype == dtype and got.shape == expected.shape
     assert torch.allclose(got.float(), expected.float(), atol=atol, rtol=0), \
         (got.float() - expected.float()).abs().max()
+
+
+def test_a_cache_in_another_dtype_is_refused_not_misread():
+    q = torch.randn(1, 2, 16)
+    cache = torch.randn(2, 2, 4, 16).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="no kernel"):
+        cpu_attention.paged_decode_attention(q, cache, cache, torch.tensor([[0]]),
+                                             torch.tensor([3]), 0.25)
 
 
 def test_kernel_ignores_what_lies_past_each_sequence():
@@ -117,8 +129,9 @@ def test_the_backend_rotates_qkv_views_in_place(tokens):
     assert torch.allclose(got_k, expected_k, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 5])
-def test_kv_writes_match_torch(tokens, monkeypatch):
+def test_kv_writes_match_torch(tokens, cache_dtype, monkeypatch):
     from tokstream.worker import attention
     from tokstream.worker.attention import write_kv
     from tokstream.worker.backend import TorchBackend
@@ -127,9 +140,9 @@ def test_kv_writes_match_torch(tokens, monkeypatch):
     _, k, v = qkv.split((9 * 64, 3 * 64, 3 * 64), dim=-1)
     k, v = k.view(tokens, 3, 64), v.view(tokens, 3, 64)
     slots = torch.randperm(8 * 16)[:tokens]
-    expected = [torch.zeros(3, 8, 16, 64) for _ in range(2)]
-    got = [torch.zeros(3, 8, 16, 64) for _ in range(2)]
-    write_kv(*expected, k, v, slots)
+    expected = [torch.zeros(3, 8, 16, 64, dtype=cache_dtype) for _ in range(2)]
+    got = [torch.zeros(3, 8, 16, 64, dtype=cache_dtype) for _ in range(2)]
+    write_kv(*expected, k, v, slots)  # torch rounds each value to float16 once, as C must
     monkeypatch.setattr(attention, "write_kv", None)  # the C path must be the one taken
     TorchBackend.write_kv(*got, k, v, slots)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

@@ -47,13 +47,12 @@ def native_model(formats=("Q4_1", "Q4_0", "Q8_0")) -> LlamaModel:
     return model
 
 
-def random_caches(seed: int):
-    caches = allocate_kv_caches(CONFIG, NUM_BLOCKS, BLOCK_SIZE, 1, torch.float32,
-                                torch.device("cpu"))
+def random_caches(seed: int, dtype=torch.float32):
+    caches = allocate_kv_caches(CONFIG, NUM_BLOCKS, BLOCK_SIZE, 1, dtype, torch.device("cpu"))
     generator = torch.Generator().manual_seed(seed)
     for k, v in caches:
-        k.normal_(generator=generator)
-        v.normal_(generator=generator)
+        k.copy_(torch.randn(k.shape, generator=generator))
+        v.copy_(torch.randn(v.shape, generator=generator))
     return caches
 
 
@@ -80,14 +79,16 @@ def run(model, fused: bool, ids, positions, caches, meta):
         return model(ids, positions, caches, meta)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("context_lens", [[5], [1, 7, 24], [9, 2, 13, 20, 3]])
-def test_the_stack_computes_what_the_layers_compute(context_lens):
+def test_the_stack_computes_what_the_layers_compute(context_lens, cache_dtype):
     model = native_model()
     meta = decode_meta(context_lens)
     ids = torch.tensor([(7 * i + 3) % CONFIG.vocab_size for i in range(len(context_lens))])
     positions = torch.tensor(context_lens) - 1
-    assert stack_for_step(model, len(context_lens), random_caches(0), meta) is not None
-    per_layer, fused = random_caches(1), random_caches(1)
+    assert stack_for_step(model, len(context_lens), random_caches(0, cache_dtype),
+                          meta) is not None
+    per_layer, fused = random_caches(1, cache_dtype), random_caches(1, cache_dtype)
     expected = run(model, False, ids, positions, per_layer, meta)
     got = run(model, True, ids, positions, fused, meta)
     assert torch.equal(got, expected), (got - expected).abs().max()
@@ -112,6 +113,8 @@ def test_steps_the_stack_leaves_to_the_layers():
     dense = LlamaModel(CONFIG, torch.float32)
     dense.load_weights(dummy_state_dict(CONFIG, torch.float32))
     assert stack_for_step(dense, 2, caches, meta) is None
+    model.layers[1].down.crossover = 1 << 62
+    assert stack_for_step(model, 2, random_caches(0, torch.bfloat16), meta) is None
 
 
 def test_new_caches_get_a_new_table():

@@ -12,6 +12,7 @@ from tokstream.engine.messages import EngineRequest
 from tokstream.errors import PromptTooLongError, UserInputError
 from tokstream.model.source import resolve_model
 from tokstream.sampling_params import SamplingParams
+from tokstream.worker.dtype_choice import resolve_kv_cache_dtype
 
 PROMPTS = [[5 + i, 17, 99, 3 + i] * (i + 1) for i in range(8)]
 
@@ -180,7 +181,9 @@ def test_swap_preemption_leaves_outputs_unchanged(reference, swap_blocks):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
     config = tiny(num_blocks=24)
-    block_bytes = 4 * resolve_model("dummy:tiny").config.kv_bytes_per_token("float32")
+    # a block's bytes in the cache dtype the worker will choose (float16 on most CPUs)
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, "float32", "cpu")
+    block_bytes = 4 * resolve_model("dummy:tiny").config.kv_bytes_per_token(kv_dtype)
     config.cache.preemption_mode = "swap"
     config.cache.swap_space = swap_blocks * block_bytes
     with LLM(config) as llm:

@@ -20,6 +20,9 @@ DtypeOpt = typer.Option("auto", help="float32, bfloat16, float16 or auto (bfloat
 DeviceOpt = typer.Option("cpu", help="cpu or cuda")
 WeightsOpt = typer.Option("auto", help="native (a GGUF's quantised blocks, CPU), float32, "
                           "bfloat16, float16 (dequantised), or auto: native where it applies.")
+KV_CACHE_DTYPE_HELP = ("auto (default: float16 on a CPU computing in float32, where decode "
+                       "attention is bound by the bytes it reads; else the serving dtype), "
+                       "float16 (CPU, float32 compute), or the serving dtype.")
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -123,6 +126,7 @@ def bench(
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 2GB "
                                                   "(default: 4 GiB on CPU)."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
+    kv_cache_dtype: str = typer.Option("auto", help=KV_CACHE_DTYPE_HELP),
     chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill",
                                          help="Chunk prompts under the token budget (off: "
                                          "each prompt is prefilled whole in one step)."),
@@ -159,7 +163,8 @@ def bench(
     spec = BenchSpec(num_requests, input_len, output_len, concurrency, seed)
     cache = CacheConfig(block_size=block_size, kv_cache_memory=(
         parse_size(kv_cache_memory) if kv_cache_memory else None),
-        preemption_mode=preemption_mode, swap_space=parse_size(swap_space))
+        preemption_mode=preemption_mode, swap_space=parse_size(swap_space),
+        kv_cache_dtype=kv_cache_dtype)
     scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                 chunked_prefill=chunked_prefill,
                                 max_prefill_chunk=max_prefill_chunk)
@@ -304,6 +309,7 @@ def serve(
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 2GiB (default: a share of free memory, at most 4 GiB on CPU)."),
     num_blocks: Optional[int] = typer.Option(None, help="Exact KV pool size in blocks (overrides --kv-cache-memory)."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV block (default 16)."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help=KV_CACHE_DTYPE_HELP),
     prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching", help="Share cached KV blocks of identical prompt prefixes (default on)."),
     max_num_seqs: Optional[int] = typer.Option(None, help="Most sequences in a step's batch (default 64)."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget per step (default 1024)."),
@@ -344,6 +350,7 @@ def serve(
                    "max_request_failures": max_request_failures},
         "cache": {"kv_cache_memory": kv_cache_memory, "num_blocks": num_blocks,
                   "block_size": block_size, "enable_prefix_caching": prefix_caching,
+                  "kv_cache_dtype": kv_cache_dtype,
                   "preemption_mode": preemption_mode,
                   "swap_space": swap_space},
         "scheduler": {"max_num_seqs": max_num_seqs,

@@ -10,6 +10,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 WEIGHT_FORMATS = ("auto", "native", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -94,6 +95,10 @@ class CacheConfig:
     """Share of free device memory (after weights) given to the pool when no budget is set."""
     num_blocks: int | None = None
     """Exact pool size in blocks; overrides the memory budget (tests use tiny pools)."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's dtype: 'auto' (float16 on a CPU computing in float32, where decode
+    attention is bound by the cache bytes it reads; else the serving dtype), the serving
+    dtype, or 'float16' on CPU (worker/dtype_choice.resolve_kv_cache_dtype)."""
     enable_prefix_caching: bool = True
     """Share full blocks of identical prefixes between requests (read-only, hashed)."""
     preemption_mode: str = "recompute"
@@ -112,6 +117,9 @@ class CacheConfig:
             raise UserInputError("memory_fraction must be in (0, 1]")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise UserInputError("num_blocks must be >= 1")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise UserInputError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)},"
+                                 f" not {self.kv_cache_dtype!r}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise UserInputError("preemption_mode must be 'recompute' or 'swap', "
                                  f"not {self.preemption_mode!r}")

@@ -98,13 +98,14 @@ class EngineCore:
     def capacity_summary(self) -> str:
         """The seed's arithmetic for the live config, one line."""
         ready, tp = self.executor.ready, self.config.tp
-        per_token = self.model_config.kv_bytes_per_token(self.dtype)
+        per_token = ready.block_bytes * tp // self.block_manager.block_size
         tokens = self.block_manager.num_blocks * self.block_manager.block_size
         return (f"model {self.model_config.name} {self.dtype} tp={tp}: "
                 f"weights {ready.weight_bytes * tp / 1e9:.3f} GB {self.weights}, "
                 f"KV pool {ready.num_blocks * ready.block_bytes * tp / 1e9:.3f} GB "
                 f"({ready.num_blocks} blocks x {self.block_manager.block_size} tokens), "
-                f"KV {per_token} B/token, {tokens} tokens fit, "
+                f"KV {ready.kv_cache_dtype or self.dtype} {per_token} B/token, "
+                f"{tokens} tokens fit, "
                 f"{tokens // 2000} concurrent requests at 2,000 tokens")
 
     @property

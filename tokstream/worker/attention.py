@@ -80,6 +80,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor) -> None:
     """Scatter new keys and values (num_tokens, num_kv_heads, head_dim) into their slots."""
     num_kv_heads, _, _, head_dim = k_cache.shape
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # a float16 cache under float32 compute
     k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, k.transpose(0, 1))
     v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, slot_mapping, v.transpose(0, 1))
 
@@ -100,7 +101,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _decode_attention(q, k_cache, v_cache, meta, scale):
-    if meta.use_kernels and meta.decode_context_lens is not None and cpu_attention.supports(q):
+    if meta.use_kernels and meta.decode_context_lens is not None \
+            and cpu_attention.supports(q, k_cache.dtype):
         return cpu_attention.paged_decode_attention(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
     return _decode_attention_reference(q, k_cache, v_cache, meta, scale)
@@ -110,8 +112,8 @@ def _decode_attention_reference(q, k_cache, v_cache, meta, scale):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    keys = _gather(k_cache, meta.decode_block_tables)  # (kv_heads, num_seqs, L, head_dim)
-    values = _gather(v_cache, meta.decode_block_tables)
+    keys = _gather(k_cache, meta.decode_block_tables, q.dtype)  # (kv_heads, S, L, head_dim)
+    values = _gather(v_cache, meta.decode_block_tables, q.dtype)
     q = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # (kv_heads, S, G, D)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (kv_heads, S, G, L)
     scores += meta.decode_key_bias[None, :, None, :]
@@ -120,11 +122,12 @@ def _decode_attention_reference(q, k_cache, v_cache, meta, scale):
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """(num_seqs, max_blocks) block ids -> (kv_heads, num_seqs, max_blocks*block_size, dim)."""
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(num_seqs, max_blocks) block ids -> (kv_heads, num_seqs, max_blocks*block_size, dim),
+    in `dtype` (the queries' dtype, where the cache is kept narrower)."""
     num_seqs, max_blocks = block_tables.shape
     num_kv_heads, _, block_size, head_dim = cache.shape
-    gathered = cache.index_select(1, block_tables.flatten())
+    gathered = cache.index_select(1, block_tables.flatten()).to(dtype)
     return gathered.view(num_kv_heads, num_seqs, max_blocks * block_size, head_dim)
 
 
@@ -139,8 +142,8 @@ def _prefill_attention(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale):
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
             is_causal=True, scale=scale, enable_gqa=gqa)
         return out[0].transpose(0, 1)
-    keys = _gather(k_cache, seq.block_table[None])[:, 0, :seq.context_len]  # (kv_heads, L, D)
-    values = _gather(v_cache, seq.block_table[None])[:, 0, :seq.context_len]
+    keys = _gather(k_cache, seq.block_table[None], q.dtype)[:, 0, :seq.context_len]  # (H, L, D)
+    values = _gather(v_cache, seq.block_table[None], q.dtype)[:, 0, :seq.context_len]
     # Query i sits at position context_len - query_len + i and sees keys up to it.
     query_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
     mask = torch.arange(seq.context_len, device=q.device)[None, :] <= query_pos[:, None]

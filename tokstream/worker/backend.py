@@ -59,7 +59,7 @@ class TorchBackend:
 
     @staticmethod
     def write_kv(k_cache, v_cache, k, v, slot_mapping):
-        if (cpu_small_ops.supports(k) and k_cache.dtype == torch.float32
+        if (cpu_small_ops.supports(k) and k_cache.dtype in (torch.float32, torch.float16)
                 and k_cache.is_contiguous() and v_cache.is_contiguous()
                 and (k.shape[0] == 1 or k.stride(0) == v.stride(0))
                 and k.stride()[1:] == (k.shape[2], 1) and v.stride()[1:] == (v.shape[2], 1)

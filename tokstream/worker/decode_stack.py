@@ -1,9 +1,10 @@
 """When a step may run its decoder layers as one C call (kernels/cpu_decode_stack.c), and the
 call's table of weights and caches, built once per set of caches.
 
-It may when the step is decode-only, on CPU at one rank with the torch backend, in float32,
-with every layer's products in native GGUF blocks below their measured crossover (where the
-per-layer path would switch to a float matrix product), and the compiled kernels are there.
+It may when the step is decode-only, on CPU at one rank with the torch backend, in float32
+over a float32 or float16 cache, with every layer's products in native GGUF blocks below
+their measured crossover (where the per-layer path would switch to a float matrix product),
+and the compiled kernels are there.
 Anything else runs the per-layer path, which computes the same thing.
 """
 
@@ -31,7 +32,9 @@ def stack_for_step(model, num_tokens: int, kv_caches, meta: AttentionMetadata):
     cached = getattr(model, "_decode_stack", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    if not all(_usable_cache(k) and _usable_cache(v) for k, v in kv_caches) \
+    dtypes = {cache.dtype for pair in kv_caches for cache in pair}
+    if len(dtypes) != 1 or not all(cpu_decode_stack.supports_cache(cache)
+                                   for pair in kv_caches for cache in pair) \
             or cpu_decode_stack.load() is None:
         return None
     c, layers = model.config, []
@@ -59,6 +62,3 @@ def _row_limit(model) -> int | None:
             limit = w.crossover if limit is None else min(limit, w.crossover)
     return limit
 
-
-def _usable_cache(cache: torch.Tensor) -> bool:
-    return cache.dtype == torch.float32 and cache.is_contiguous() and cache.device.type == "cpu"

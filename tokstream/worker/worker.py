@@ -35,6 +35,8 @@ class WorkerReady:
     """Decode batch sizes captured as CUDA graphs (none: every step runs eagerly)."""
     weights: str = "dequantized"
     """How the weights are held: 'dequantized' (in dtype) or 'native' (GGUF blocks)."""
+    kv_cache_dtype: str = ""
+    """The KV cache's dtype ('' from a worker that predates the choice: dtype's)."""
 
 
 @dataclass
@@ -127,7 +129,7 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
     from tokstream.model.source import resolve_model
     from tokstream.model.weights import load_native_state_dict, load_state_dict
     from tokstream.worker.backend import choose_backend
-    from tokstream.worker.dtype_choice import resolve_weights
+    from tokstream.worker.dtype_choice import resolve_kv_cache_dtype, resolve_weights
     from tokstream.worker.model import LlamaModel
     from tokstream.worker.model_runner import (TORCH_DTYPES, ModelRunner, allocate_kv_caches,
                                                allocate_swap_space, kv_pool_blocks)
@@ -159,21 +161,22 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
     model.pack_weights_for_cpu()
     if model.quantized_weights():
         measure_crossovers(model.quantized_weights())
-    num_blocks, block_bytes = kv_pool_blocks(config, source.config, dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device.type)
+    num_blocks, block_bytes = kv_pool_blocks(config, source.config, kv_dtype, device)
     kv_caches = allocate_kv_caches(source.config, num_blocks, config.cache.block_size,
-                                   config.tp, torch_dtype, device)
+                                   config.tp, TORCH_DTYPES[kv_dtype], device)
     swap_caches, num_swap_blocks = None, 0
     if config.cache.preemption_mode == "swap":
         num_swap_blocks = config.cache.swap_space // config.tp // block_bytes
         swap_caches = allocate_swap_space(source.config, num_swap_blocks,
-                                          config.cache.block_size, config.tp, torch_dtype,
-                                          pin=device.type == "cuda")
+                                          config.cache.block_size, config.tp,
+                                          TORCH_DTYPES[kv_dtype], pin=device.type == "cuda")
     graphs = _capture_decode_graphs(config, model, kv_caches, source.config, device)
     runner = ModelRunner(model, kv_caches, config.cache.block_size, device, swap_caches,
                          rank=rank, decode_graphs=graphs)
     ready = WorkerReady(rank, os.getpid(), dtype, str(device), num_blocks, block_bytes,
                         weight_bytes, time.perf_counter() - started, num_swap_blocks,
-                        backend.name, tuple(graphs.sizes) if graphs else (), weights)
+                        backend.name, tuple(graphs.sizes) if graphs else (), weights, kv_dtype)
     return runner, ready
 
 
