@@ -1,0 +1,132 @@
+"""What 100 clients looping `GET /metrics` cost a running stream, before and after the shared
+core snapshot (issue 15), side by side in one run. Writes JSON.
+
+    nice -n 15 .venv/bin/python bench/metrics_scrape_bench.py --baseline-root /tmp/old-checkout
+        # -> bench/results/metrics_scrape_bench.json
+
+For each source tree (this one, and --baseline-root when given: a checkout of an older commit)
+a `tokstream serve --profile ci` (dummy:tiny) runs one streaming /v1/completions request of
+--tokens tokens (ignore_eos, greedy), first alone, then while --scrapers asyncio clients loop
+GET /metrics without pause until it ends. Reported per tree and phase: the stream's duration,
+its median and p99 gap between token events, /metrics latency p50/p99 and scrapes per second.
+The server runs one tree at a time; the clients share the machine with it, as in the probe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+READY = re.compile(r"ready on (http://\S+)")
+
+
+def start_server(root: str) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": root}
+    process = subprocess.Popen([sys.executable, "-m", "tokstream", "serve", "--profile", "ci",
+                                "--port", "0"], cwd=root, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    for line in process.stderr:
+        match = READY.search(line)
+        if match:
+            return process, match.group(1)
+    raise RuntimeError(f"server in {root} did not start")
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def one_stream(url: str, tokens: int) -> dict:
+    body = {"model": "dummy:tiny", "prompt": [5, 6, 7, 8], "max_tokens": tokens,
+            "stream": True, "ignore_eos": True, "temperature": 0}
+    times = []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        started = time.perf_counter()
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and '"token_ids"' in line:
+                    times.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    return {"seconds": round(times[-1] - started, 3), "token_events": len(times),
+            "gap_ms_p50": round(statistics.median(gaps) * 1000, 2),
+            "gap_ms_p99": round(quantile(gaps, 0.99) * 1000, 2)}
+
+
+async def scraped_stream(url: str, tokens: int, scrapers: int) -> dict:
+    latencies: list[float] = []
+    done = asyncio.Event()
+
+    async def scrape(client):
+        while not done.is_set():
+            started = time.perf_counter()
+            await client.get("/metrics")
+            latencies.append(time.perf_counter() - started)
+
+    limits = httpx.Limits(max_connections=scrapers + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        tasks = [asyncio.ensure_future(scrape(client)) for _ in range(scrapers)]
+        await asyncio.sleep(0.5)
+        started = time.perf_counter()
+        stream = await one_stream(url, tokens)
+        elapsed = time.perf_counter() - started
+        done.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return {**stream, "scrapes": len(latencies),
+            "scrapes_per_s": round(len(latencies) / elapsed, 1),
+            "metrics_ms_p50": round(quantile(latencies, 0.5) * 1000, 1),
+            "metrics_ms_p99": round(quantile(latencies, 0.99) * 1000, 1)}
+
+
+def measure(root: str, tokens: int, scrapers: int) -> dict:
+    process, url = start_server(root)
+    try:
+        asyncio.run(one_stream(url, 8))  # warm-up
+        alone = asyncio.run(one_stream(url, tokens))
+        loaded = asyncio.run(scraped_stream(url, tokens, scrapers))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+    commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    return {"root": root, "commit": commit, "alone": alone, "with_scrapers": loaded,
+            "slowdown": round(loaded["seconds"] / alone["seconds"], 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=400)
+    parser.add_argument("--scrapers", type=int, default=100)
+    parser.add_argument("--baseline-root", default=None)
+    parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results",
+                                                       "metrics_scrape_bench.json"))
+    args = parser.parse_args()
+    runs = {"current": measure(ROOT, args.tokens, args.scrapers)}
+    if args.baseline_root:
+        runs["baseline"] = measure(args.baseline_root, args.tokens, args.scrapers)
+    result = {"runs": runs, "tokens": args.tokens, "scrapers": args.scrapers,
+              "conditions": {"load_average_after": os.getloadavg(),
+                             "cpus": os.cpu_count(), "server": "--profile ci (dummy:tiny)",
+                             "command": " ".join(["bench/metrics_scrape_bench.py"]
+                                                 + sys.argv[1:])}}
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
