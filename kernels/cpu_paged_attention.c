@@ -161,6 +161,21 @@ static inline __m512 load_cached(const void *cache, int64_t at, const int half) 
     return _mm512_loadu_ps((const float *)cache + at);
 }
 
+/* Ask for the cached rows of positions [from, from + 16) ahead of their use: a sequence's
+ * blocks lie anywhere in the pool, so the hardware prefetcher, which follows addresses, stops
+ * at each block's end. The loops ask 32 positions ahead (measured, 32 streams x 200 tokens x
+ * 30 layers: float16 15.3 -> 12.6 ms; 16 ahead gave 13.7, 48 no more than 32). */
+static inline void prefetch_rows(const void *cache, const int64_t *table, int64_t from,
+                                 int64_t context, int64_t block_size, const int half) {
+    const int64_t row_bytes = 64 * (half ? 2 : 4);
+    for (int64_t pos = from; pos < from + 16 && pos < context; pos++) {
+        const char *row = (const char *)cache
+                          + (table[pos / block_size] * block_size + pos % block_size) * row_bytes;
+        for (int64_t line = 0; line < row_bytes; line += 64)
+            _mm_prefetch(row + line, _MM_HINT_T0);
+    }
+}
+
 /* decode_item_f32 for head_dim 64 and up to 4 query heads per kv head (G), over a float32 or
  * float16 cache (half): scores 16 positions at a time with one tree sum, and the weighted
  * values summed in registers. */
@@ -171,10 +186,23 @@ static inline void decode_item_d64(const float *q, const void *k_head, const voi
     const __m512 scale_v = _mm512_set1_ps(scale);
     for (int64_t p0 = 0; p0 < context; p0 += 16) {
         const int64_t n = context - p0 < 16 ? context - p0 : 16;
+        if (p0 == 0) prefetch_rows(k_head, table, 16, context, block_size, half);
+        prefetch_rows(k_head, table, p0 + 32, context, block_size, half);
         int64_t krow[16];
         for (int64_t i = 0; i < n; i++) {
             const int64_t pos = p0 + i;
             krow[i] = (table[pos / block_size] * block_size + pos % block_size) * 64;
+        }
+        /* float16 keys widened once into L1 for all G query heads, not once per head */
+        float widened[16 * 64];
+        const void *keys = k_head;
+        if (half) {
+            for (int64_t i = 0; i < n; i++) {
+                for (int d = 0; d < 64; d += 16)
+                    _mm512_storeu_ps(widened + i * 64 + d, load_cached(k_head, krow[i] + d, 1));
+                krow[i] = i * 64;
+            }
+            keys = widened;
         }
         for (int g = 0; g < G; g++) {
             const float *qg = q + g * 64;
@@ -183,11 +211,11 @@ static inline void decode_item_d64(const float *q, const void *k_head, const voi
             __m512 dots[16];
             for (int64_t i = 0; i < 16; i++) {
                 if (i >= n) { dots[i] = _mm512_setzero_ps(); continue; }
-                const int64_t k = krow[i];
-                __m512 a = _mm512_mul_ps(q0, load_cached(k_head, k, half));
-                __m512 b = _mm512_mul_ps(q1, load_cached(k_head, k + 16, half));
-                a = _mm512_fmadd_ps(q2, load_cached(k_head, k + 32, half), a);
-                b = _mm512_fmadd_ps(q3, load_cached(k_head, k + 48, half), b);
+                const float *k = (const float *)keys + krow[i];
+                __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(k));
+                __m512 b = _mm512_mul_ps(q1, _mm512_loadu_ps(k + 16));
+                a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(k + 32), a);
+                b = _mm512_fmadd_ps(q3, _mm512_loadu_ps(k + 48), b);
                 dots[i] = _mm512_add_ps(a, b);
             }
             _mm512_mask_storeu_ps(scores + g * context + p0, first_lanes(n),
@@ -219,7 +247,10 @@ static inline void decode_item_d64(const float *q, const void *k_head, const voi
     __m512 acc[4][4];
     for (int g = 0; g < G; g++)
         for (int d = 0; d < 4; d++) acc[g][d] = _mm512_setzero_ps();
+    prefetch_rows(v_head, table, 0, context, block_size, half);
+    prefetch_rows(v_head, table, 16, context, block_size, half);
     for (int64_t pos = 0; pos < context; pos++) {
+        if (pos % 16 == 0) prefetch_rows(v_head, table, pos + 32, context, block_size, half);
         const int64_t v = (table[pos / block_size] * block_size + pos % block_size) * 64;
         const __m512 v0 = load_cached(v_head, v, half), v1 = load_cached(v_head, v + 16, half),
                      v2 = load_cached(v_head, v + 32, half), v3 = load_cached(v_head, v + 48, half);
