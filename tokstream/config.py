@@ -221,6 +221,12 @@ class EngineConfig:
     """torch.distributed timeout inside a rank group (a backstop; the core acts first)."""
     max_recovery_attempts: int = 3
     """Failed restarts in a row before the replica is declared down."""
+    start_timeout_s: float = 300.0
+    """An engine core or rank group not ready this long after it was started is hung: its
+    processes are killed and the start counts as a failed attempt."""
+    max_request_failures: int = 3
+    """A request in flight at this many replica failures in a row (rank group or engine
+    core) is ended with an error, and the replica goes on without it."""
     spare: bool = False
     """Keep a standby rank group loaded, so a failure swaps groups instead of respawning."""
 
@@ -241,5 +247,9 @@ class EngineConfig:
             raise UserInputError("tp must be >= 1")
         if self.step_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise UserInputError("step_timeout_s and collective_timeout_s must be > 0")
+        if not self.start_timeout_s > 0:
+            raise UserInputError("start_timeout_s must be > 0")
         if self.max_recovery_attempts < 1:
             raise UserInputError("max_recovery_attempts must be >= 1")
+        if self.max_request_failures < 1:
+            raise UserInputError("max_request_failures must be >= 1")

@@ -17,6 +17,8 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
+import psutil
+
 from tokstream.config import EngineConfig
 from tokstream.engine.core_process import core_main
 from tokstream.engine.messages import EngineRequest, RequestDelta, ScoreResult
@@ -64,7 +66,7 @@ class AsyncEngine:
                                        name="tokstream-engine-core")
         self.process.start()
         child_conn.close()
-        message = await asyncio.to_thread(self._recv_first)
+        message = await asyncio.to_thread(self._recv_first, self.config.start_timeout_s)
         if message[0] == "failed":
             _, user_error, text = message
             self.process.join(5)
@@ -82,8 +84,12 @@ class AsyncEngine:
     def num_live(self) -> int:
         return len(self._sinks)
 
-    def _recv_first(self):
+    def _recv_first(self, timeout_s: float):
         try:
+            if not self._conn.poll(timeout_s):
+                kill_tree(self.process)
+                return ("failed", False, f"engine core hung while starting (not ready in "
+                                         f"{timeout_s:g} s): killed with its ranks")
             return self._conn.recv()
         except EOFError:
             self.process.join(5)
@@ -235,3 +241,19 @@ class AsyncEngine:
             await asyncio.to_thread(self.process.join, 5)
         self._outbox.put(None)
         self._conn.close()
+
+
+def kill_tree(process) -> None:
+    """SIGKILL a child process and everything under it (a stopped one too), and reap it."""
+    try:
+        below = psutil.Process(process.pid).children(recursive=True)
+    except psutil.Error:
+        below = []
+    process.kill()
+    for child in below:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    process.join(5)
+    psutil.wait_procs(below, 5)

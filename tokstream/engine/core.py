@@ -18,7 +18,7 @@ from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.executor import Executor
 from tokstream.engine.messages import (EngineRequest, NewRequestData, RequestDelta,
                                        ScheduledChunk, ScoreRequest, ScoreResult, StepPlan,
-                                       token_digest)
+                                       poison_message, token_digest)
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduler import Scheduler, SchedulerOutput
 from tokstream.sampling_params import SamplingParams
@@ -63,8 +63,10 @@ class EngineCore:
         eos = tuple(self.model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
         self.swap_space = (SwapSpace(ready.num_swap_blocks)
                            if config.cache.preemption_mode == "swap" else None)
+        # On its last chance, a request runs in a step with no other such request.
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos,
-                                   swap_space=self.swap_space)
+                                   swap_space=self.swap_space,
+                                   suspect_after_failures=max(1, config.max_request_failures - 1))
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.step_id = 0
         self.prefill_tokens_total = 0
@@ -134,7 +136,7 @@ class EngineCore:
         request = Request(submitted.request_id, list(prompt), params, seed, time.monotonic(),
                           output_token_ids=list(outputs), cache_salt=submitted.cache_salt,
                           tenant=submitted.tenant, priority=submitted.priority,
-                          weight=submitted.weight)
+                          weight=submitted.weight, num_failures=submitted.num_failures)
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
             prompt_ids=prompt, delivered_ids=list(outputs))
@@ -180,6 +182,30 @@ class EngineCore:
             log.error("block bookkeeping broken after %s: %s", after, "; ".join(problems[:5]))
             self._event("self_check_failed", "", after=after, problems=problems[:20])
         return problems
+
+    def _fail_in_flight(self, scheduled: SchedulerOutput, reason: str) -> list[RequestDelta]:
+        """The step failed: each request in it failed once more in a row. One that has failed
+        max_request_failures times in a row is ended with an error, so a request that breaks
+        the ranks every time cannot keep the replica restarting."""
+        limit = self.config.max_request_failures
+        deltas = []
+        for work in scheduled.work:
+            request = work.request
+            if request.status.is_finished:
+                continue
+            request.num_failures += 1
+            if request.num_failures < limit:
+                continue
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self.detokenizers.pop(request.request_id, None)
+            self._event("request_failed", request.request_id, failures=request.num_failures,
+                        reason=reason)
+            deltas.append(RequestDelta(
+                request.request_id, [], request.num_output_tokens, "", finish_reason="error",
+                error=poison_message(limit, reason),
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_output_tokens=request.num_output_tokens))
+        return deltas
 
     def _go_down(self, reason: str) -> list[RequestDelta]:
         self._set_status("down", reason)
@@ -237,7 +263,9 @@ class EngineCore:
         try:
             result = self.executor.execute(self._plan(scheduled))
         except ReplicaError as exc:
-            return deltas + self.recover(str(exc))
+            return deltas + self._fail_in_flight(scheduled, str(exc)) + self.recover(str(exc))
+        for work in scheduled.work:
+            work.request.num_failures = 0
         advanced = self.scheduler.update(scheduled, result.sampled_token_ids)
         deltas += [self._emit(request) for request in advanced]
         if self._resuming:

@@ -13,6 +13,7 @@ import multiprocessing.connection as mp_connection
 import os
 import pickle
 import shutil
+import signal
 import tempfile
 import time
 
@@ -30,6 +31,38 @@ WORKER_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),  # ...and never hand them back to the OS
     "THP_MEM_ALLOC_ENABLE": "1",  # torch: transparent huge pages for large tensors
 }
+
+
+POISON_ENV = "TOKSTREAM_POISON"
+"""Tests and chaos only: 'rank:TOKEN' SIGKILLs rank 0 as a step whose tokens hold TOKEN is
+sent, 'core:TOKEN' the engine core itself: a request that breaks the replica every time."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Poison:
+    """A fault injected by token id (POISON_ENV)."""
+
+    victim: str
+    """rank (rank 0) or core (the engine core process)."""
+    token_id: int
+
+    @classmethod
+    def from_env(cls) -> "Poison | None":
+        value = os.environ.get(POISON_ENV)
+        if not value:
+            return None
+        victim, _, token = value.partition(":")
+        if victim not in ("rank", "core") or not token.isdigit():
+            raise UserInputError(f"{POISON_ENV} must be rank:TOKEN or core:TOKEN, not {value!r}")
+        return cls(victim, int(token))
+
+    def strike(self, plan: StepPlan, group: "RankGroup") -> None:
+        if not any(self.token_id in chunk.token_ids for chunk in plan.chunks):
+            return
+        if self.victim == "core":
+            os.kill(os.getpid(), signal.SIGKILL)
+        group.processes[0].kill()
+        group.processes[0].join(5)
 
 
 @contextlib.contextmanager
@@ -78,23 +111,23 @@ class RankGroup:
 
     def wait_ready(self) -> list[WorkerReady]:
         """Every rank's WorkerReady; raises on a failed or dead rank, or past the deadline."""
-        deadline = time.monotonic() + max(self.config.step_timeout_s, 600.0)
+        deadline = time.monotonic() + self.config.start_timeout_s
         for rank, conn in enumerate(self.conns):
-            message = self._receive(conn, deadline, "loading")
+            message = self._receive(conn, deadline, "loading", self.config.start_timeout_s)
             if isinstance(message, WorkerFailed):
                 self.kill()
                 raise (UserInputError if message.user_error else ReplicaError)(message.message)
             self.ready.append(message)
         return self.ready
 
-    def _receive(self, conn, deadline: float, doing: str):
+    def _receive(self, conn, deadline: float, doing: str, timeout_s: float):
         """conn's next message, watching every rank: a death or the deadline raises."""
         sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise ReplicaError(f"rank group hung while {doing} "
-                                   f"(no answer in {self.config.step_timeout_s:g} s)")
+                                   f"(no answer in {timeout_s:g} s)")
             ready = mp_connection.wait([conn, *sentinels], timeout=remaining)
             if conn in ready:
                 try:
@@ -119,7 +152,8 @@ class RankGroup:
     def call(self, message, doing: str):
         """Send message to every rank and return rank 0's answer (within the step deadline)."""
         self.broadcast(message)
-        return self._receive(self.conns[0], time.monotonic() + self.config.step_timeout_s, doing)
+        timeout_s = self.config.step_timeout_s
+        return self._receive(self.conns[0], time.monotonic() + timeout_s, doing, timeout_s)
 
     @property
     def pids(self) -> list[int]:
@@ -166,8 +200,11 @@ class Executor:
         self.spare: RankGroup | None = None
         if config.spare:
             self.spare = RankGroup(self.group_config)
+        self.poison = Poison.from_env()
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if self.poison is not None:
+            self.poison.strike(plan, self.group)
         return self.group.call(plan, "running a step")
 
     def score(self, request: ScoreRequest) -> ScoreResult:

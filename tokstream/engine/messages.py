@@ -22,6 +22,13 @@ def token_digest(token_ids: list[int]) -> str:
     return "sha256:" + hashlib.sha256(struct.pack(f"<{len(token_ids)}I", *token_ids)).hexdigest()
 
 
+def poison_message(failures: int, reason: str) -> str:
+    """Why a request that kept failing was ended (no 'replica' or 'engine' in it: this is the
+    request's own failure, an api_error, not an overload worth retrying elsewhere)."""
+    return (f"this request was being computed at each of {failures} failures in a row of the "
+            f"model's processes (last: {reason}); it was ended so the others could go on")
+
+
 @dataclass
 class NewRequestData:
     """A request the worker has not seen (or must forget and relearn after a preemption)."""
@@ -31,6 +38,16 @@ class NewRequestData:
     top_p: float
     top_k: int
     seed: int
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    """Alternatives to return with each sampled token's log-probability; None: none."""
+    num_prompt_tokens: int = 0
+    """Positions below this are the prompt: penalties tell prompt from output by position,
+    so a request re-prefilled after a preemption or a restart counts the same tokens."""
 
 
 @dataclass
@@ -69,10 +86,22 @@ class StepPlan:
 
 
 @dataclass
+class TokenLogprobs:
+    """One sampled token's log-probability under the model, and the most likely tokens'."""
+
+    logprob: float
+    top_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
 class StepResult:
     step_id: int
     sampled_token_ids: list[int]
     """One token per chunk with a sample_index, in chunk order."""
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    """Beside sampled_token_ids where any request asked for log-probabilities (None for the
+    others); empty when none did."""
     execute_s: float = 0.0
     """Worker-side time for the forward pass and sampling."""
 
@@ -103,6 +132,10 @@ class RequestDelta:
     """On the last delta: token_digest() of every output token, from the core's own record."""
     queue_s: float | None = None
     """On the last delta: seconds from arrival to first scheduling (None if never scheduled)."""
+    logprobs: list[TokenLogprobs] | None = None
+    """Beside token_ids, for a request that asked for log-probabilities."""
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache at first scheduling."""
 
     @property
     def finished(self) -> bool:
@@ -128,6 +161,9 @@ class EngineRequest:
     """Tier: lower is admitted first and preempted last."""
     weight: float = 1.0
     """The tenant's weight in fair scheduling (twice the weight, twice the share)."""
+    num_failures: int = 0
+    """Replica failures in a row (engine core deaths) this request was in flight at, with no
+    token between them, before this submission (see EngineConfig.max_request_failures)."""
 
 
 @dataclass

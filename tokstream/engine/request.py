@@ -57,6 +57,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     """Chain hashes of this request's full, computed blocks (prefix caching)."""
     num_preemptions: int = 0
+    num_failures: int = 0
+    """Replica failures in a row this request was in flight at (reset by a step that ran)."""
     first_scheduled: float | None = None
     swapped_block_ids: list[int] = field(default_factory=list)
     """Host blocks holding this request's computed KV while it is swapped out (swap-mode

@@ -100,8 +100,13 @@ class PrefillTime:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] = (), swap_space: SwapSpace | None = None):
+                 eos_token_ids: tuple[int, ...] = (), swap_space: SwapSpace | None = None,
+                 suspect_after_failures: int = 0):
         self.config = config
+        self.suspect_after_failures = suspect_after_failures
+        """Requests in flight at this many failed steps in a row (0: off) are suspects of
+        breaking the replica: a step takes at most one, so the one that does is found alone
+        and the others are not ended with it."""
         self.swap_space = swap_space
         """Host blocks for swap-mode preemption; None means recompute only."""
         self.eos_token_ids = eos_token_ids
@@ -157,6 +162,7 @@ class Scheduler:
         prefill_time_known = False
 
         scheduled: set[str] = set()
+        suspect_taken = False
         # Decodes before prefill chunks, each group in running order: a long prompt that
         # arrived first must not take the budget from streams already generating.
         for request in sorted(self.running, key=self._is_prefilling):
@@ -164,6 +170,10 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self._is_suspect(request):
+                if suspect_taken:
+                    continue
+                suspect_taken = True
             num_new = self._num_new_tokens(request, budget)
             prefilling = self._is_prefilling(request)
             if prefilling:
@@ -197,9 +207,14 @@ class Scheduler:
             if prefill_time is not None and prefill_time.spent:
                 break
             request = self.waiting.peek(
-                lambda r: self._may_start(r) and (long_left > 0 or not self._is_long_prefill(r)))
+                lambda r: self._may_start(r) and (long_left > 0 or not self._is_long_prefill(r))
+                and not (suspect_taken and self._is_suspect(r)))
             if request is None:
                 break
+            if self._is_suspect(request):
+                if suspect_taken:
+                    break  # preempted requests come back in order: the rest wait a step
+                suspect_taken = True
             if self._can_never_fit(request):
                 self.finish(request, RequestStatus.FINISHED_LENGTH, "kv_cache_capacity")
                 out.finished.append(request)
@@ -275,6 +290,9 @@ class Scheduler:
         """The engine ran out's work in seconds (schedule to emit): refit the step cost."""
         if out.work:
             self.step_cost.observe(step_shape(out.work), seconds)
+
+    def _is_suspect(self, request: Request) -> bool:
+        return 0 < self.suspect_after_failures <= request.num_failures
 
     @staticmethod
     def _is_prefilling(request: Request) -> bool:

@@ -12,7 +12,13 @@ the registry and are submitted with the others.
 
 After `max_recovery_attempts` failed starts in a row the replica is down: live streams end
 with an error event, new requests are refused, and a start is tried again every
-`retry_interval_s` until one succeeds.
+`retry_interval_s` until one succeeds. A core that dies within STABLE_CORE_S of starting,
+before any stream got a token from it, counts as a failed start too, so a core that keeps
+dying at once cannot restart forever.
+
+A request in flight at `max_request_failures` core deaths in a row (no token between them) is
+ended with an error instead of being resubmitted: it is what kills the cores. Its count goes
+with it to the next core, which runs a request on its last chance in a step of its own.
 """
 
 from __future__ import annotations
@@ -26,11 +32,15 @@ from collections.abc import Callable
 import psutil
 
 from tokstream.engine.async_engine import AsyncEngine
+from tokstream.engine.messages import RequestDelta, poison_message
 from tokstream.server.streams import StreamRegistry
 
 log = logging.getLogger("tokstream.server")
 
 KINDS = ("rank", "core")
+STABLE_CORE_S = 30.0
+"""A core that dies sooner than this after it started, having streamed nothing, counts as a
+failed start."""
 """What a restart replaced: the rank group (by the core) or the engine core (by the gateway)."""
 
 
@@ -59,6 +69,10 @@ class EngineSupervisor:
         self._task: asyncio.Task | None = None
         self._starting: AsyncEngine | None = None
         self._closing = False
+        self._failed_starts = 0
+        """Failed core starts in a row (quick deaths included); reset by a core that lasts."""
+        self._deaths: dict[str, tuple[int, int]] = {}
+        """request id -> (core deaths in a row it was in flight at, tokens it had then)."""
         self._attach(engine)
 
     @property
@@ -75,6 +89,9 @@ class EngineSupervisor:
         engine.on_status = self._on_core_status
         engine.on_dead = self._on_core_dead
         self._seen = (engine.restarts, engine.resumed_requests, len(engine.recovery_seconds))
+        self._attached_at = time.monotonic()
+        self._delivered_at_attach = {rid: len(s.delivered)
+                                     for rid, s in self.registry.streams.items()}
 
     def _set_status(self, status: str, reason: str | None) -> None:
         self.status = status
@@ -111,25 +128,65 @@ class EngineSupervisor:
         if self._closing:
             return
         log.error("engine core (pid %s) died: %s; starting another", self.engine.pid, reason)
+        quick = (time.monotonic() - self._attached_at < STABLE_CORE_S
+                 and not self._progressed())
+        culprits = self._count_deaths()
+        if not quick:
+            self._failed_starts = 0
+        elif not culprits:  # a death a request explains is no failed start: it is gone now
+            self._failed_starts += 1
         self.registry.paused = True
         self._event("engine_dead", reason=reason, pid=self.engine.pid)
         self._set_status("recovering", f"engine core died: {reason}")
         self._task = asyncio.get_running_loop().create_task(self._replace())
 
+    def _progressed(self) -> bool:
+        """Did any stream get a token (or end) since the current core started?"""
+        before, streams = self._delivered_at_attach, self.registry.streams
+        return (any(len(s.delivered) > before.get(rid, 0) for rid, s in streams.items())
+                or any(rid not in streams for rid in before))
+
+    def _count_deaths(self) -> int:
+        """Each live request submitted to the dead core failed once more, unless it got a
+        token since its last failure; one at max_request_failures is ended with an error.
+        Returns how many were."""
+        limit = self.config.max_request_failures
+        counts = {}
+        ended = 0
+        for stream in self.registry.streams.values():
+            if not stream.live or not stream.submissions:
+                continue
+            failures, tokens = self._deaths.get(stream.request_id, (0, -1))
+            failures = failures + 1 if tokens == len(stream.delivered) else 1
+            counts[stream.request_id] = (failures, len(stream.delivered))
+            stream.engine_fields["num_failures"] = failures
+            if failures >= limit:
+                ended += 1
+                self._event("request_failed", request_id=stream.request_id, failures=failures)
+                n = len(stream.delivered)
+                self.registry._deliver(RequestDelta(
+                    stream.request_id, [], n, "", finish_reason="error",
+                    error=poison_message(failures, "its process died"),
+                    num_prompt_tokens=stream.num_prompt_tokens, num_output_tokens=n))
+        self._deaths = counts
+        return ended
+
     async def _replace(self) -> None:
         started = time.monotonic()
         await self.engine.shutdown()  # reap the dead core and close its pipe
-        failures = 0
+        attempts = self.config.max_recovery_attempts
+        last_error = "the engine core kept dying as soon as it started"
         while True:
+            if self._failed_starts >= attempts:
+                if self.status != "down":
+                    self._go_down(last_error)
+                await asyncio.sleep(self.retry_interval_s)
             engine, error = await self._start()
             if engine is not None:
                 break
-            failures += 1
-            self._event("engine_restart_failed", reason=error, attempt=failures)
-            if failures == self.config.max_recovery_attempts:
-                self._go_down(error)
-            if failures >= self.config.max_recovery_attempts:
-                await asyncio.sleep(self.retry_interval_s)
+            self._failed_starts += 1
+            last_error = error
+            self._event("engine_restart_failed", reason=error, attempt=self._failed_starts)
         was_down = self.status == "down"
         self.engine = engine
         self._attach(engine)
