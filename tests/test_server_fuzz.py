@@ -64,17 +64,28 @@ ROUTES = {"/v1/messages": ANTHROPIC, "/v1/chat/completions": CHAT,
 GET_PATHS = ["/health", "/metrics", "/v1/models", "/v1/state", "/openapi.json",
              "/v1/state/requests/msg_x", "/v1/state/requests/" + "z" * 300, "/", "/v1",
              "/v1/messages/x", "/v1/../v1/state", "/v1/state%00", "/metrics/"]
+VALID = {"/v1/messages": anthropic_body(max_tokens=4),
+         "/v1/chat/completions": {**anthropic_body(max_tokens=4), "stream": False},
+         "/v1/completions": {"model": "dummy:tiny", "prompt": "hi", "max_tokens": 4},
+         "/v1/messages/count_tokens": {"model": "dummy:tiny",
+                                       "messages": [{"role": "user", "content": "hi"}]},
+         "/v1/score": {"token_ids": [5, 6, 7]}}
+"""A valid body per route: near-valid requests override a few of its fields with fuzz."""
 SURROGATES = st.sampled_from(["\\ud800", "\\udfff", "a\\ud83d", "\\ud83d\\ude00\\udc00"])
-CONTENT_TYPES = st.sampled_from(["application/json"] * 6 + [
+CONTENT_TYPES = st.sampled_from(["application/json"] * 16 + [
     "application/json; charset=utf-8", "text/plain", "application/x-www-form-urlencoded",
     "multipart/form-data; boundary=b", "application/vnd.api+json", "", "json", "*/*"])
-HOSTS = st.sampled_from([None] * 6 + ["localhost", "127.0.0.1:1", "[::1]", "evil.example",
+HOSTS = st.sampled_from([None] * 16 + ["localhost", "127.0.0.1:1", "[::1]", "evil.example",
                                       "evil.example:80", "", "a" * 300, "localhost.evil"])
-ORIGINS = st.sampled_from([None] * 6 + ["https://app.example", "https://evil.example", "null"])
+ORIGINS = st.sampled_from([None] * 10 + ["https://app.example", "https://evil.example", "null"])
 
 
-def _json_body(route_and_fields) -> bytes:
-    _, fields = route_and_fields
+def _json_body(route_and_fields, near_valid: bool = False) -> bytes:
+    path, fields = route_and_fields
+    if near_valid:
+        # max_tokens stays small: an absent one means "fill the context", thousands of tokens.
+        overrides = {k: v for k, v in fields.items() if k != "max_tokens"}
+        fields = {**VALID[path], **dict(list(overrides.items())[:2])}
     try:
         return json.dumps(fields).encode()
     except (ValueError, OverflowError):
@@ -91,6 +102,9 @@ def _surrogate_body(path_and_text) -> bytes:
 
 json_post = st.one_of(*[st.tuples(st.just(p), strategy) for p, strategy in ROUTES.items()]).map(
     lambda pair: {"method": "POST", "path": pair[0], "content": _json_body(pair)})
+near_valid_post = st.one_of(*[st.tuples(st.just(p), strategy)
+                               for p, strategy in ROUTES.items()]).map(
+    lambda pair: {"method": "POST", "path": pair[0], "content": _json_body(pair, True)})
 surrogate_post = st.tuples(st.sampled_from(list(ROUTES)), SURROGATES).map(
     lambda pair: {"method": "POST", "path": pair[0], "content": _surrogate_body(pair)})
 raw_post = st.tuples(st.sampled_from(list(ROUTES)), st.binary(max_size=120)).map(
@@ -101,7 +115,8 @@ odd_method = st.tuples(st.sampled_from(["PUT", "DELETE", "PATCH", "OPTIONS", "HE
                                         "POST"]), st.sampled_from(list(ROUTES) + GET_PATHS)).map(
     lambda pair: {"method": pair[0], "path": pair[1], "content": b""})
 REQUESTS = st.tuples(
-    st.one_of(json_post, json_post, json_post, surrogate_post, raw_post, get, odd_method),
+    st.one_of(json_post, json_post, near_valid_post, near_valid_post, surrogate_post, raw_post,
+              get, odd_method),
     CONTENT_TYPES, HOSTS, ORIGINS).map(
     lambda t: {**t[0], "headers": {k: v for k, v in (("content-type", t[1]), ("host", t[2]),
                                                      ("origin", t[3])) if v is not None}})
