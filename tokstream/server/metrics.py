@@ -20,6 +20,8 @@ RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 3
                     120.0, 300.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000)
 
 
 class EngineCollector:
@@ -61,6 +63,13 @@ class EngineCollector:
         for state in ("used", "free", "cached"):
             blocks.add_metric([self.model, state], kv.get(f"{state}_blocks", 0))
         yield blocks
+        if "block_size" in kv:
+            # The endpoint picker's prefix scorer reads the pool's geometry from these labels
+            # (the Gateway API inference extension's model-server protocol); value always 1.
+            info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
+                                     labels=["model_name", "block_size", "num_gpu_blocks"])
+            info.add_metric([self.model, str(kv["block_size"]), str(kv.get("num_blocks", 0))], 1)
+            yield info
         yield gauge("tokstream_kv_blocks_total", "KV blocks in the pool.", kv.get("num_blocks", 0))
         last = snap.get("last_step") or {}
         yield gauge("tokstream_last_step_seconds", "Duration of the latest engine step.",
@@ -93,6 +102,18 @@ class Metrics:
                                          m, registry=r).labels(model)
         self.success = Counter("vllm:request_success", "Requests finished, by reason.",
                                m + ["finished_reason"], registry=r)
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per finished request.", m,
+            buckets=TOKEN_BUCKETS, registry=r).labels(model)
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens", "Output tokens per finished request.", m,
+            buckets=TOKEN_BUCKETS, registry=r).labels(model)
+        self.prefill_time = Histogram(
+            "vllm:request_prefill_time_seconds", "First scheduling to first token.", m,
+            buckets=E2E_BUCKETS, registry=r).labels(model)
+        self.decode_time = Histogram(
+            "vllm:request_decode_time_seconds", "First token to last token.", m,
+            buckets=E2E_BUCKETS, registry=r).labels(model)
         self.tenant_tokens = Counter("tokstream_tenant_tokens", "Tokens per tenant.",
                                      ["tenant", "kind"], registry=r)
         self.errors = Counter("tokstream_errors", "Error responses and error events, by type.",
@@ -149,6 +170,13 @@ class Metrics:
         self.e2e.observe(e2e_s)
         if delta.queue_s is not None:
             self.queue.observe(delta.queue_s)
+        self.request_prompt_tokens.observe(stream.num_prompt_tokens)
+        self.request_generation_tokens.observe(delta.num_output_tokens)
+        if stream.first_token_time is not None:
+            ttft_s = stream.first_token_time - stream.arrival
+            # queue_s is the engine's clock and TTFT the gateway's: never below zero.
+            self.prefill_time.observe(max(ttft_s - (delta.queue_s or 0.0), 0.0))
+            self.decode_time.observe(max(e2e_s - ttft_s, 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
