@@ -217,3 +217,29 @@ def test_chunk_policy_changes_only_the_steps(reference, chunking):
     assert [c.token_ids for c in out] == reference["greedy"]
     assert snapshot["chunked_prefill"] == chunking.get("chunked_prefill", True)
     assert snapshot["max_prefill_chunk"] == chunking.get("max_prefill_chunk")  # None: whole
+
+
+def test_penalties_and_logprobs_survive_preemption():
+    """Penalised, biased, seeded requests with log-probabilities, run together on a pool so
+    small that they are preempted and re-prefilled: every token and every log-probability is
+    what each gives alone (the worker rebuilds each one's history from its positions)."""
+    # The bias makes token 5 likely; each time it is sampled the frequency penalty makes it
+    # less so: the tokens depend on each request's history being right.
+    params = SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True,
+                            repetition_penalty=1.3, frequency_penalty=1.0, presence_penalty=0.6,
+                            min_p=0.02, logit_bias={5: 6.0}, logprobs=2)
+    with LLM(tiny()) as llm:
+        alone = [llm.generate([p], params)[0] for p in PROMPTS]
+    with LLM(tiny(num_blocks=24)) as llm:
+        together = llm.generate(PROMPTS, params)
+        preemptions = llm.core.scheduler.num_preemptions
+    assert preemptions > 0
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids
+        assert len(b.logprobs) == len(b.token_ids)
+        assert [lp.top_token_ids for lp in a.logprobs] == [lp.top_token_ids for lp in b.logprobs]
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+    assert 2 <= alone[0].token_ids.count(5) < 20  # biased, and held back by its count
+    plain = SamplingParams(max_tokens=24, temperature=0.9, seed=3, ignore_eos=True)
+    with LLM(tiny()) as llm:
+        assert llm.generate([PROMPTS[0]], plain)[0].token_ids != alone[0].token_ids

@@ -7,7 +7,7 @@ the first-step logits must agree to ~1e-4.
 import pytest
 import torch
 
-from tokstream.config import EngineConfig
+from tokstream.config import CacheConfig, EngineConfig
 from tokstream.engine.llm import LLM
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import hf_config_dict, load_state_dict
@@ -87,7 +87,9 @@ def hf_outputs(hf_model, prompts, source):
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(EngineConfig(model="smollm2", dtype="float32", weights="float32")) as engine:
+    # float32 throughout, the KV cache too: the same arithmetic transformers does
+    with LLM(EngineConfig(model="smollm2", dtype="float32", weights="float32",
+                          cache=CacheConfig(kv_cache_dtype="float32"))) as engine:
         yield engine
 
 
@@ -130,3 +132,21 @@ def test_batched_run_matches_batch_1(llm, prompts, hf_outputs):
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     completions = llm.generate(prompts, params)
     assert [c.token_ids for c in completions] == hf_outputs
+
+
+def test_logprobs_are_transformers_log_softmax(llm, prompts, hf_model):
+    """Each generated token's log-probability and the top 5 alternatives, against
+    transformers' log-softmax over the same sequence (teacher-forced), within 1e-3."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5)
+    (completion,) = llm.generate([prompts[0]], params)
+    assert len(completion.logprobs) == len(completion.token_ids) == 8
+    sequence = prompts[0] + completion.token_ids
+    with torch.no_grad():
+        logits = hf_model(input_ids=torch.tensor([sequence])).logits[0]
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    for i, (token, got) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        row = reference[len(prompts[0]) - 1 + i]
+        assert abs(got.logprob - float(row[token])) < 1e-3
+        top = torch.topk(row, 5)
+        assert got.top_token_ids == top.indices.tolist()
+        assert max(abs(a - float(b)) for a, b in zip(got.top_logprobs, top.values)) < 1e-3

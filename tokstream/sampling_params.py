@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from tokstream.errors import UserInputError
 
+MAX_LOGPROBS = 20
+"""Most alternatives per token (OpenAI's top_logprobs limit)."""
+
 
 @dataclass
 class SamplingParams:
@@ -29,6 +32,21 @@ class SamplingParams:
     """Keep going past end-of-sequence tokens (benchmarks)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely one's (after
+    temperature); 0 keeps all."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already in the output (OpenAI)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it is already in the output (OpenAI)."""
+    repetition_penalty: float = 1.0
+    """Divides positive logits and multiplies negative ones of every token in the prompt or
+    the output (Hugging Face, vLLM); 1 is off."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> added to its logit before sampling (OpenAI, -100 to 100)."""
+    logprobs: int | None = None
+    """Return each output token's log-probability under the model (raw logits, float32
+    log-softmax) with this many most likely alternatives (0-20); None returns none."""
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -45,6 +63,30 @@ class SamplingParams:
             raise UserInputError("seed must be in [0, 2**63)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise UserInputError("stop sequences must be non-empty strings")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise UserInputError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise UserInputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise UserInputError("repetition_penalty must be in (0, 10], got "
+                                 f"{self.repetition_penalty}")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise UserInputError(f"logit_bias: token ids must be integers >= 0, got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise UserInputError(f"logit_bias: each bias must be in [-100, 100], got {bias}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool)
+                                          or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise UserInputError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                                 f"got {self.logprobs!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the token history changes the logits (the worker then keeps it)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

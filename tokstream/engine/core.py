@@ -18,7 +18,8 @@ from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.executor import Executor
 from tokstream.engine.messages import (EngineRequest, NewRequestData, RequestDelta,
                                        ScheduledChunk, ScoreRequest, ScoreResult, StepPlan,
-                                       poison_message, token_digest)
+                                       StepResult, TokenLogprobs, poison_message,
+                                       token_digest)
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduler import Scheduler, SchedulerOutput
 from tokstream.sampling_params import SamplingParams
@@ -46,13 +47,14 @@ class StepStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
+                 run_dir: str | None = None):
         self.config = config
         source = resolve_model(config.model)
         self.model_config = source.config
         self.tokenizer = tokenizer or load_tokenizer(source)
         self.model_config.check_tp(config.tp)
-        self.executor = Executor(config)
+        self.executor = Executor(config, run_dir)
         ready = self.executor.ready
         self.dtype = ready.dtype
         self.weights = ready.weights
@@ -68,6 +70,8 @@ class EngineCore:
                                    swap_space=self.swap_space,
                                    suspect_after_failures=max(1, config.max_request_failures - 1))
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.cached_tokens: dict[str, int] = {}
+        """Prompt tokens each request found in the prefix cache when first scheduled."""
         self.step_id = 0
         self.prefill_tokens_total = 0
         """Tokens computed in prefill chunks (prompts, and prompt + output again after a
@@ -198,6 +202,7 @@ class EngineCore:
                 continue
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
             self.detokenizers.pop(request.request_id, None)
+            self.cached_tokens.pop(request.request_id, None)
             self._event("request_failed", request.request_id, failures=request.num_failures,
                         reason=reason)
             deltas.append(RequestDelta(
@@ -214,6 +219,7 @@ class EngineCore:
         for request in list(self.scheduler.requests.values()):
             self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
             self.detokenizers.pop(request.request_id, None)
+            self.cached_tokens.pop(request.request_id, None)
             deltas.append(RequestDelta(request.request_id, [], request.num_output_tokens, "",
                                        finish_reason="error", error=f"replica down: {reason}",
                                        num_prompt_tokens=len(request.prompt_token_ids),
@@ -267,7 +273,8 @@ class EngineCore:
         for work in scheduled.work:
             work.request.num_failures = 0
         advanced = self.scheduler.update(scheduled, result.sampled_token_ids)
-        deltas += [self._emit(request) for request in advanced]
+        logprobs = _logprobs_by_request(scheduled, result)
+        deltas += [self._emit(request, logprobs.get(request.request_id)) for request in advanced]
         if self._resuming:
             self._resuming.difference_update(request.request_id for request in advanced)
         decodes = sum(1 for w in scheduled.work
@@ -290,14 +297,22 @@ class EngineCore:
             if work.is_new:
                 p = request.params
                 plan.new_requests.append(NewRequestData(
-                    request.request_id, p.temperature, p.top_p, p.top_k, request.seed))
+                    request.request_id, p.temperature, p.top_p, p.top_k, request.seed,
+                    min_p=p.min_p, presence_penalty=p.presence_penalty,
+                    frequency_penalty=p.frequency_penalty,
+                    repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
+                    logprobs=p.logprobs, num_prompt_tokens=len(request.prompt_token_ids),
+                    history=request.token_slice(0, work.start) if p.penalized else []))
+                # What the prefix cache gave it the first time (a resumed request's own
+                # blocks are not a cache hit for its caller).
+                self.cached_tokens.setdefault(request.request_id, work.start)
             end = work.start + work.num_tokens
             plan.chunks.append(ScheduledChunk(
                 request.request_id, request.token_slice(work.start, end), work.start,
                 work.new_block_ids, request.num_output_tokens if work.samples else None))
         return plan
 
-    def _emit(self, request: Request) -> RequestDelta:
+    def _emit(self, request: Request, logprobs: TokenLogprobs | None = None) -> RequestDelta:
         detokenizer = self.detokenizers[request.request_id]
         step = detokenizer.step(request.output_token_ids[-1:])
         text = step.text
@@ -310,14 +325,18 @@ class EngineCore:
         elif request.status.is_finished:
             text += detokenizer.finish()
         if request.status.is_finished:
-            return self._final_delta(request, text, last_token=True)
+            return self._final_delta(request, text, last_token=True, logprobs=logprobs)
         index = request.num_output_tokens - 1
         return RequestDelta(request.request_id, request.output_token_ids[-1:], index, text,
                             num_prompt_tokens=len(request.prompt_token_ids),
-                            num_output_tokens=request.num_output_tokens, step_id=self.step_id)
+                            num_output_tokens=request.num_output_tokens, step_id=self.step_id,
+                            logprobs=[logprobs] if logprobs else None,
+                            num_cached_tokens=self.cached_tokens.get(request.request_id, 0))
 
-    def _final_delta(self, request: Request, text: str, last_token: bool = False) -> RequestDelta:
+    def _final_delta(self, request: Request, text: str, last_token: bool = False,
+                     logprobs: TokenLogprobs | None = None) -> RequestDelta:
         self.detokenizers.pop(request.request_id, None)
+        cached = self.cached_tokens.pop(request.request_id, 0)
         tokens = request.output_token_ids[-1:] if last_token else []
         queue_s = (request.first_scheduled - request.arrival
                    if request.first_scheduled is not None else None)
@@ -327,7 +346,8 @@ class EngineCore:
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=request.num_output_tokens,
             step_id=self.step_id if last_token else 0,
-            output_digest=token_digest(request.output_token_ids), queue_s=queue_s)
+            output_digest=token_digest(request.output_token_ids), queue_s=queue_s,
+            logprobs=[logprobs] if logprobs and last_token else None, num_cached_tokens=cached)
 
     def _event(self, kind: str, request_id: str, **fields) -> None:
         self.events.append({"time": time.time(), "kind": kind, "request_id": request_id,
@@ -463,3 +483,12 @@ def _runs(block_ids: list[int]) -> list[list[int]]:
             runs.append([block_id, 1])
     return runs
 
+
+def _logprobs_by_request(scheduled: SchedulerOutput,
+                         result: StepResult) -> dict[str, TokenLogprobs]:
+    """The step's log-probabilities by request, for the requests that asked (the worker
+    returns them beside its sampled tokens, in the order of the work that samples)."""
+    if not result.logprobs:
+        return {}
+    sampling = [work.request.request_id for work in scheduled.work if work.samples]
+    return {rid: lp for rid, lp in zip(sampling, result.logprobs) if lp is not None}

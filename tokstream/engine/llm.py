@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tokstream.config import EngineConfig
 from tokstream.engine.core import EngineCore
-from tokstream.engine.messages import EngineRequest, RequestDelta
+from tokstream.engine.messages import EngineRequest, RequestDelta, TokenLogprobs
 from tokstream.sampling_params import SamplingParams
 
 
@@ -24,6 +24,10 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Beside token_ids when the request asked for them (SamplingParams.logprobs)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
 
 
 class LLM:
@@ -69,6 +73,8 @@ class LLM:
         for delta in self.stream(requests):
             completion = results[delta.request_id]
             completion.token_ids.extend(delta.token_ids)
+            completion.logprobs.extend(delta.logprobs or [])
+            completion.num_cached_tokens = delta.num_cached_tokens
             completion.text += delta.text
             if delta.finished:
                 completion.finish_reason = delta.finish_reason

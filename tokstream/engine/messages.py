@@ -48,6 +48,9 @@ class NewRequestData:
     num_prompt_tokens: int = 0
     """Positions below this are the prompt: penalties tell prompt from output by position,
     so a request re-prefilled after a preemption or a restart counts the same tokens."""
+    history: list[int] = field(default_factory=list)
+    """For a penalised request: its tokens at the positions before its first chunk (a cached
+    prefix the worker is not sent), so the worker knows every token the penalties count."""
 
 
 @dataclass
@@ -99,11 +102,11 @@ class StepResult:
     step_id: int
     sampled_token_ids: list[int]
     """One token per chunk with a sample_index, in chunk order."""
+    execute_s: float = 0.0
+    """Worker-side time for the forward pass and sampling."""
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     """Beside sampled_token_ids where any request asked for log-probabilities (None for the
     others); empty when none did."""
-    execute_s: float = 0.0
-    """Worker-side time for the forward pass and sampling."""
 
 
 @dataclass

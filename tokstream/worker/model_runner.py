@@ -15,7 +15,7 @@ from tokstream.engine.messages import (NewRequestData, ScoreRequest, ScoreResult
                                        StepResult)
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.model import LlamaModel
-from tokstream.worker.sampler import SamplingRow, sample
+from tokstream.worker.sampler import SamplingRow, sample, token_logprobs
 
 log = logging.getLogger("tokstream.worker")
 
@@ -33,6 +33,14 @@ DEFAULT_CPU_KV_MEMORY = 4 * 2**30
 class RequestState:
     sampling: NewRequestData
     block_table: list[int]
+    history: list[int] | None = None
+    """Every token by position (prompt, then output), for requests whose penalties need it."""
+
+    @property
+    def penalized(self) -> bool:
+        s = self.sampling
+        return (s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
+                or s.repetition_penalty != 1.0)
 
 
 class ModelRunner:
@@ -67,8 +75,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[sample_rows])  # (S, vocab)
         if self.rank != 0:
             return None
-        tokens = sample(logits.cpu(), rows)
-        return StepResult(plan.step_id, tokens, time.perf_counter() - started)
+        logits = logits.cpu()
+        tokens = sample(logits, rows)
+        return StepResult(plan.step_id, tokens, time.perf_counter() - started,
+                          token_logprobs(logits, rows, tokens))
 
     @torch.inference_mode()
     def score(self, request: ScoreRequest) -> ScoreResult:
@@ -132,9 +142,15 @@ class ModelRunner:
         for request_id in plan.finished_ids:
             self.requests.pop(request_id, None)
         for new in plan.new_requests:
-            self.requests[new.request_id] = RequestState(new, [])
+            state = self.requests[new.request_id] = RequestState(new, [])
+            if state.penalized:
+                state.history = list(new.history)
         for chunk in plan.chunks:
-            self.requests[chunk.request_id].block_table.extend(chunk.new_block_ids)
+            state = self.requests[chunk.request_id]
+            state.block_table.extend(chunk.new_block_ids)
+            if state.history is not None:  # by position: a re-sent chunk overwrites
+                del state.history[chunk.start_position:]
+                state.history.extend(chunk.token_ids)
 
     def prepare(self, plan: StepPlan):
         """The step's tensors: input ids, positions (T,), attention metadata, the rows to
@@ -168,8 +184,12 @@ class ModelRunner:
             if chunk.sample_index is not None:
                 sample_rows.append(query_start + n - 1)
                 s = state.sampling
-                rows.append(SamplingRow(s.temperature, s.top_p, s.top_k, s.seed,
-                                        chunk.sample_index))
+                history = state.history or []
+                rows.append(SamplingRow(
+                    s.temperature, s.top_p, s.top_k, s.seed, chunk.sample_index,
+                    s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty,
+                    s.logit_bias, s.logprobs, history[:s.num_prompt_tokens],
+                    history[s.num_prompt_tokens:]))
         positions = torch.cat([torch.arange(a, b) for a, b in position_ranges])
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts).to(self.device),

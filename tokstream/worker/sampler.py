@@ -1,12 +1,20 @@
 """Token sampling. Randomness is a pure function of (request seed, output position), so a
 request that is preempted, or resumed on a restarted replica, continues exactly as if it had
-never been interrupted, whatever else shares its batch."""
+never been interrupted, whatever else shares its batch.
+
+Logits are processed in vLLM's order: logit_bias, then the penalties (repetition over prompt
+and output; frequency and presence over the output), then temperature, min_p, top_k and top_p.
+Log-probabilities are the model's own (float32 log-softmax of the raw logits), whatever the
+processing, as vLLM and OpenAI report them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from tokstream.engine.messages import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 
@@ -27,23 +35,87 @@ class SamplingRow:
     seed: int
     position: int
     """Output index of the token being sampled."""
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    """The prompt's tokens (kept only when a penalty needs them)."""
+    output_ids: list[int] = field(default_factory=list)
+    """The output so far (kept only when a penalty needs it)."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def processed(self) -> bool:
+        """Whether anything but temperature, top_k and top_p changes this row's logits."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 \
+            or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0 \
+            or (self.min_p > 0.0 and not self.greedy)
+
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """logits (S, vocab) float32 -> one token id per row."""
+    """logits (S, vocab) float32 -> one token id per row (logits are left unchanged)."""
     tokens = logits.argmax(dim=-1).tolist()
     for i, row in enumerate(rows):
-        if not row.greedy:
-            tokens[i] = _sample_row(logits[i], row)
+        if row.processed or not row.greedy:
+            tokens[i] = _sample_row(process(logits[i], row) if row.processed else logits[i],
+                                    row)
     return tokens
 
 
-def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
-    scaled = logits / row.temperature  # (vocab,)
+def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
+                   tokens: list[int]) -> list[TokenLogprobs | None]:
+    """The sampled tokens' log-probabilities for the rows that asked (None for the others);
+    [] when none did, so a step without them costs nothing."""
+    if all(row.logprobs is None for row in rows):
+        return []
+    out: list[TokenLogprobs | None] = []
+    for i, row in enumerate(rows):
+        if row.logprobs is None:
+            out.append(None)
+            continue
+        logprobs = torch.log_softmax(logits[i].float(), dim=-1)
+        top = torch.topk(logprobs, row.logprobs) if row.logprobs else None
+        out.append(TokenLogprobs(
+            float(logprobs[tokens[i]]),
+            top.indices.tolist() if top is not None else [],
+            top.values.tolist() if top is not None else []))
+    return out
+
+
+def process(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """One row's logits (vocab,) after logit_bias and the penalties (a new tensor)."""
+    out = logits.clone()
+    if row.logit_bias:
+        ids = torch.tensor([t for t in row.logit_bias if t < out.shape[0]], dtype=torch.int64)
+        bias = torch.tensor([row.logit_bias[t] for t in ids.tolist()], dtype=out.dtype)
+        out.index_add_(0, ids, bias)
+    if row.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)),
+                            dtype=torch.int64)
+        if seen.numel():
+            values = out[seen]
+            out[seen] = torch.where(values > 0, values / row.repetition_penalty,
+                                    values * row.repetition_penalty)
+    if (row.frequency_penalty or row.presence_penalty) and row.output_ids:
+        counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.int64),
+                                minlength=out.shape[0])[:out.shape[0]].to(out.dtype)
+        out -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
+def warp(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """A sampled row's logits (vocab,) after temperature, min_p, top_k and top_p: the tokens
+    they drop at -inf."""
+    scaled = logits / row.temperature
+    if row.min_p > 0.0:
+        probs = scaled.softmax(-1)
+        scaled = scaled.masked_fill(probs < row.min_p * probs.max(), float("-inf"))
     if row.top_k > 0 and row.top_k < scaled.shape[0]:
         kth = torch.topk(scaled, row.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -54,6 +126,13 @@ def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
         drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= row.top_p
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
+    return scaled
+
+
+def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+    if row.greedy:
+        return int(logits.argmax())
+    scaled = warp(logits, row)
     # Gumbel-max: argmax(logits + Gumbel noise) is a sample from softmax(logits).
     generator = torch.Generator().manual_seed(position_seed(row.seed, row.position))
     uniform = torch.rand(scaled.shape[0], generator=generator, dtype=torch.float64)
