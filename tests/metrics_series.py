@@ -3,6 +3,8 @@ the dashboard and rule tests check against the code rather than a list typed twi
 
 from __future__ import annotations
 
+import re
+
 from tokstream.server.metrics import Metrics
 
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum",
@@ -25,3 +27,12 @@ def exported_series() -> dict[str, set[str]]:
         for suffix in SUFFIXES.get(family.type, ("",)):
             series[family.name + suffix] = labels
     return series
+
+
+# vLLM's names and tokstream's raw series; `tokstream:` (colons) are our recording rules.
+SERIES_NAME = re.compile(r"\b(vllm:[A-Za-z0-9_]+|tokstream_[A-Za-z0-9_]+|tokstream:[A-Za-z0-9_:]+)")
+
+
+def series_in(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads (label values in quotes excluded)."""
+    return set(SERIES_NAME.findall(re.sub(r'"[^"]*"', '""', expr)))
