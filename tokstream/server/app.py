@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from tokstream.config import EngineConfig
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.server import admin_routes, anthropic_routes, openai_routes
+from tokstream.server import admin_routes, anthropic_routes, openai_routes, tokenizer_routes
 from tokstream.server.config import ServerConfig
 from tokstream.server.connection_limits import (ConnectionLimits, connection_cap,
                                                 guarded_protocol, raise_descriptor_limit)
@@ -42,6 +42,8 @@ def routes() -> list[Route]:
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
         Route("/v1/models", openai_routes.models, methods=["GET"]),
+        Route("/tokenize", tokenizer_routes.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenizer_routes.detokenize, methods=["POST"]),
         Route("/health", admin_routes.health, methods=["GET"]),
         Route("/metrics", admin_routes.metrics, methods=["GET"]),
         Route("/v1/state", admin_routes.state, methods=["GET"]),

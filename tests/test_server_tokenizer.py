@@ -1,0 +1,68 @@
+"""POST /tokenize and /detokenize against a real `tokstream serve` (SmolLM2's tokenizer on the
+tiny model's engine would not matter: ids come from the served model's tokenizer, which
+tests/test_tokenizer.py holds to transformers'): vLLM's shapes, the chat template, the
+round trip, and typed 400s."""
+
+import httpx
+import pytest
+
+from tests.serving import ServerProcess
+from tokstream.model.presets import dummy_config
+from tokstream.model.source import ModelSource, embedded_gguf_path
+from tokstream.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def server():
+    # The embedded GGUF's tokenizer on a tiny random engine: real ids, a fast start.
+    with ServerProcess("--profile", "ci", "--model", "smollm2", "--weights", "float32",
+                       "--num-blocks", "64") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(ModelSource("gguf", embedded_gguf_path(),
+                                      dummy_config("smollm2-135m")))
+
+
+def post(server, path, body):
+    return httpx.post(server.url + path, json=body, timeout=30)
+
+
+def test_a_prompt_is_tokenised_as_the_model_does(server, tokenizer):
+    text = "The capital of France is Paris. 12345 naïve 😀"
+    reply = post(server, "/tokenize", {"prompt": text})
+    assert reply.status_code == 200
+    body = reply.json()
+    assert body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 8192
+    assert post(server, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": text}
+
+
+def test_messages_go_through_the_chat_template(server, tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with_prompt = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    assert with_prompt == tokenizer.encode_chat(messages)
+    without = post(server, "/tokenize", {"messages": messages,
+                                         "add_generation_prompt": False}).json()["tokens"]
+    assert without == tokenizer.encode_chat(messages, add_generation_prompt=False)
+    assert len(without) < len(with_prompt)
+    text = post(server, "/detokenize", {"tokens": with_prompt}).json()["prompt"]
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [1, True]}, "tokens"),
+    ("/detokenize", {"tokens": [10 ** 9]}, "tokens"),
+])
+def test_bad_bodies_get_a_typed_400(server, path, body, field):
+    reply = post(server, path, body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == field
