@@ -149,6 +149,7 @@ def test_error_messages_do_not_echo_huge_values(client):
         ("/v1/messages", anthropic_body(stream=False, messages=[{"role": "user", "content": [
             {"type": huge, "text": "a"}]}])),
         ("/v1/completions", {"model": "dummy:tiny", "prompt": "a", "max_tokens": int("9" * 4000)}),
+        ("/v1/" + "p" * 8000, {}),
     ]
     for path, body in cases:
         response = client.post(path, json=body)

@@ -31,6 +31,7 @@ from tokstream.server.host_check import HostCheck
 from tokstream.server.errors import ApiError, api_for_path, error_response
 from tokstream.server.openapi import openapi_schema
 from tokstream.server.state import Server
+from tokstream.server.validation import shown
 
 log = logging.getLogger("tokstream.server")
 
@@ -61,7 +62,7 @@ async def http_error(request, exc: HTTPException):
     """Routing errors (unknown path, wrong method) in the API's error shape."""
     kinds = {404: "not_found_error", 405: "method_not_allowed", 413: "request_too_large"}
     error = ApiError(kinds.get(exc.status_code, "invalid_request_error"),
-                     f"{request.method} {request.url.path}: {exc.detail}",
+                     f"{request.method} {shown(request.url.path)}: {exc.detail}",
                      status=exc.status_code)
     return error_response(api_for_path(request.url.path), error)
 

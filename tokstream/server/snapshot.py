@@ -45,22 +45,29 @@ class SharedSnapshot:
         return self.value is not None and time.monotonic() - self._fetched_at < self.max_age_s
 
     async def get(self) -> dict | None:
-        if self.fresh:
-            return self.value
-        if self._refresh is None:
-            self._refresh = asyncio.ensure_future(self._run())
-        # asyncio.wait never cancels what it waits for: the refresh lands for later readers.
-        await asyncio.wait({self._refresh},
-                           timeout=self.timeout_s if self.value is None else self.patience_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.timeout_s if self.value is None else self.patience_s)
+        # A refresh asked before the latest change comes back stale: then another is asked,
+        # until the deadline.
+        while not self.fresh and loop.time() < deadline:
+            if self._refresh is None:
+                self._refresh = asyncio.ensure_future(self._run())
+            refresh = self._refresh
+            # asyncio.wait never cancels what it waits for: it lands for later readers.
+            await asyncio.wait({refresh}, timeout=deadline - loop.time())
+            if refresh.done() and not refresh.result():
+                break  # the core is slow or gone: keep the last snapshot
         return self.value
 
-    async def _run(self) -> None:
+    async def _run(self) -> bool:
+        """Ask the core once; False if it did not answer."""
         asked_at, changes = time.monotonic(), self._changes
         try:
             self.value = await asyncio.wait_for(self.fetch(), self.timeout_s)
             if changes == self._changes:  # else it may predate the change: stale at once
                 self._fetched_at = asked_at
+            return True
         except (asyncio.TimeoutError, ReplicaError):
-            pass  # the core is slow or gone: readers keep the last snapshot
+            return False
         finally:
             self._refresh = None

@@ -70,6 +70,7 @@ class Server:
         self.core_state = SharedSnapshot(lambda: self.engine.state(),
                                          timeout_s=STATE_TIMEOUT_S)
         """The core snapshot every reader shares (/metrics, /v1/state, top)."""
+        asyncio.ensure_future(self.core_state.get())  # so the first reader (top) need not wait
         self._seeds = random.SystemRandom()
         self._processes: dict[int, psutil.Process] = {}
         """pid -> Process, kept between snapshots: CPU percent is measured since the last call."""
