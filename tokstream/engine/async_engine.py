@@ -13,7 +13,10 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import queue
+import shutil
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable
 
@@ -56,13 +59,19 @@ class AsyncEngine:
         changes."""
         self.on_dead: Callable[[str], None] | None = None
         """Called on the event loop thread once, when the core process is found dead."""
+        self.run_dir: str | None = None
+        """The core's folder for its rank groups' files; removed at shutdown."""
+        self._ranks: list[psutil.Process] = []
+        """The core's ranks as last reported (psutil checks identity before a kill)."""
 
     async def start(self) -> "AsyncEngine":
         self._loop = asyncio.get_running_loop()
         context = mp.get_context("spawn")
         self._conn, child_conn = context.Pipe()
+        self.run_dir = tempfile.mkdtemp(prefix="tokstream-core-")
         # Not a daemon: the core must be able to start worker processes of its own.
-        self.process = context.Process(target=core_main, args=(child_conn, self.config),
+        self.process = context.Process(target=core_main,
+                                       args=(child_conn, self.config, os.getpid(), self.run_dir),
                                        name="tokstream-engine-core")
         self.process.start()
         child_conn.close()
@@ -70,8 +79,10 @@ class AsyncEngine:
         if message[0] == "failed":
             _, user_error, text = message
             self.process.join(5)
+            self._remove_run_dir()
             raise (UserInputError if user_error else ReplicaError)(text)
         self.info = message[1]
+        self._record_ranks(self.info["worker_pids"])
         threading.Thread(target=self._read, name="tokstream-engine-reader", daemon=True).start()
         threading.Thread(target=self._write, name="tokstream-engine-sender", daemon=True).start()
         return self
@@ -88,6 +99,7 @@ class AsyncEngine:
         try:
             if not self._conn.poll(timeout_s):
                 kill_tree(self.process)
+                self._remove_run_dir()
                 return ("failed", False, f"engine core hung while starting (not ready in "
                                          f"{timeout_s:g} s): killed with its ranks")
             return self._conn.recv()
@@ -144,6 +156,7 @@ class AsyncEngine:
             self.restarts = info["restarts"]
             self.resumed_requests = info.get("resumed_requests", self.resumed_requests)
             self.info["worker_pids"] = info["worker_pids"]
+            self._record_ranks(info["worker_pids"])
             # Only a new recovery's time (a retry while down reports the previous one again).
             if info.get("recovery_s") is not None and status == "ready" \
                     and info.get("recoveries", 1) > len(self.recovery_seconds):
@@ -232,15 +245,37 @@ class AsyncEngine:
             raise ReplicaError(text)
         return result
 
+    def _record_ranks(self, pids: list[int]) -> None:
+        ranks = []
+        for pid in pids:
+            try:
+                ranks.append(psutil.Process(pid))
+            except psutil.Error:
+                pass
+        self._ranks = ranks
+
     async def shutdown(self) -> None:
+        """Stop the core (it stops its ranks); then kill any rank of it still there (a core
+        that died could not) and remove its files."""
         self._closing = True
         self._send(("shutdown",))
         await asyncio.to_thread(self.process.join, 15)
         if self.process.is_alive():
             self.process.kill()
             await asyncio.to_thread(self.process.join, 5)
+        for rank in self._ranks:
+            try:
+                rank.kill()
+            except psutil.Error:
+                pass  # gone already (or its pid reused: psutil refuses)
+        await asyncio.to_thread(psutil.wait_procs, self._ranks, 5)
         self._outbox.put(None)
         self._conn.close()
+        self._remove_run_dir()
+
+    def _remove_run_dir(self) -> None:
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def kill_tree(process) -> None:

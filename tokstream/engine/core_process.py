@@ -17,19 +17,23 @@ import logging
 import os
 
 from tokstream.config import EngineConfig
+from tokstream.engine.child_process import become_child
 from tokstream.engine.messages import RequestDelta
 
 IDLE_POLL_S = 0.5
 
 
-def core_main(conn, config: EngineConfig) -> None:
+def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None = None) -> None:
+    """The core's process: dies with the gateway and leaves SIGTERM to it (child_process);
+    its rank groups keep their files under run_dir, which the gateway removes."""
+    become_child(parent_pid)
     logging.basicConfig(level=os.environ.get("TOKSTREAM_LOG", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
     from tokstream.engine.core import EngineCore
     from tokstream.errors import ReplicaError, TokstreamError, UserInputError
 
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, run_dir=run_dir)
     except TokstreamError as exc:
         conn.send(("failed", isinstance(exc, UserInputError), str(exc)))
         return

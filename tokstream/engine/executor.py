@@ -18,6 +18,7 @@ import tempfile
 import time
 
 from tokstream.config import EngineConfig
+from tokstream.engine.child_process import become_child
 from tokstream.engine.messages import ScoreRequest, ScoreResult, StepPlan, StepResult
 from tokstream.errors import ReplicaError, UserInputError
 from tokstream.worker.worker import WorkerFailed, WorkerReady, worker_main
@@ -85,23 +86,31 @@ def worker_environment(config: EngineConfig):
                 os.environ[key] = value
 
 
+def rank_main(parent_pid: int, *args) -> None:
+    """A rank's process: dies with its engine core, leaves SIGTERM to it (child_process)."""
+    become_child(parent_pid)
+    worker_main(*args)
+
+
 class RankGroup:
     """The tensor-parallel ranks of one replica: spawned together, one unit when any fails."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, run_dir: str | None = None):
         self.config = config
         context = mp.get_context("spawn")
         # A rendezvous file unique to this group: two servers (or a group and its spare)
-        # never meet by accident, and no port is claimed.
-        self._tmpdir = tempfile.mkdtemp(prefix="tokstream-ranks-")
+        # never meet by accident, and no port is claimed. Under run_dir, which the gateway
+        # removes even when this core could not (it was killed).
+        self._tmpdir = tempfile.mkdtemp(prefix="tokstream-ranks-", dir=run_dir)
         rendezvous = os.path.join(self._tmpdir, "rendezvous")
         self.conns = []
         self.processes = []
         with worker_environment(config):
             for rank in range(config.tp):
                 parent_conn, child_conn = context.Pipe()
-                process = context.Process(target=worker_main,
-                                          args=(child_conn, config, rank, rendezvous),
+                process = context.Process(target=rank_main,
+                                          args=(os.getpid(), child_conn, config, rank,
+                                                rendezvous),
                                           name=f"tokstream-rank{rank}")
                 process.start()
                 child_conn.close()
@@ -187,9 +196,11 @@ class RankGroup:
 class Executor:
     """The engine core's handle on its rank group (and a warm spare, with config.spare)."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, run_dir: str | None = None):
         self.config = config
-        self.group = RankGroup(config)
+        self.run_dir = run_dir
+        """Where rank groups keep their files (None: the system's temp folder)."""
+        self.group = RankGroup(config, run_dir)
         ready = self.group.wait_ready()
         # Ranks size their pools alike, but free memory can differ by a little between them.
         self.ready = min(ready, key=lambda r: r.num_blocks)
@@ -199,7 +210,7 @@ class Executor:
             config, cache=dataclasses.replace(config.cache, num_blocks=self.ready.num_blocks))
         self.spare: RankGroup | None = None
         if config.spare:
-            self.spare = RankGroup(self.group_config)
+            self.spare = RankGroup(self.group_config, run_dir)
         self.poison = Poison.from_env()
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -225,7 +236,7 @@ class Executor:
         if self.spare is not None:
             self.group, self.spare = self.spare, None
         else:
-            self.group = RankGroup(self.group_config)
+            self.group = RankGroup(self.group_config, self.run_dir)
         try:
             ready = self.group.wait_ready() if not self.group.ready else self.group.ready
         except UserInputError as exc:  # e.g. the model files went away since the first start
@@ -233,7 +244,7 @@ class Executor:
         if min(r.num_blocks for r in ready) < self.ready.num_blocks:
             raise ReplicaError("the restarted rank group has a smaller KV pool")
         if self.config.spare:
-            self.spare = RankGroup(self.group_config)  # loads in the background meanwhile
+            self.spare = RankGroup(self.group_config, self.run_dir)  # loads meanwhile
         return time.monotonic() - started
 
     def shutdown(self) -> None:

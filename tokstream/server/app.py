@@ -30,6 +30,8 @@ from tokstream.server.cors import cors_middleware
 from tokstream.server.host_check import HostCheck
 from tokstream.server.errors import ApiError, api_for_path, error_response
 from tokstream.server.openapi import openapi_schema
+from tokstream.server import health
+from tokstream.server.drain import DrainingServer
 from tokstream.server.state import Server
 from tokstream.server.validation import shown
 
@@ -46,6 +48,8 @@ def routes() -> list[Route]:
         Route("/tokenize", tokenizer_routes.tokenize, methods=["POST"]),
         Route("/detokenize", tokenizer_routes.detokenize, methods=["POST"]),
         Route("/health", admin_routes.health, methods=["GET"]),
+        Route("/health/live", health.live, methods=["GET"]),
+        Route("/health/ready", health.ready, methods=["GET"]),
         Route("/metrics", admin_routes.metrics, methods=["GET"]),
         Route("/v1/state", admin_routes.state, methods=["GET"]),
         Route("/v1/state/requests/{request_id}", admin_routes.request_state, methods=["GET"]),
@@ -140,7 +144,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, log_level: str
     config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=3, timeout_keep_alive=30,
                             http=guarded_protocol(limits))
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, server_config.shutdown_timeout_s)
     try:
         server.run(sockets=[sock])
     finally:

@@ -43,6 +43,9 @@ class ServerConfig:
     down_retry_s: float = 10.0
     """While the replica is down because engine cores keep failing to start, seconds between
     further tries."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM, how long open streams may run to their end (new requests are refused)
+    before the rest end with an error event and the server stops."""
     allowed_hosts: list[str] = field(default_factory=list)
     """Host names clients may address besides loopback names and IP literals (a leading dot
     allows subdomains; "*" allows any). Others get 403: a web page that rebinds its own DNS
@@ -85,6 +88,8 @@ class ServerConfig:
             raise UserInputError("max_body_bytes must be >= 1024")
         if not self.down_retry_s > 0:
             raise UserInputError("down_retry_s must be > 0")
+        if not self.shutdown_timeout_s >= 0:
+            raise UserInputError("shutdown_timeout_s must be >= 0")
 
     def check_bind(self) -> None:
         """Refuse to expose an open (keyless) server beyond this machine unless told to."""

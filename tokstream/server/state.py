@@ -79,6 +79,8 @@ class Server:
         self.supervisor.on_status = self._on_status
         self.supervisor.on_event = self.event
         self.supervisor.on_restart = self.metrics.on_restart
+        self.draining = False
+        """Set on SIGTERM (server/drain.py): new requests are refused, open streams finish."""
 
     @property
     def engine(self) -> AsyncEngine:
@@ -129,9 +131,12 @@ class Server:
                                               f"{self.model_id!r}", param="model")
 
     def check_ready(self) -> None:
-        """Refuse new work when the replica is down. While it recovers, requests are taken
-        (they wait in the admission queue, or in the registry while the engine core itself
-        is replaced, and run once it is back)."""
+        """Refuse new work when the replica is down or the server is draining for a shutdown.
+        While it recovers, requests are taken (they wait in the admission queue, or in the
+        registry while the engine core itself is replaced, and run once it is back)."""
+        if self.draining:
+            raise ApiError("overloaded_error", "server is shutting down; retry on another "
+                           "replica or later", retry_after=5)
         if self.status == "down":
             raise ApiError("overloaded_error", f"replica is {self.status}; retry later",
                            retry_after=max(1, self.config.down_retry_s))

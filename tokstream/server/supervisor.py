@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
 import psutil
 
+from tokstream.config import EngineConfig
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.messages import RequestDelta, poison_message
 from tokstream.server.streams import StreamRegistry
@@ -48,7 +50,7 @@ class EngineSupervisor:
     def __init__(self, engine: AsyncEngine, registry: StreamRegistry, retry_interval_s: float):
         self.engine = engine
         self.registry = registry
-        self.config = engine.config
+        self.config = replacement_config(engine.config, engine.info)
         self.retry_interval_s = retry_interval_s
         self.status = "ready"
         """ready | recovering | down: the core's own status, or the supervisor's while it
@@ -217,6 +219,10 @@ class EngineSupervisor:
         log.error("%s; %d live requests ended; retrying every %g s", message, failed,
                   self.retry_interval_s)
 
+    def stop_restarting(self) -> None:
+        """The server is stopping: a core that dies from now on is not replaced."""
+        self._closing = True
+
     async def close(self) -> None:
         """Stop supervising and shut the engine down (and one still starting, if any)."""
         self._closing = True
@@ -236,4 +242,12 @@ class EngineSupervisor:
                     rank.kill()
             await asyncio.to_thread(starting.process.join, 5)
             await asyncio.to_thread(psutil.wait_procs, ranks, 5)
+            starting._remove_run_dir()
         await self.engine.shutdown()
+
+
+def replacement_config(config: EngineConfig, info: dict) -> EngineConfig:
+    """The config of every core that replaces the first: the same KV pool size (on a GPU the
+    memory free just after a death is not what it was, and callers were sized to this pool)."""
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache,
+                                                                num_blocks=info["num_blocks"]))
