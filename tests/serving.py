@@ -39,7 +39,10 @@ def _die_with_parent() -> None:
 class ServerProcess:
     """`with ServerProcess("--profile", "ci") as server: httpx.get(server.url + "/health")`"""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 180):
+    def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 180,
+                 new_session: bool = False):
+        self.new_session = new_session
+        """Start it in a process group of its own (to signal the whole group)."""
         self.args = ["serve", "--port", "0", *args]
         # The engine checks its block bookkeeping after every step (wait_idle reads the verdict).
         self.env = {**os.environ, "TOKSTREAM_SELF_CHECK": "1", **(env or {})}
@@ -51,7 +54,7 @@ class ServerProcess:
         self.process = subprocess.Popen(
             TOKSTREAM + self.args, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            preexec_fn=_die_with_parent)
+            preexec_fn=_die_with_parent, start_new_session=self.new_session)
         ready = threading.Event()
 
         def drain():

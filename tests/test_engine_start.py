@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 PID_FILE_ENV = "TEST_HUNG_CORE_CHILD_PID_FILE"
 
 
-def hung_core(conn, config) -> None:
+def hung_core(conn, config, *args) -> None:
     """Stands in for core_main: starts a child (a rank, say), then never answers."""
     child = subprocess.Popen(["sleep", "600"])
     with open(os.environ[PID_FILE_ENV], "w") as f:
