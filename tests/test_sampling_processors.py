@@ -106,3 +106,19 @@ def test_a_seeded_sample_is_unchanged_by_the_processing_path():
 def test_out_of_range_settings_are_refused(settings):
     with pytest.raises(UserInputError):
         SamplingParams(**settings)
+
+
+def test_draws_follow_the_distribution():
+    """Inverse-CDF draws over 4,000 positions land on each token at its probability, and
+    never on one the warping removed."""
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    scores = torch.log(probs)[None]  # the last token has probability 0 (-inf)
+    counts = torch.zeros(4)
+    for position in range(4000):
+        counts[sample(scores, [row(seed=11, position=position)])[0]] += 1
+    assert counts[3] == 0
+    assert torch.allclose(counts / 4000, probs, atol=0.03), counts / 4000
+    # The same rows in one batch, mixed with greedy ones, draw the same tokens.
+    rows = [row(seed=11, position=p) for p in range(8)] + [row(temperature=0.0)]
+    batch = sample(scores.expand(9, 4), rows)
+    assert batch[:8] == [sample(scores, [r])[0] for r in rows[:8]] and batch[8] == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokstream.errors import UserInputError
+from tokstream.structured import StructuredOutput
 
 MAX_LOGPROBS = 20
 """Most alternatives per token (OpenAI's top_logprobs limit)."""
@@ -44,6 +45,10 @@ class SamplingParams:
     the output (Hugging Face, vLLM); 1 is off."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Token id -> added to its logit before sampling (OpenAI, -100 to 100)."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar (None: free)."""
+    grammar: str = ""
+    """The llguidance grammar of `structured`, compiled and checked here ('' when free)."""
     logprobs: int | None = None
     """Return each output token's log-probability under the model (raw logits, float32
     log-softmax) with this many most likely alternatives (0-20); None returns none."""
@@ -76,6 +81,8 @@ class SamplingParams:
                 raise UserInputError(f"logit_bias: token ids must be integers >= 0, got {token!r}")
             if not -100.0 <= bias <= 100.0:
                 raise UserInputError(f"logit_bias: each bias must be in [-100, 100], got {bias}")
+        if self.structured is not None and not self.grammar:
+            self.grammar = self.structured.grammar()
         if self.logprobs is not None and (isinstance(self.logprobs, bool)
                                           or not isinstance(self.logprobs, int)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
@@ -83,10 +90,11 @@ class SamplingParams:
                                  f"got {self.logprobs!r}")
 
     @property
-    def penalized(self) -> bool:
-        """Whether the token history changes the logits (the worker then keeps it)."""
+    def needs_history(self) -> bool:
+        """Whether the token history changes the logits (penalties, a grammar's state): the
+        worker then keeps it."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0)
+                or self.repetition_penalty != 1.0 or bool(self.grammar))
 
     @property
     def greedy(self) -> bool:

@@ -302,7 +302,8 @@ class EngineCore:
                     frequency_penalty=p.frequency_penalty,
                     repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
                     logprobs=p.logprobs, num_prompt_tokens=len(request.prompt_token_ids),
-                    history=request.token_slice(0, work.start) if p.penalized else []))
+                    grammar=p.grammar,
+                    history=request.token_slice(0, work.start) if p.needs_history else []))
                 # What the prefix cache gave it the first time (a resumed request's own
                 # blocks are not a cache hit for its caller).
                 self.cached_tokens.setdefault(request.request_id, work.start)

@@ -48,9 +48,12 @@ class NewRequestData:
     num_prompt_tokens: int = 0
     """Positions below this are the prompt: penalties tell prompt from output by position,
     so a request re-prefilled after a preemption or a restart counts the same tokens."""
+    grammar: str = ""
+    """The llguidance grammar the output must follow ('' when free)."""
     history: list[int] = field(default_factory=list)
-    """For a penalised request: its tokens at the positions before its first chunk (a cached
-    prefix the worker is not sent), so the worker knows every token the penalties count."""
+    """For a penalised or constrained request: its tokens at the positions before its first
+    chunk (a cached prefix the worker is not sent), so the worker knows every token the
+    penalties count and the grammar has consumed."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ from tokstream.engine.messages import (NewRequestData, ScoreRequest, ScoreResult
                                        StepResult)
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.model import LlamaModel
+from tokstream.worker.grammar import Constraint, Grammars
 from tokstream.worker.sampler import SamplingRow, sample, token_logprobs
 
 log = logging.getLogger("tokstream.worker")
@@ -34,21 +35,26 @@ class RequestState:
     sampling: NewRequestData
     block_table: list[int]
     history: list[int] | None = None
-    """Every token by position (prompt, then output), for requests whose penalties need it."""
+    """Every token by position (prompt, then output), for requests whose penalties or grammar
+    need it."""
+    constraint: Constraint | None = None
+    """The grammar's matcher of a constrained request (rank 0 only)."""
 
     @property
-    def penalized(self) -> bool:
+    def needs_history(self) -> bool:
         s = self.sampling
         return (s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
-                or s.repetition_penalty != 1.0)
+                or s.repetition_penalty != 1.0 or bool(s.grammar))
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device,
                  swap_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                 rank: int = 0, decode_graphs=None):
+                 rank: int = 0, decode_graphs=None, grammars: Grammars | None = None):
         self.model = model
+        self.grammars = grammars
+        """Matchers for constrained requests (structured outputs); None refuses them."""
         self.decode_graphs = decode_graphs
         """CUDA graphs for decode-only steps (cuda_graphs.DecodeGraphs), or None: eager."""
         self.rank = rank
@@ -143,8 +149,10 @@ class ModelRunner:
             self.requests.pop(request_id, None)
         for new in plan.new_requests:
             state = self.requests[new.request_id] = RequestState(new, [])
-            if state.penalized:
+            if state.needs_history:
                 state.history = list(new.history)
+            if new.grammar and self.rank == 0:
+                state.constraint = self.grammars.constraint(new.grammar)
         for chunk in plan.chunks:
             state = self.requests[chunk.request_id]
             state.block_table.extend(chunk.new_block_ids)
@@ -189,7 +197,7 @@ class ModelRunner:
                     s.temperature, s.top_p, s.top_k, s.seed, chunk.sample_index,
                     s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty,
                     s.logit_bias, s.logprobs, history[:s.num_prompt_tokens],
-                    history[s.num_prompt_tokens:]))
+                    history[s.num_prompt_tokens:], state.constraint))
         positions = torch.cat([torch.arange(a, b) for a, b in position_ranges])
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts).to(self.device),

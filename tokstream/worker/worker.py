@@ -129,7 +129,9 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
     from tokstream.model.source import resolve_model
     from tokstream.model.weights import load_native_state_dict, load_state_dict
     from tokstream.worker.backend import choose_backend
+    from tokstream.tokenizer import load_tokenizer
     from tokstream.worker.dtype_choice import resolve_kv_cache_dtype, resolve_weights
+    from tokstream.worker.grammar import Grammars
     from tokstream.worker.model import LlamaModel
     from tokstream.worker.model_runner import (TORCH_DTYPES, ModelRunner, allocate_kv_caches,
                                                allocate_swap_space, kv_pool_blocks)
@@ -172,8 +174,10 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
                                           config.cache.block_size, config.tp,
                                           TORCH_DTYPES[kv_dtype], pin=device.type == "cuda")
     graphs = _capture_decode_graphs(config, model, kv_caches, source.config, device)
+    grammars = Grammars(lambda: load_tokenizer(source).backend.to_str(),
+                        source.config.vocab_size, source.config.eos_token_ids)
     runner = ModelRunner(model, kv_caches, config.cache.block_size, device, swap_caches,
-                         rank=rank, decode_graphs=graphs)
+                         rank=rank, decode_graphs=graphs, grammars=grammars)
     ready = WorkerReady(rank, os.getpid(), dtype, str(device), num_blocks, block_bytes,
                         weight_bytes, time.perf_counter() - started, num_swap_blocks,
                         backend.name, tuple(graphs.sizes) if graphs else (), weights, kv_dtype)
