@@ -78,7 +78,7 @@ def scalar(api: str, promql: str) -> float:
     return float(result[0]["value"][1]) if result else 0.0
 
 
-def wait_for(condition, what: str, seconds: float = 15) -> None:
+def wait_for(condition, what: str, seconds: float = 30) -> None:
     deadline = time.monotonic() + seconds
     while not condition():
         if time.monotonic() > deadline:
