@@ -66,6 +66,19 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self.id_to_token(self.eos_token_ids[0] if self.eos_token_ids else None)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE piece may be part of a UTF-8
+        character: OpenAI's logprobs report these bytes beside the token's text)."""
+        spelled = self.backend.id_to_token(token_id)
+        if spelled is None:
+            return b""
+        if spelled in self.special_strings:
+            return spelled.encode("utf-8")
+        table = _unicode_to_bytes()
+        if all(ch in table for ch in spelled):
+            return bytes(table[ch] for ch in spelled)
+        return spelled.encode("utf-8")
+
     def id_to_token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
 
@@ -314,6 +327,17 @@ def dummy_tokenizer(vocab_size: int, bos_token_id: int | None = None,
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t in specials.values()])
     return Tokenizer(backend, bos_token_id=bos_token_id, eos_token_ids=tuple(eos_token_ids))
+
+
+def _unicode_to_bytes() -> dict[str, int]:
+    """The inverse of _bytes_to_unicode (cached)."""
+    global _UNICODE_TO_BYTES
+    if _UNICODE_TO_BYTES is None:
+        _UNICODE_TO_BYTES = {ch: byte for byte, ch in _bytes_to_unicode().items()}
+    return _UNICODE_TO_BYTES
+
+
+_UNICODE_TO_BYTES: dict[str, int] | None = None
 
 
 def _bytes_to_unicode() -> dict[int, str]:

@@ -9,7 +9,9 @@ from starlette.responses import JSONResponse
 
 from tokstream.errors import UserInputError
 from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
+from tokstream.server.logprobs_format import chat_logprobs, completion_logprobs
 from tokstream.server.responses import collect
+from tokstream.server.sampling_options import sampling_extras
 from tokstream.server.sse import (EventStreamResponse, final_integrity, integrity, sse,
                                   stream_failure)
 from tokstream.server.state import Prompt, Server
@@ -23,16 +25,10 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 UNSUPPORTED = {
     "n": lambda v: v != 1,
     "best_of": lambda v: v != 1,
-    "logprobs": lambda v: v not in (False, 0),
-    "top_logprobs": lambda v: v not in (0,),
     "echo": bool,
     "suffix": bool,
     "tools": bool,
     "functions": bool,
-    "logit_bias": bool,
-    "presence_penalty": lambda v: v != 0,
-    "frequency_penalty": lambda v: v != 0,
-    "response_format": lambda v: not (isinstance(v, dict) and v.get("type") == "text"),
 }
 
 
@@ -108,11 +104,13 @@ def parse(body: dict, server: Server, chat: bool) -> Prompt:
     stream = get_bool(body, "stream")
     options = get_object(body, "stream_options") or {}
     get_bool(options, "include_usage")
+    extras = sampling_extras(body, chat, server.tokenizer.vocab_size)
     token_ids = chat_prompt(body, server) if chat else completion_prompt(body, server)
     max_tokens = check_fits(len(token_ids), max_tokens, server.max_model_len,
                             "messages" if chat else "prompt")
-    params = sampling_params({}, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                             top_k=max(top_k, 0), seed=seed, stop=stop, ignore_eos=ignore_eos)
+    params = sampling_params({"structured": "response_format"}, max_tokens=max_tokens,
+                             temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
+                             seed=seed, stop=stop, ignore_eos=ignore_eos, **extras)
     return Prompt(token_ids, params, stream)
 
 
@@ -124,12 +122,26 @@ def usage(stream: Stream) -> dict:
     final = stream.final
     return {"prompt_tokens": final.num_prompt_tokens,
             "completion_tokens": final.num_output_tokens,
-            "total_tokens": final.num_prompt_tokens + final.num_output_tokens}
+            "total_tokens": final.num_prompt_tokens + final.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens}}
+
+
+def batch_logprobs(stream: Stream, batch: Batch, chat: bool, tokenizer, text_offset: int = 0):
+    """The choice's `logprobs` for these tokens (None when the request did not ask)."""
+    if stream.params.logprobs is None:
+        return None
+    if chat:
+        return chat_logprobs(tokenizer, batch.token_ids, batch.logprobs)
+    return completion_logprobs(tokenizer, batch.token_ids, batch.logprobs, text_offset)
 
 
 class OpenAIFormatter:
-    def __init__(self, stream: Stream, model: str, chat: bool, include_usage: bool):
+    def __init__(self, stream: Stream, model: str, chat: bool, include_usage: bool,
+                 tokenizer=None):
         self.stream = stream
+        self.tokenizer = tokenizer
+        self.text_offset = 0
+        """Characters streamed so far (completions' logprobs.text_offset)."""
         self.model = model
         self.chat = chat
         self.include_usage = include_usage
@@ -157,6 +169,10 @@ class OpenAIFormatter:
 
     def tokens(self, batch: Batch) -> bytes:
         chunk = self._chunk(batch.text)
+        if batch.token_ids and self.stream.params.logprobs is not None:
+            chunk["choices"][0]["logprobs"] = batch_logprobs(
+                self.stream, batch, self.chat, self.tokenizer, self.text_offset)
+        self.text_offset += len(batch.text)
         if batch.token_ids:
             chunk["tokstream"] = integrity(batch)
             return sse(None, chunk, batch.indices[-1])
@@ -186,14 +202,15 @@ class OpenAIFormatter:
         return b": ping\n"
 
 
-def response_body(stream: Stream, batch: Batch, model: str, chat: bool) -> dict:
+def response_body(stream: Stream, batch: Batch, model: str, chat: bool, tokenizer) -> dict:
     reason = finish_reason(stream)
+    logprobs = batch_logprobs(stream, batch, chat, tokenizer)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": batch.text},
-                  "logprobs": None, "finish_reason": reason,
+                  "logprobs": logprobs, "finish_reason": reason,
                   "stop_reason": stream.final.stop_reason}
     else:
-        choice = {"index": 0, "text": batch.text, "logprobs": None, "finish_reason": reason,
+        choice = {"index": 0, "text": batch.text, "logprobs": logprobs, "finish_reason": reason,
                   "stop_reason": stream.final.stop_reason}
     return {"id": stream.request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(stream.created), "model": model, "choices": [choice],
@@ -212,14 +229,16 @@ async def _complete(request, chat: bool):
     headers = {"x-request-id": request_id}
     if prompt.stream:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        formatter = OpenAIFormatter(stream, body["model"], chat, include_usage)
+        formatter = OpenAIFormatter(stream, body["model"], chat, include_usage,
+                                    server.tokenizer)
         return EventStreamResponse(stream, formatter, server.registry,
                                    server.config.ping_interval_s, headers)
     batch = await collect(stream, request.receive, server.registry)
     failure = stream_failure(stream)
     if failure is not None:
         raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
-    return JSONResponse(response_body(stream, batch, body["model"], chat), headers=headers)
+    return JSONResponse(response_body(stream, batch, body["model"], chat, server.tokenizer),
+                        headers=headers)
 
 
 @api_route(OPENAI)

@@ -44,6 +44,20 @@ OPENAI_COMMON = {
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "n": {"const": 1},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10,
+                           "description": "vLLM extension"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "description": "vLLM extension"},
+    "logit_bias": {"type": "object", "additionalProperties": {
+        "type": "number", "minimum": -100, "maximum": 100}},
+    "response_format": {"type": "object", "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {"name": {"type": "string"},
+                                                         "schema": {"type": "object"},
+                                                         "strict": {"type": "boolean"}}}}},
+    "structured_outputs": {"type": "object", "description": "vLLM extension: one of json, "
+                           "regex, choice, grammar (Lark)"},
     **SAMPLING,
 }
 
@@ -51,6 +65,8 @@ CHAT_BODY = {
     "type": "object", "required": ["model", "messages"],
     "properties": {
         **OPENAI_COMMON,
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"],
@@ -61,10 +77,24 @@ CHAT_BODY = {
 
 COMPLETION_BODY = {
     "type": "object", "required": ["model", "prompt"],
-    "properties": {**OPENAI_COMMON, "prompt": {"oneOf": [
+    "properties": {**OPENAI_COMMON,
+                   "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                   "prompt": {"oneOf": [
         {"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}},
         {"type": "array", "maxItems": 1, "items": {"type": "string"}}]}},
 }
+
+TOKENIZE_BODY = {
+    "type": "object", "description": "vLLM's shape: a prompt, or messages",
+    "properties": {"model": {"type": "string"}, "prompt": {"type": "string"},
+                   "messages": CHAT_BODY["properties"]["messages"],
+                   "add_special_tokens": {"type": "boolean"},
+                   "add_generation_prompt": {"type": "boolean"}}}
+
+DETOKENIZE_BODY = {
+    "type": "object", "required": ["tokens"],
+    "properties": {"model": {"type": "string"},
+                   "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
 
 SCORE_BODY = {
     "type": "object",
@@ -124,6 +154,10 @@ def openapi_schema() -> dict:
                                      True, 503),
             "/v1/score": _post("Teacher-forced re-scoring (admin)", SCORE_BODY, OPENAI_ERROR,
                                False, 503),
+            "/tokenize": _post("Prompt or messages to token ids (vLLM)", TOKENIZE_BODY,
+                               OPENAI_ERROR, False, 503),
+            "/detokenize": _post("Token ids to text (vLLM)", DETOKENIZE_BODY, OPENAI_ERROR,
+                                 False, 503),
             "/v1/models": _get("Served models"),
             "/health": _get("200 ready; 503 recovering or down"),
             "/metrics": _get("Prometheus metrics"),

@@ -29,6 +29,7 @@ async def _drain(stream: Stream) -> Batch:
         total.indices += batch.indices
         total.step_ids += batch.step_ids
         total.request_ids += batch.request_ids
+        total.logprobs += batch.logprobs
         total.text += batch.text
         if batch.final is not None:
             total.final = batch.final

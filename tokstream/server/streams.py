@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.messages import EngineRequest, RequestDelta
+from tokstream.engine.messages import EngineRequest, RequestDelta, TokenLogprobs
 from tokstream.sampling_params import SamplingParams
 
 log = logging.getLogger("tokstream.server")
@@ -46,9 +46,13 @@ class Batch:
     """The last delta (finish_reason set), once it has arrived."""
     error: tuple[str, str] | None = None
     """(error type, message) when the gateway ends the stream with an error."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Beside token_ids, for a request that asked for log-probabilities."""
 
     def add(self, delta: RequestDelta) -> None:
         n = len(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
         if n:
             self.token_ids.extend(delta.token_ids)
             self.indices.extend(range(delta.first_index, delta.first_index + n))

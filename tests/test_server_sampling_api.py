@@ -1,0 +1,113 @@
+"""The OpenAI sampling surface through the official SDK against a real `tokstream serve`:
+logprobs (chat and completions, streamed and not, in the SDK's typed shapes), penalties,
+min_p, logit_bias, structured outputs (response_format json_schema / json_object, vLLM's
+structured_outputs), cached-token usage, and typed 400s for bad values."""
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.serving import ServerProcess
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--profile", "ci", "--model", "smollm2", "--weights", "float32",
+                       "--num-blocks", "256") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=kwargs.pop("max_tokens", 8), **kwargs)
+
+
+def test_chat_logprobs_in_the_sdks_shape(client):
+    reply = chat(client, temperature=0, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 8
+    for item in content:
+        assert item.logprob <= 0 and len(item.top_logprobs) == 3
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[-1].logprob
+        assert item.token == bytes(item.bytes).decode("utf-8", errors="replace")
+        assert item.logprob == item.top_logprobs[0].logprob  # greedy: the most likely one
+    # streamed: the same tokens and values, spread over the chunks (this prompt's KV now
+    # comes from the prefix cache, rounded to float16 where the first pass computed it fresh)
+    streamed = [c for chunk in chat(client, temperature=0, logprobs=True, top_logprobs=3,
+                                    stream=True)
+                if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < 0.01
+
+
+def test_completions_logprobs(client):
+    reply = client.completions.create(model="smollm2", prompt="The capital of France is",
+                                      max_tokens=5, temperature=0, logprobs=2)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == reply.choices[0].text
+    assert lp.text_offset[0] == 0 and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_no_logprobs_unless_asked(client):
+    assert chat(client, temperature=0).choices[0].logprobs is None
+
+
+def test_logit_bias_and_penalties_change_the_output(client):
+    plain = chat(client, temperature=0, max_tokens=12)
+    biased = chat(client, temperature=0, max_tokens=12, logit_bias={"42": 100})
+    assert biased.choices[0].message.content != plain.choices[0].message.content
+    penalised = chat(client, temperature=0.8, seed=3, max_tokens=12, frequency_penalty=2.0,
+                     presence_penalty=2.0, extra_body={"repetition_penalty": 1.5, "min_p": 0.1})
+    assert penalised.usage.completion_tokens >= 1
+
+
+def test_response_format_json_schema_and_object(client):
+    reply = chat(client, temperature=1.0, seed=5, max_tokens=40, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+    choice = chat(client, temperature=1.0, seed=5, max_tokens=10,
+                  extra_body={"structured_outputs": {"choice": ["red", "blue"]}})
+    assert choice.choices[0].message.content in ("red", "blue")
+
+
+def test_cached_tokens_in_usage(client):
+    messages = [{"role": "user", "content": "A long shared preamble. " * 20}]
+    first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=2)
+    second = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=2)
+    # The template's system prompt is cached from the earlier tests already; the preamble
+    # only for the second request.
+    before = first.usage.prompt_tokens_details.cached_tokens
+    after = second.usage.prompt_tokens_details.cached_tokens
+    assert after >= before + 64 and after < second.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias.abc"),
+    ({"logit_bias": {"5": 500}}, "logit_bias.5"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema",
+                          "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     "response_format"),
+    ({"n": 2}, "n"),
+])
+def test_bad_values_are_typed_400s(client, kwargs, field):
+    with pytest.raises(openai.BadRequestError) as raised:
+        chat(client, **kwargs)
+    assert raised.value.body["param"] == field
