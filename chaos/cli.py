@@ -102,5 +102,10 @@ for _name, _doc, _with_rank in (
         ("kill-engine", "SIGKILL the engine core process.", False),
         ("disconnect-storm", "Half the clients hang up at random moments.", False),
         ("cache-exhaustion", "A KV pool far too small for the load, forcing preemption.", False),
-        ("slow-client", "Clients that stop reading.", False)):
+        ("slow-client", "Clients that stop reading.", False),
+        ("drain", "SIGTERM the gateway mid-stream: every stream runs to its end.", False),
+        ("poison-request", "A request that kills rank 0 at every step is ended alone.", False),
+        ("hang-on-start", "SIGKILL the engine core, SIGSTOP its replacement.", False),
+        ("stale-prefix", "SIGKILL a rank while a waiting request holds cached prefix "
+         "blocks.", False)):
     app.command(_name)(_command(_name, _doc, _with_rank))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from tokstream.errors import UserInputError
 
+from tokstream.chaos.lifecycle_faults import POISON_TOKEN, START_TIMEOUTS_PER_STEP
 from tokstream.chaos.workload import StreamSpec
 
 TOPICS = ("the sea", "a lighthouse keeper", "prime numbers", "a city at night", "bees",
@@ -26,6 +27,9 @@ size a KV pool before the server that could count them exists."""
 TRIGGER_WINDOW_S = 1.5
 MAX_LONG_CHUNKS = 64
 SIGNALS = {"kill-rank": "SIGKILL", "stall-rank": "SIGSTOP", "kill-engine": "SIGKILL"}
+STALE_BUDGET = 256
+"""stale-prefix's token budget: a long prompt takes a whole step, unchunked."""
+STALE_LONG_PROMPTS = 8
 
 
 @dataclass
@@ -40,6 +44,10 @@ class Experiment:
     reference: str | None = "batch"
     """How the fault-free run of the greedy and seeded streams goes: batch (all at once, as
     in the experiment), solo (one at a time: the experiment itself changes batching), None."""
+    serve_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of the server the experiment starts (a fault hook)."""
+    own_server_only: bool = False
+    """It stops the server (or needs a hook in it): never against --url, one round."""
 
 
 def experiment(name: str, max_tokens: int, step_timeout_s: float) -> Experiment:
@@ -65,6 +73,26 @@ def experiment(name: str, max_tokens: int, step_timeout_s: float) -> Experiment:
         "slow-client": Experiment("slow-client", "clients that stop reading", None, 6,
                                   ["--max-pending-tokens", "32", "--slow-client-grace", "120"],
                                   reference=None),
+        "drain": Experiment("drain", "SIGTERM the gateway mid-stream: every stream runs to "
+                            "its end, new requests are refused, the server then exits", None,
+                            4, ["--shutdown-timeout", "300"], reference=None,
+                            own_server_only=True),
+        "poison-request": Experiment(
+            "poison-request", "a request whose prefill kills rank 0 every time: it is ended "
+            "with an error, the others go on", None, 4, mid_batch,
+            serve_env={"TOKSTREAM_POISON": f"rank:{POISON_TOKEN}"}, own_server_only=True),
+        "hang-on-start": Experiment(
+            "hang-on-start", "SIGKILL the engine core, SIGSTOP its replacement: the start "
+            "deadline kills it and another takes over", None, 4,
+            [*mid_batch, "--start-timeout", str(START_TIMEOUTS_PER_STEP * step_timeout_s)]),
+        "stale-prefix": Experiment(
+            "stale-prefix", "SIGKILL rank 0 while a waiting request holds cached prefix "
+            "blocks behind long unchunked prompts", None, STALE_LONG_PROMPTS + 2,
+            ["--no-chunked-prefill", "--max-num-batched-tokens", str(STALE_BUDGET),
+             "--step-timeout", str(step_timeout_s)],
+            # The core checks its blocks after every step too, so a waiting request holding
+            # blocks is caught whether or not the kill lands while it waits.
+            serve_env={"TOKSTREAM_SELF_CHECK": "1"}),
     }[name]
 
 
@@ -138,6 +166,13 @@ def workload(exp: Experiment, facts: ServerFacts, num_streams: int, max_tokens: 
         return [decode_stream(i, base, facts.model, exhausting_max_tokens(facts, num_streams,
                                                                           max_tokens))
                 for i in range(num_streams)]
+    if exp.name == "poison-request":
+        specs = [decode_stream(i, base, facts.model, max_tokens) for i in range(num_streams)]
+        return specs + [StreamSpec("poison", "/v1/completions", {
+            "model": facts.model, "prompt": [POISON_TOKEN, 5, 17, 9, 9, 11], "max_tokens": 8,
+            "stream": True, "temperature": 0}, role="poison")]
+    if exp.name == "stale-prefix":
+        return stale_prefix_streams(facts, max_tokens, seed, round_index)
     if exp.name == "slow-client":
         specs = []
         for i in range(num_streams):
@@ -149,6 +184,25 @@ def workload(exp: Experiment, facts: ServerFacts, num_streams: int, max_tokens: 
             specs.append(spec)
         return specs
     return [decode_stream(i, base, facts.model, max_tokens) for i in range(num_streams)]
+
+
+def stale_prefix_streams(facts: ServerFacts, max_tokens: int, seed: int,
+                         round_index: int) -> list[StreamSpec]:
+    """P (a prompt of many full blocks), long prompts of about a step's budget each, and C:
+    P's text and a question after it, so C's prefix is P's cached blocks. Different in each
+    round so the long prompts are never cached themselves."""
+    text = f"Seed {seed}. " + FILLER * max(1, round(48 / facts.tokens_per_filler))
+    sentences = max(1, round((STALE_BUDGET - 48) / facts.tokens_per_filler))
+
+    def greedy(name: str, content: str, role: str, tokens: int) -> StreamSpec:
+        return StreamSpec(name, "/v1/messages", {
+            "model": facts.model, "max_tokens": tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0, "messages": message(content)}, role=role)
+
+    return [greedy("prefix", text, "decode", 4),
+            *[greedy(f"long{i}", f"Round {round_index}, part {i}. " + FILLER * sentences,
+                     "long-prompt", 4) for i in range(STALE_LONG_PROMPTS)],
+            greedy("sharer", text + " What is this about?", "prefix-sharer", max_tokens)]
 
 
 SLOW_MAX_TOKENS = 1500

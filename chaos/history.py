@@ -18,7 +18,8 @@ from tokstream.chaos.workload import StreamHistory
 VIOLATION_KINDS = ("lost", "duplicated", "reordered", "foreign", "unended", "ended_twice",
                    "after_end", "digest_mismatch", "count_mismatch", "malformed", "refused",
                    "leaked_blocks", "leaked_requests", "leaked_processes", "off_argmax",
-                   "stalled", "not_recovered", "fault_not_injected", "block_bookkeeping")
+                   "stalled", "not_recovered", "fault_not_injected", "block_bookkeeping",
+                   "wrongly_failed", "drain_broken")
 """What an experiment counts; it exits 0 only when every count is 0."""
 
 CHECKER_KINDS = {"lost": "lost", "duplicated": "duplicated", "reordered": "reordered",

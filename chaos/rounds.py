@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from tokstream.chaos import faults
+from tokstream.chaos import faults, lifecycle_faults
 from tokstream.chaos.api import ServerAPI
 from tokstream.chaos.audit import audit
 from tokstream.chaos.experiments import (SIGNALS, Experiment, ServerFacts, long_prompt_stream,
@@ -101,8 +101,11 @@ async def run_round(ctx: Context, index: int) -> dict:
     fault: dict = {"round": index, "kind": ctx.exp.fault or ctx.exp.name}
     stopped: psutil.Process | None = None
     try:
-        for spec in specs:
-            recorder.start(spec)
+        if ctx.exp.name in lifecycle_faults.EXPERIMENTS:
+            stopped = await lifecycle_faults.run(ctx, recorder, specs, rng, fault, violations)
+        else:
+            for spec in specs:
+                recorder.start(spec)
         if ctx.exp.fault is not None:
             stopped = await _signal_fault(ctx, recorder, rng, index, fault, violations)
         elif ctx.exp.name == "slow-client":
@@ -117,6 +120,12 @@ async def run_round(ctx: Context, index: int) -> dict:
         await _finish(recorder, 10)
         await recorder.close()
         await sampler.stop()
+    if ctx.exp.name == "drain":  # the server is gone: its streams are the whole story
+        rows = check_history(recorder.histories, violations)
+        await lifecycle_faults.after_drain(fault, violations)
+        lifecycle_faults.check_outcome(ctx, fault, rows, violations)
+        return {"round": index, "fault": fault, "streams": rows, "content": [],
+                "drain": {}, "violations": violations}
     ctx.say(f"round {index}: draining")
     drained = await _drain(ctx, violations)
     rows = check_history(recorder.histories, violations)
@@ -124,14 +133,17 @@ async def run_round(ctx: Context, index: int) -> dict:
         row.update(sampler.requests.get(row["request_id"] or "", {}))
     interrupted = _interrupted(ctx, fault, rows, recorder.histories, sampler, violations)
     await _leaked_processes(fault, violations)
-    messages = {h.spec.name: h.spec.body["messages"] for h in recorder.histories}
+    messages = {h.spec.name: h.spec.body.get("messages") for h in recorder.histories}
     content = await audit(ctx.api, rows, messages, ctx.reference, interrupted, violations)
     fault["server_recovery_s"] = _new_recoveries(before, drained)
     fault["engine_events"] = [
         {k: v for k, v in e.items() if k in ("time", "kind", "reason", "resumed", "source")}
         for e in drained.get("events", []) if e["time"] >= fault.get("wall_time", time.time())
         and e["kind"] in ("rank_failure", "restarted", "restart_failed", "engine_dead",
-                          "engine_restarted", "engine_restart_failed")]
+                          "engine_restarted", "engine_restart_failed", "request_failed")]
+    if ctx.exp.name in lifecycle_faults.EXPERIMENTS:
+        lifecycle_faults.check_outcome(ctx, fault, rows, violations)
+        lifecycle_faults.check_events(ctx, fault, fault["engine_events"], violations)
     return {"round": index, "fault": fault, "streams": rows, "content": content,
             "drain": {"kv": {k: v for k, v in drained["kv"].items() if k != "block_map"},
                       "batch": drained["batch"], "requests": len(drained["requests"]),

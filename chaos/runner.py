@@ -59,6 +59,9 @@ class Options:
 def run(options: Options) -> dict:
     """The report (a plain dict; report["ok"] is the verdict)."""
     exp = experiment(options.experiment, options.max_tokens, options.step_timeout_s)
+    if exp.own_server_only and (options.url is not None or options.repeat > 1):
+        raise UserInputError(f"{exp.name} needs a server of its own (no --url) and one round "
+                             "(no --repeat)")
     if options.url is not None:
         target = Target(options.url, options.admin_key, options.api_key or options.admin_key,
                         own=False, description={"url": options.url})
@@ -69,7 +72,7 @@ def run(options: Options) -> dict:
     args = ["--model", options.model, "--device", options.device, "--tp", str(tp),
             "--ping-interval", "1", *(["--dtype", options.dtype] if options.dtype else []),
             *(["--spare"] if options.spare else []), *exp.serve_args]
-    with OwnServer(args) as target:
+    with OwnServer(args, env=exp.serve_env) as target:
         return asyncio.run(_main(options, target))
 
 
@@ -165,7 +168,7 @@ async def _reference(ctx: Context, violations: Violations) -> dict:
     if ctx.exp.reference is None:
         return {"mode": None}
     specs = [s for s in workload(ctx.exp, ctx.facts, ctx.num_streams, ctx.max_tokens, ctx.seed, 0)
-             if s.role == "decode" and (s.greedy or s.seeded)]
+             if s.role in ("decode", "prefix-sharer") and (s.greedy or s.seeded)]
     recorder = Recorder(ctx.target.url, ctx.target.headers(), ctx.clock, ctx.timeout_s)
     started = time.monotonic()
     try:

@@ -1,0 +1,37 @@
+"""The chaos experiments of issue 14 as real commands on dummy:tiny: drain (SIGTERM mid-stream:
+every stream runs to its end, new requests refused, the server exits by itself) and
+stale-prefix (rank 0 killed while a waiting request holds cached prefix blocks behind long
+unchunked prompts; the per-step block self-check finds nothing). poison-request and
+hang-on-start are covered without chaos by test_poison_request.py and test_engine_start.py
+(their chaos runs take a minute each: see the README)."""
+
+import pytest
+
+from test_chaos import TINY, assert_clean, chaos
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_drain_lets_every_stream_finish_and_the_server_exit(tmp_path):
+    code, report, output = chaos(tmp_path, "drain", *TINY, "--streams", "2",
+                                 "--max-tokens", "200")
+    assert_clean(code, report, output)
+    fault, = report["faults"]
+    assert fault["during_drain"]["ready"] == 503 and fault["during_drain"]["live"] == 200
+    assert fault["during_drain"]["new_request"] == 529 and fault["exited"]
+    assert report["classes"] == {"complete": 2}
+
+
+def test_stale_prefix_kill_finds_the_blocks_consistent(tmp_path):
+    code, report, output = chaos(tmp_path, "stale-prefix", *TINY, "--max-tokens", "16")
+    assert_clean(code, report, output)
+    fault, = report["faults"]
+    assert fault["target"] == "rank 0"
+    assert any(e["kind"] == "restarted" for e in fault["engine_events"])
+    assert report["classes"] == {"complete": 10}
+
+
+def test_drain_refuses_a_server_it_did_not_start(tmp_path):
+    code, report, output = chaos(tmp_path, "drain", "--url", "http://127.0.0.1:9",
+                                 timeout=60)
+    assert code == 2 and "needs a server of its own" in output, output
