@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tokstream.checker import RecordedStream, SSEEvent, SSERecorder
+from tokstream.checker import OPT_IN, RecordedStream, SSEEvent, SSERecorder
 
 SLOW_CLIENT_RCVBUF = 16384
 """Receive buffer of a client that stops reading: small, so the server's socket fills fast."""
@@ -72,7 +72,8 @@ class Recorder:
 
     def __init__(self, url: str, headers: dict[str, str], clock: float, timeout_s: float):
         self.url = url
-        self.headers = headers
+        # the integrity framing (id: lines) is what the checker reads; streams opt in
+        self.headers = {**OPT_IN, **headers}
         self.clock = clock
         self.timeout_s = timeout_s
         self.histories: list[StreamHistory] = []

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from tokstream.checker import SSERecorder, check_stream
+from tokstream.checker import OPT_IN, SSERecorder, check_stream
 
 ROUTES = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
 
@@ -33,9 +33,12 @@ def request_body(api: str, model: str, user: str, system: str | None, max_tokens
 
 
 def auth_headers(api: str, key: str | None) -> dict:
+    """The key, and the integrity framing (id: lines) the demux check reads: tokstream frames
+    streams as the API it imitates unless a request asks."""
     if key is None:
-        return {}
-    return {"x-api-key": key} if api == "anthropic" else {"authorization": f"Bearer {key}"}
+        return dict(OPT_IN)
+    return {**OPT_IN, **({"x-api-key": key} if api == "anthropic"
+                         else {"authorization": f"Bearer {key}"})}
 
 
 def _tokens_of(data: dict) -> int:

@@ -21,12 +21,15 @@ from pathlib import Path
 
 import httpx
 
-from tokstream.checker import RecordedStream, SSERecorder
+from tokstream.checker import OPT_IN, RecordedStream, SSERecorder
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKSTREAM = [sys.executable, "-m", "tokstream"]
 READY = re.compile(r"ready on (http://\S+)")
 PR_SET_PDEATHSIG = 1
+INTEGRITY = OPT_IN
+"""The checker reads the integrity framing, which a request asks for (stock framing is the
+default)."""
 
 
 def _die_with_parent() -> None:
@@ -43,7 +46,10 @@ class ServerProcess:
                  new_session: bool = False):
         self.new_session = new_session
         """Start it in a process group of its own (to signal the whole group)."""
-        self.args = ["serve", "--port", "0", *args]
+        # Tests read the integrity framing (id: lines): every test server frames every stream
+        # with it unless a test asks for the stock framing (--no-stream-integrity).
+        integrity = () if "--no-stream-integrity" in args else ("--stream-integrity",)
+        self.args = ["serve", "--port", "0", *integrity, *args]
         # The engine checks its block bookkeeping after every step (wait_idle reads the verdict).
         self.env = {**os.environ, "TOKSTREAM_SELF_CHECK": "1", **(env or {})}
         self.start_timeout = start_timeout
@@ -128,7 +134,8 @@ def record(client: httpx.Client, url: str, body: dict, headers: dict | None = No
            ) -> tuple[httpx.Response, RecordedStream]:
     """POST a streaming request and record every SSE event until the server ends it."""
     recorder = SSERecorder()
-    with client.stream("POST", url, json=body, headers=headers or {}) as response:
+    with client.stream("POST", url, json=body, headers={**INTEGRITY, **(headers or {})}) \
+            as response:
         for chunk in response.iter_bytes():
             recorder.feed(chunk)
     return response, recorder.stream()
@@ -137,7 +144,8 @@ def record(client: httpx.Client, url: str, body: dict, headers: dict | None = No
 async def arecord(client: httpx.AsyncClient, url: str, body: dict,
                   headers: dict | None = None) -> RecordedStream:
     recorder = SSERecorder()
-    async with client.stream("POST", url, json=body, headers=headers or {}) as response:
+    async with client.stream("POST", url, json=body,
+                             headers={**INTEGRITY, **(headers or {})}) as response:
         assert response.status_code == 200, await response.aread()
         async for chunk in response.aiter_bytes():
             recorder.feed(chunk)

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from serving import ServerProcess, anthropic_body, openai_body, record
+from serving import INTEGRITY, ServerProcess, anthropic_body, openai_body, record
 from tokstream.checker import check_streams
 from tokstream.engine.messages import token_digest
 
@@ -22,7 +22,9 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
+    # The integrity framing (id: lines) is what these tests read; stock framing is tested
+    # in test_stock_framing_by_default.
+    with httpx.Client(base_url=server.url, timeout=60, headers=INTEGRITY) as client:
         yield client
 
 
@@ -272,3 +274,23 @@ def test_score_greedy_tokens_are_the_argmax(client):
         assert position["top_logit"] - position["logit"] < 1e-4
     bad = client.post("/v1/score", json={"token_ids": [1]})
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("token_ids")
+
+
+@pytest.mark.parametrize("path,body", [("/v1/chat/completions", "openai"),
+                                       ("/v1/messages", "anthropic")])
+def test_stock_framing_by_default(path, body):
+    """Without x-tokstream-integrity, a stream is framed as the API it imitates: no id: lines
+    (and no comment pings on OpenAI routes), as vllm bench serve and GuideLLM parse it."""
+    payload = (openai_body(stream=True, max_tokens=6) if body == "openai"
+               else anthropic_body(stream=True, max_tokens=6))
+    with ServerProcess("--profile", "ci", "--no-stream-integrity", "--ping-interval", "0.05") \
+            as server, httpx.Client(base_url=server.url, timeout=60) as plain:
+        text = plain.post(path, json=payload).text
+        with_integrity = plain.post(path, json=payload, headers=INTEGRITY).text
+    lines = [line for line in text.splitlines() if line]
+    assert not any(line.startswith(("id:", ":")) for line in lines)
+    if body == "openai":
+        assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    else:
+        assert all(line.startswith(("event: ", "data: ")) for line in lines)
+    assert any(line.startswith("id: ") for line in with_integrity.splitlines())

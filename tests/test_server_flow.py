@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from serving import (ServerProcess, anthropic_body, arecord, dechunk, raw_request, read_all,
+from serving import (INTEGRITY, ServerProcess, anthropic_body, arecord, dechunk, raw_request, read_all,
                      record)
 from tokstream.checker import check_streams, parse_sse
 
@@ -77,7 +77,7 @@ def test_slow_client_never_stalls_the_batch_and_is_cancelled(server):
 
 
 def test_disconnect_aborts_and_frees_blocks(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
+    with httpx.Client(base_url=server.url, timeout=60, headers=INTEGRITY) as client:
         with client.stream("POST", "/v1/messages", json=anthropic_body(
                 "leaving", max_tokens=1900, ignore_eos=True)) as response:
             lines = response.iter_lines()  # kept: a dropped iterator closes the response

@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.serving import ServerProcess
+from serving import ServerProcess
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},

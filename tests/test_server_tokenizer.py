@@ -6,7 +6,7 @@ round trip, and typed 400s."""
 import httpx
 import pytest
 
-from tests.serving import ServerProcess
+from serving import ServerProcess
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
 from tokstream.tokenizer import load_tokenizer

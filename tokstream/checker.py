@@ -24,6 +24,12 @@ from dataclasses import dataclass, field
 
 from tokstream.engine.messages import token_digest
 
+INTEGRITY_HEADER = "x-tokstream-integrity"
+"""A request header: '1' asks tokstream serve for the integrity framing this checker reads
+(id: lines carrying each event's last token index; keep-alive comments on OpenAI routes),
+which stock clients (vllm bench serve, GuideLLM) cannot parse and so is not the default."""
+OPT_IN = {INTEGRITY_HEADER: "1"}
+
 PROBLEM_KINDS = ("lost", "duplicated", "reordered", "foreign", "never_ended", "ended_twice",
                  "after_end", "count_mismatch", "digest_mismatch", "malformed")
 

@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse
 from tokstream.errors import UserInputError
 from tokstream.server.errors import ANTHROPIC, api_route, bad_request
 from tokstream.server.sse import (EventStreamResponse, final_integrity, integrity, sse,
-                                  stream_failure)
+                                  stream_failure, wants_integrity)
 from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
 from tokstream.server.validation import (get_messages, check_fits, get_bool, get_int, get_number, get_object,
@@ -120,7 +120,9 @@ def stop_reason(stream: Stream) -> tuple[str, str | None]:
 
 
 class AnthropicFormatter:
-    def __init__(self, stream: Stream, model: str):
+    def __init__(self, stream: Stream, model: str, integrity: bool = True):
+        self.integrity = integrity
+        """id: lines on token events (the integrity framing); off: the Messages API's own."""
         self.stream = stream
         self.model = model
 
@@ -139,7 +141,8 @@ class AnthropicFormatter:
                 "delta": {"type": "text_delta", "text": batch.text}}
         if batch.token_ids:
             data["tokstream"] = integrity(batch)
-            return sse("content_block_delta", data, batch.indices[-1])
+            return sse("content_block_delta", data,
+                       batch.indices[-1] if self.integrity else None)
         return sse("content_block_delta", data)
 
     def finish(self, batch: Batch) -> bytes:
@@ -186,7 +189,9 @@ async def create_message(request):
     stream = server.submit(request_id, prompt, tenant, ANTHROPIC)
     headers = {"request-id": request_id}
     if prompt.stream:
-        return EventStreamResponse(stream, AnthropicFormatter(stream, body["model"]),
+        formatter = AnthropicFormatter(stream, body["model"], wants_integrity(
+            request.headers, server.config.stream_integrity))
+        return EventStreamResponse(stream, formatter,
                                    server.registry, server.config.ping_interval_s, headers)
     batch = await collect(stream, request.receive, server.registry)
     failure = stream_failure(stream)

@@ -33,6 +33,10 @@ class ServerConfig:
     after such a cancel, or with the request finished in the engine, whatever its state."""
     ping_interval_s: float = 5.0
     """Keep-alive on an idle stream (SSE ping), well under common 10 s proxy timeouts."""
+    stream_integrity: bool = False
+    """Frame every stream with the integrity extension's `id:` lines (and, on OpenAI routes,
+    comment pings) even when the request does not ask (x-tokstream-integrity: 1): without it
+    streams are framed exactly as the API they imitate, which stock clients parse."""
     max_body_bytes: int = 4 * 2**20
     """Largest request body; larger ones get 413."""
     send_buffer_bytes: int | None = 65536

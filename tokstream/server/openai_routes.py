@@ -13,7 +13,7 @@ from tokstream.server.logprobs_format import chat_logprobs, completion_logprobs
 from tokstream.server.responses import collect
 from tokstream.server.sampling_options import sampling_extras
 from tokstream.server.sse import (EventStreamResponse, final_integrity, integrity, sse,
-                                  stream_failure)
+                                  stream_failure, wants_integrity)
 from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
 from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int, get_number,
@@ -137,8 +137,10 @@ def batch_logprobs(stream: Stream, batch: Batch, chat: bool, tokenizer, text_off
 
 class OpenAIFormatter:
     def __init__(self, stream: Stream, model: str, chat: bool, include_usage: bool,
-                 tokenizer=None):
+                 tokenizer=None, integrity: bool = True):
         self.stream = stream
+        self.integrity = integrity
+        """id: lines and comment pings (the integrity framing); off: OpenAI's own framing."""
         self.tokenizer = tokenizer
         self.text_offset = 0
         """Characters streamed so far (completions' logprobs.text_offset)."""
@@ -175,7 +177,7 @@ class OpenAIFormatter:
         self.text_offset += len(batch.text)
         if batch.token_ids:
             chunk["tokstream"] = integrity(batch)
-            return sse(None, chunk, batch.indices[-1])
+            return sse(None, chunk, batch.indices[-1] if self.integrity else None)
         return sse(None, chunk)
 
     def finish(self, batch: Batch) -> bytes:
@@ -199,7 +201,8 @@ class OpenAIFormatter:
     def ping(self) -> bytes:
         # A comment line with no blank line after it: a blank line would make the official
         # SDK's decoder (which keeps the last event id) emit an empty event it cannot parse.
-        return b": ping\n"
+        # OpenAI sends no keep-alives, and some stock parsers take a comment for data.
+        return b": ping\n" if self.integrity else b""
 
 
 def response_body(stream: Stream, batch: Batch, model: str, chat: bool, tokenizer) -> dict:
@@ -230,7 +233,8 @@ async def _complete(request, chat: bool):
     if prompt.stream:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         formatter = OpenAIFormatter(stream, body["model"], chat, include_usage,
-                                    server.tokenizer)
+                                    server.tokenizer, wants_integrity(
+                                        request.headers, server.config.stream_integrity))
         return EventStreamResponse(stream, formatter, server.registry,
                                    server.config.ping_interval_s, headers)
     batch = await collect(stream, request.receive, server.registry)

@@ -15,9 +15,16 @@ import json
 import logging
 from typing import Protocol
 
+from tokstream.checker import INTEGRITY_HEADER
 from tokstream.server.streams import Batch, Stream, StreamRegistry
 
 log = logging.getLogger("tokstream.server")
+
+
+def wants_integrity(headers, server_default: bool) -> bool:
+    """The request's INTEGRITY_HEADER if it sends one, else the server's setting."""
+    value = headers.get(INTEGRITY_HEADER)
+    return server_default if value is None else value.strip().lower() in ("1", "true", "yes")
 
 
 def sse(event: str | None, data, event_id: str | int | None = None) -> bytes:
