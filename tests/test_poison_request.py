@@ -18,7 +18,7 @@ from test_recovery import GREEDY, PROMPTS, config
 pytestmark = pytest.mark.timeout(240)
 
 POISON_TOKEN = 77
-POISON = [5, 17, POISON_TOKEN, 9, 9]
+POISON = [POISON_TOKEN, 5, 17, 9, 9]
 
 
 def run(llm, requests, max_restarts=6):

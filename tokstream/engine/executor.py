@@ -35,8 +35,9 @@ WORKER_ENV = {
 
 
 POISON_ENV = "TOKSTREAM_POISON"
-"""Tests and chaos only: 'rank:TOKEN' SIGKILLs rank 0 as a step whose tokens hold TOKEN is
-sent, 'core:TOKEN' the engine core itself: a request that breaks the replica every time."""
+"""Tests and chaos only: 'rank:TOKEN' SIGKILLs rank 0 as a step that prefills a prompt
+starting with TOKEN is sent, 'core:TOKEN' the engine core itself: a request that breaks the
+replica every time (and only it: a sampled TOKEN elsewhere does nothing)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,8 @@ class Poison:
         return cls(victim, int(token))
 
     def strike(self, plan: StepPlan, group: "RankGroup") -> None:
-        if not any(self.token_id in chunk.token_ids for chunk in plan.chunks):
+        if not any(chunk.start_position == 0 and chunk.token_ids[:1] == [self.token_id]
+                   for chunk in plan.chunks):
             return
         if self.victim == "core":
             os.kill(os.getpid(), signal.SIGKILL)
