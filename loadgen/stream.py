@@ -52,9 +52,12 @@ def _usage(api: str, data: dict, usage: dict) -> None:
         found = (data.get("message") or {}).get("usage") if data.get("type") == "message_start" \
             else data.get("usage")
         if isinstance(found, dict):
-            for key in ("input_tokens", "output_tokens"):
-                if found.get(key) is not None:
-                    usage[key] = found[key]
+            if found.get("input_tokens") is not None:  # the Messages API splits the prompt:
+                usage["input_tokens"] = found["input_tokens"] + sum(  # uncached + cache
+                    found.get(k) or 0 for k in ("cache_read_input_tokens",
+                                                "cache_creation_input_tokens"))
+            if found.get("output_tokens") is not None:
+                usage["output_tokens"] = found["output_tokens"]
     elif isinstance(data.get("usage"), dict):
         usage["input_tokens"] = data["usage"].get("prompt_tokens")
         usage["output_tokens"] = data["usage"].get("completion_tokens")

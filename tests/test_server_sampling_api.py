@@ -111,3 +111,24 @@ def test_bad_values_are_typed_400s(client, kwargs, field):
     with pytest.raises(openai.BadRequestError) as raised:
         chat(client, **kwargs)
     assert raised.value.body["param"] == field
+
+
+def test_anthropic_usage_counts_the_prefix_cache(server):
+    """The Messages API's usage from the prefix cache's real hits, through the official SDK;
+    cache_control is accepted (caching is automatic)."""
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    system = [{"type": "text", "text": "You answer briefly. " * 30,
+               "cache_control": {"type": "ephemeral"}}]
+    messages = [{"role": "user", "content": "Hello"}]
+    first = client.messages.create(model="smollm2", max_tokens=2, system=system,
+                                   messages=messages)
+    second = client.messages.create(model="smollm2", max_tokens=2, system=system,
+                                    messages=messages)
+    total = lambda u: (u.input_tokens + u.cache_read_input_tokens  # noqa: E731
+                       + u.cache_creation_input_tokens)
+    assert total(first.usage) == total(second.usage)
+    assert second.usage.cache_read_input_tokens >= first.usage.cache_read_input_tokens + 64
+    assert first.usage.cache_creation_input_tokens >= 64
+    assert second.usage.cache_creation_input_tokens < first.usage.cache_creation_input_tokens

@@ -35,13 +35,20 @@ def gpt(server):
         yield client
 
 
+def prompt_tokens(usage) -> int:
+    """The Messages API counts the prompt in three parts: uncached, read from and written to
+    the prefix cache."""
+    return (usage.input_tokens + (usage.cache_read_input_tokens or 0)
+            + (usage.cache_creation_input_tokens or 0))
+
+
 def test_anthropic_sdk_create_and_stream(claude):
     message = claude.messages.create(
         model="smollm2", max_tokens=16, messages=[{"role": "user", "content": QUESTION}],
         extra_body={"temperature": 0})
     assert message.content[0].text == ANSWER
     assert message.stop_reason == "end_turn"
-    assert message.usage.input_tokens == 37
+    assert prompt_tokens(message.usage) == 37
     with claude.messages.stream(
             model="smollm2", max_tokens=16, messages=[{"role": "user", "content": QUESTION}],
             extra_body={"temperature": 0}) as stream:
@@ -49,7 +56,7 @@ def test_anthropic_sdk_create_and_stream(claude):
         final = stream.get_final_message()
     assert text == ANSWER == final.content[0].text
     assert final.stop_reason == "end_turn"
-    assert final.usage.input_tokens == 37
+    assert prompt_tokens(final.usage) == 37
     assert final.usage.output_tokens == message.usage.output_tokens
 
     short = claude.messages.create(

@@ -119,9 +119,22 @@ def stop_reason(stream: Stream) -> tuple[str, str | None]:
     return "max_tokens", None
 
 
+def usage(stream: Stream, block_size: int) -> dict:
+    """The Messages API's usage: prompt tokens read from the prefix cache, those this request
+    wrote to it (its prompt's full blocks past the cached part: caching is automatic, and
+    cache_control is accepted and changes nothing), and the rest."""
+    final = stream.final
+    prompt, cached = final.num_prompt_tokens, final.num_cached_tokens
+    created = max(0, prompt // block_size * block_size - cached)
+    return {"input_tokens": prompt - cached - created, "output_tokens": final.num_output_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": created}
+
+
 class AnthropicFormatter:
-    def __init__(self, stream: Stream, model: str, integrity: bool = True):
+    def __init__(self, stream: Stream, model: str, integrity: bool = True,
+                 block_size: int = 16):
         self.integrity = integrity
+        self.block_size = block_size
         """id: lines on token events (the integrity framing); off: the Messages API's own."""
         self.stream = stream
         self.model = model
@@ -155,8 +168,7 @@ class AnthropicFormatter:
                 + sse("message_delta", {
                     "type": "message_delta",
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": {"input_tokens": final.num_prompt_tokens,
-                              "output_tokens": final.num_output_tokens},
+                    "usage": usage(self.stream, self.block_size),
                     "tokstream": final_integrity(self.stream)})
                 + sse("message_stop", {"type": "message_stop"}))
 
@@ -167,14 +179,12 @@ class AnthropicFormatter:
         return sse("ping", {"type": "ping"})
 
 
-def message_body(stream: Stream, batch: Batch, model: str) -> dict:
+def message_body(stream: Stream, batch: Batch, model: str, block_size: int) -> dict:
     reason, sequence = stop_reason(stream)
-    final = stream.final
     return {"id": stream.request_id, "type": "message", "role": "assistant", "model": model,
             "content": [{"type": "text", "text": batch.text}],
             "stop_reason": reason, "stop_sequence": sequence,
-            "usage": {"input_tokens": final.num_prompt_tokens,
-                      "output_tokens": final.num_output_tokens},
+            "usage": usage(stream, block_size),
             "tokstream": {**final_integrity(stream), "token_ids": batch.token_ids}}
 
 
@@ -190,7 +200,7 @@ async def create_message(request):
     headers = {"request-id": request_id}
     if prompt.stream:
         formatter = AnthropicFormatter(stream, body["model"], wants_integrity(
-            request.headers, server.config.stream_integrity))
+            request.headers, server.config.stream_integrity), server.block_size)
         return EventStreamResponse(stream, formatter,
                                    server.registry, server.config.ping_interval_s, headers)
     batch = await collect(stream, request.receive, server.registry)
@@ -198,7 +208,8 @@ async def create_message(request):
     if failure is not None:
         from tokstream.server.errors import ApiError
         raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
-    return JSONResponse(message_body(stream, batch, body["model"]), headers=headers)
+    return JSONResponse(message_body(stream, batch, body["model"], server.block_size),
+                        headers=headers)
 
 
 @api_route(ANTHROPIC)
