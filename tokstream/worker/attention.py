@@ -136,6 +136,11 @@ def _prefill_attention(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale):
     gqa = num_heads != num_kv_heads
     # Inputs get a batch dimension: on CPU, 3-D inputs take a slow fallback path (measured:
     # 128-token causal chunk 30 ms -> 3 ms, 1024 x 1024 191 ms -> 52 ms per layer, bfloat16).
+    if k_cache.dtype != k.dtype:
+        # A narrower cache (float16 under float32): attend to the values it holds, as every
+        # later decode step will, so a request re-prefilled after a preemption or a restart
+        # computes exactly what it computed the first time.
+        k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
     if seq.context_len == seq.query_len:
         # Nothing cached before this chunk: attend to the chunk itself, plain causal.
         out = F.scaled_dot_product_attention(

@@ -151,7 +151,8 @@ def resolve_dtype(dtype: str, device_type: str, model_config: ModelConfig) -> st
     return choose_cpu_dtype(model_config)
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, serving: str, device_type: str) -> str:
+def resolve_kv_cache_dtype(kv_cache_dtype: str, serving: str, device_type: str,
+                           backend: str = "torch") -> str:
     """The KV cache's dtype for --kv-cache-dtype under a resolved serving dtype.
 
     auto: float16 on a CPU serving float32 whose C kernels are built and which converts
@@ -165,7 +166,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, serving: str, device_type: str) 
     from tokstream.errors import UserInputError
     from tokstream.kernels import cpu_attention, cpu_small_ops
 
-    half_on_cpu = device_type == "cpu" and serving == "float32"
+    # The C kernels read a float16 cache; Triton's (on CPU under its interpreter) do not.
+    half_on_cpu = device_type == "cpu" and serving == "float32" and backend == "torch"
     if kv_cache_dtype == "auto":
         fast = (half_on_cpu and "f16c" in cpu_flags() and cpu_small_ops.load() is not None
                 and cpu_attention.load() is not None)

@@ -163,7 +163,8 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
     model.pack_weights_for_cpu()
     if model.quantized_weights():
         measure_crossovers(model.quantized_weights())
-    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device.type)
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device.type,
+                                      backend.name)
     num_blocks, block_bytes = kv_pool_blocks(config, source.config, kv_dtype, device)
     kv_caches = allocate_kv_caches(source.config, num_blocks, config.cache.block_size,
                                    config.tp, TORCH_DTYPES[kv_dtype], device)
