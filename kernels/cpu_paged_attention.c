@@ -294,6 +294,38 @@ static void decode_item_f32_any(const float *q, const float *k_head, const float
 }
 #endif
 
+#ifdef __AVX512F__
+/* Every (sequence, kv head) work item over the OpenMP threads, on demand (their lengths
+ * differ), over a float32 (half = 0) or float16 (half = 1; head_dim 64, at most 4 query heads
+ * a kv head) cache. */
+static void decode_items(const float *q, const void *k_cache, const void *v_cache,
+                         const int64_t *block_tables, const int64_t *context_lens, float *out,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t num_blocks, int64_t block_size, int64_t max_blocks,
+                         float scale, int64_t seq_begin, int64_t seq_end, float *scratch,
+                         const int half) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t per_thread = group * (max_blocks * block_size + 2 * head_dim);
+    const int64_t element = half ? 2 : 4;
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t item = seq_begin * num_kv_heads; item < seq_end * num_kv_heads; item++) {
+        const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
+        const int64_t context = context_lens[s];
+        float *scores = scratch + omp_get_thread_num() * per_thread;
+        const int64_t head = (s * num_heads + kvh * group) * head_dim;
+        const int64_t pool = kvh * num_blocks * block_size * head_dim * element;
+        const void *k_head = (const char *)k_cache + pool, *v_head = (const char *)v_cache + pool;
+        const int64_t *table = block_tables + s * max_blocks;
+        if (half)
+            decode_item_d64_any(q + head, k_head, v_head, table, context, block_size, head_dim,
+                                group, 1, scale, scores, out + head);
+        else
+            decode_item_f32_any(q + head, k_head, v_head, table, context, block_size, head_dim,
+                                group, scale, scores, scores + group * context, out + head);
+    }
+}
+#endif
+
 void paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                                 const int64_t *block_tables, const int64_t *context_lens,
                                 float *out, int64_t num_heads, int64_t num_kv_heads,
@@ -302,19 +334,9 @@ void paged_decode_attention_f32(const float *q, const float *k_cache, const floa
                                 int64_t seq_end, float *scratch) {
 #ifdef __AVX512F__
     if (head_dim % 16 == 0) {
-        const int64_t group = num_heads / num_kv_heads;
-        const int64_t per_thread = group * (max_blocks * block_size + 2 * head_dim);
-        #pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t item = seq_begin * num_kv_heads; item < seq_end * num_kv_heads; item++) {
-            const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
-            const int64_t context = context_lens[s];
-            float *scores = scratch + omp_get_thread_num() * per_thread;
-            const int64_t head = (s * num_heads + kvh * group) * head_dim;
-            const int64_t pool = kvh * num_blocks * block_size * head_dim;
-            decode_item_f32_any(q + head, k_cache + pool, v_cache + pool,
-                            block_tables + s * max_blocks, context, block_size, head_dim,
-                            group, scale, scores, scores + group * context, out + head);
-        }
+        decode_items(q, k_cache, v_cache, block_tables, context_lens, out, num_heads,
+                     num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale,
+                     seq_begin, seq_end, scratch, 0);
         return;
     }
 #endif
@@ -333,19 +355,10 @@ void paged_decode_attention_f16kv(const float *q, const _Float16 *k_cache,
                                   int64_t block_size, int64_t max_blocks, float scale,
                                   int64_t seq_begin, int64_t seq_end, float *scratch) {
 #ifdef __AVX512F__
-    const int64_t group = num_heads / num_kv_heads;
-    if (head_dim == 64 && group <= 4) {
-        const int64_t per_thread = group * (max_blocks * block_size + 2 * head_dim);
-        #pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t item = seq_begin * num_kv_heads; item < seq_end * num_kv_heads; item++) {
-            const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
-            float *scores = scratch + omp_get_thread_num() * per_thread;
-            const int64_t head = (s * num_heads + kvh * group) * head_dim;
-            const int64_t pool = kvh * num_blocks * block_size * head_dim;
-            decode_item_d64_any(q + head, k_cache + pool, v_cache + pool,
-                                block_tables + s * max_blocks, context_lens[s], block_size,
-                                head_dim, group, 1, scale, scores, out + head);
-        }
+    if (head_dim == 64 && num_heads / num_kv_heads <= 4) {
+        decode_items(q, k_cache, v_cache, block_tables, context_lens, out, num_heads,
+                     num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale,
+                     seq_begin, seq_end, scratch, 1);
         return;
     }
 #endif

@@ -75,33 +75,20 @@ void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out) {
 }
 
 /* k, v (T, Hk, D) rows `row_stride` floats apart (views into one qkv row) copied into the
- * caches (Hk, num_slots, D) at slots[t]. */
-void write_kv(const float *k, const float *v, int64_t row_stride, const int64_t *slots,
-              int64_t T, int64_t Hk, int64_t D, int64_t num_slots, float *k_cache,
-              float *v_cache) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < Hk; h++) {
-            const int64_t at = (h * num_slots + slots[t]) * D;
-            const float *ks = k + t * row_stride + h * D, *vs = v + t * row_stride + h * D;
-            for (int64_t d = 0; d < D; d++) {
-                k_cache[at + d] = ks[d];
-                v_cache[at + d] = vs[d];
-            }
-        }
+ * caches (Hk, num_slots, D) at slots[t]: float32 ones (write_kv), or float16 ones with each
+ * value rounded to the nearest float16 (write_kv_f16: half the bytes decode then reads). */
+#define DEFINE_WRITE_KV(NAME, T)                                                              \
+void NAME(const float *k, const float *v, int64_t row_stride, const int64_t *slots,          \
+          int64_t T_, int64_t Hk, int64_t D, int64_t num_slots, T *k_cache, T *v_cache) {    \
+    for (int64_t t = 0; t < T_; t++)                                                          \
+        for (int64_t h = 0; h < Hk; h++) {                                                    \
+            const int64_t at = (h * num_slots + slots[t]) * D;                                \
+            const float *ks = k + t * row_stride + h * D, *vs = v + t * row_stride + h * D;   \
+            for (int64_t d = 0; d < D; d++) {                                                 \
+                k_cache[at + d] = (T)ks[d];                                                   \
+                v_cache[at + d] = (T)vs[d];                                                   \
+            }                                                                                 \
+        }                                                                                     \
 }
-
-/* write_kv into float16 caches: each value rounded to the nearest float16 (half the bytes
- * decode attention then reads). */
-void write_kv_f16(const float *k, const float *v, int64_t row_stride, const int64_t *slots,
-                  int64_t T, int64_t Hk, int64_t D, int64_t num_slots, _Float16 *k_cache,
-                  _Float16 *v_cache) {
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t h = 0; h < Hk; h++) {
-            const int64_t at = (h * num_slots + slots[t]) * D;
-            const float *ks = k + t * row_stride + h * D, *vs = v + t * row_stride + h * D;
-            for (int64_t d = 0; d < D; d++) {
-                k_cache[at + d] = (_Float16)ks[d];
-                v_cache[at + d] = (_Float16)vs[d];
-            }
-        }
-}
+DEFINE_WRITE_KV(write_kv, float)
+DEFINE_WRITE_KV(write_kv_f16, _Float16)
