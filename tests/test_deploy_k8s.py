@@ -221,8 +221,18 @@ def test_serve_starts_with_the_deployments_arguments(objects):
     with ServerProcess(*args, "--model", "dummy:tiny", "--host", "127.0.0.1") as server:
         assert httpx.get(server.url + "/health/live", timeout=10).status_code == 200
         assert httpx.get(server.url + "/health/ready", timeout=10).status_code == 200
-        assert httpx.get(server.url + "/metrics", timeout=10).status_code == 401
+        httpx.post(server.url + "/v1/messages", timeout=60, json={
+            "model": "dummy:tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+            headers={"x-api-key": "sk-example-team-a"})
+        # The picker's scrape (no key): the load series, none that names a tenant.
+        public = httpx.get(server.url + "/metrics", timeout=10)
+        assert public.status_code == 200
+        assert "vllm:num_requests_waiting" in public.text and "vllm:kv_cache_usage_perc" in \
+            public.text
+        assert 'tenant="' not in public.text
+        assert httpx.get(server.url + "/metrics", timeout=10, headers={
+            "Authorization": "Bearer wrong"}).status_code in (401, 403)  # a wrong key: refused
         metrics = httpx.get(server.url + "/metrics", timeout=10,
                             headers={"Authorization": "Bearer sk-example-metrics"})
         assert metrics.status_code == 200
-        assert "vllm:cache_config_info" in metrics.text
+        assert "vllm:cache_config_info" in metrics.text and 'tenant="' in metrics.text

@@ -25,10 +25,16 @@ async def health(request):
 @api_route(OPENAI)
 async def metrics(request):
     server: Server = request.app.state.server
-    server.authenticate_metrics(request.headers)
+    tenants = True
+    try:
+        server.authenticate_metrics(request.headers)
+    except ApiError:
+        if not (server.config.public_load_metrics and not server.presented_key(request.headers)):
+            raise
+        tenants = False  # the load series a router reads, nothing that names a tenant
     await server.core_snapshot()
     server.metrics.live.set(len(server.registry))
-    return Response(server.metrics.render(),
+    return Response(server.metrics.render(tenants=tenants),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

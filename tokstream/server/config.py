@@ -33,6 +33,10 @@ class ServerConfig:
     after such a cancel, or with the request finished in the engine, whatever its state."""
     ping_interval_s: float = 5.0
     """Keep-alive on an idle stream (SSE ping), well under common 10 s proxy timeouts."""
+    public_load_metrics: bool = False
+    """With a tenants file, let a caller with no key read /metrics without the series that
+    name tenants (queue, KV and latency: what the Gateway API endpoint picker reads, and it
+    sends no credentials); a wrong key is still refused. Off: /metrics needs a key."""
     stream_integrity: bool = False
     """Frame every stream with the integrity extension's `id:` lines (and, on OpenAI routes,
     comment pings) even when the request does not ask (x-tokstream-integrity: 1): without it

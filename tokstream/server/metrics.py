@@ -178,5 +178,11 @@ class Metrics:
             self.prefill_time.observe(max(ttft_s - (delta.queue_s or 0.0), 0.0))
             self.decode_time.observe(max(e2e_s - ttft_s, 0.0))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, tenants: bool = True) -> bytes:
+        """The exposition; tenants=False leaves out every sample that names a tenant (what a
+        caller without the metrics key may read under --public-load-metrics)."""
+        text = generate_latest(self.registry)
+        if tenants:
+            return text
+        return b"".join(line for line in text.splitlines(keepends=True)
+                        if b'tenant="' not in line)
