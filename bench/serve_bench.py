@@ -82,9 +82,10 @@ async def stream_one(host: str, port: int, body: dict) -> tuple[float, list[tupl
     reader, writer = await asyncio.open_connection(host, port)
     payload = json.dumps(body).encode()
     sent = time.perf_counter()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\n"
-                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload)
-                 + payload)
+    # The server's own address as the Host: it refuses names that are not its own.
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                 % (host.encode(), port, len(payload)) + payload)
     await writer.drain()
     status = await reader.readline()
     if b" 200 " not in status:
