@@ -140,7 +140,8 @@ class EngineCore:
         request = Request(submitted.request_id, list(prompt), params, seed, time.monotonic(),
                           output_token_ids=list(outputs), cache_salt=submitted.cache_salt,
                           tenant=submitted.tenant, priority=submitted.priority,
-                          weight=submitted.weight, num_failures=submitted.num_failures)
+                          weight=submitted.weight, num_failures=submitted.num_failures,
+                          prompt_group=submitted.prompt_group)
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
             prompt_ids=prompt, delivered_ids=list(outputs))

@@ -167,6 +167,9 @@ class EngineRequest:
     """Tier: lower is admitted first and preempted last."""
     weight: float = 1.0
     """The tenant's weight in fair scheduling (twice the weight, twice the share)."""
+    prompt_group: str = ""
+    """Shared by the n choices of one API request (same prompt): the core prefills the prompt
+    once and the others take its blocks from the prefix cache ('' for none)."""
     num_failures: int = 0
     """Replica failures in a row (engine core deaths) this request was in flight at, with no
     token between them, before this submission (see EngineConfig.max_request_failures)."""

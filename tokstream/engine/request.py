@@ -54,6 +54,9 @@ class Request:
     """The tenant's share weight in fair scheduling."""
     cache_salt: str = ""
     """Mixed into prefix-cache hashes: requests share cached blocks only with equal salts."""
+    prompt_group: str = ""
+    """Requests with the same non-empty group share one prompt (the n choices of one API
+    request): the scheduler prefills it for one of them and the prefix cache serves the rest."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chain hashes of this request's full, computed blocks (prefix caching)."""
     num_preemptions: int = 0

@@ -200,6 +200,7 @@ class Scheduler:
 
         if not prefill_time_known:
             prefill_time = self._prefill_time(decodes)
+        held = self._groups_prefilling()
         # No admissions in a step that had to preempt: the pool is tight.
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
@@ -208,9 +209,11 @@ class Scheduler:
                 break
             request = self.waiting.peek(
                 lambda r: self._may_start(r) and (long_left > 0 or not self._is_long_prefill(r))
-                and not (suspect_taken and self._is_suspect(r)))
+                and not (suspect_taken and self._is_suspect(r)) and r.prompt_group not in held)
             if request is None:
                 break
+            if request.prompt_group in held:
+                break  # a preempted member: those come back in order, after its prompt's blocks
             if self._is_suspect(request):
                 if suspect_taken:
                     break  # preempted requests come back in order: the rest wait a step
@@ -262,10 +265,26 @@ class Scheduler:
             # New to the worker: it learns the whole block table, cached prefix included.
             prefills.append(ScheduledWork(request, start, num_new, list(request.block_ids), True))
             budget = max(0, budget - num_new)
+            if start < self._shared_prompt_tokens(request):
+                held.add(request.prompt_group)  # its blocks are cached after this step
 
         out.work = decodes + prefills
         out.forgotten_ids, self._forgotten = self._forgotten, []
         return out
+
+    def _shared_prompt_tokens(self, request: Request) -> int:
+        """Tokens of request's prompt the prefix cache can hand its group's other members:
+        the full blocks of the prompt (0 when it has no group or there is no cache)."""
+        if not (request.prompt_group and self.block_manager.enable_caching):
+            return 0
+        size = self.block_manager.block_size
+        return min(len(request.prompt_token_ids) // size, (request.num_tokens - 1) // size) * size
+
+    def _groups_prefilling(self) -> set[str]:
+        """Prompt groups with a running member still computing the shared prompt blocks: the
+        others wait until those are in the prefix cache rather than compute them again."""
+        return {r.prompt_group for r in self.running
+                if r.num_computed_tokens < self._shared_prompt_tokens(r)}
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens of request to compute this step: one for a decode, else a prefill chunk."""
