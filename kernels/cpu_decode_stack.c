@@ -4,8 +4,10 @@
  * calls (argument checks, output allocations, views, ctypes) as much again (measured on
  * SmolLM2: 12.3 ms a step, 8.1 of it in the products). This loop makes the same calls, in the
  * same order and with the same arithmetic, with no Python between them: the kernels are the
- * ones of cpu_quant_matmul.c, cpu_small_ops.c and cpu_paged_attention.c, passed in as function
- * pointers from their own libraries (one compiled copy of each, one libgomp pool).
+ * ones of cpu_quant_matmul.c, cpu_int16_matmul.c, cpu_small_ops.c and cpu_paged_attention.c,
+ * passed in as function pointers from their own libraries (one compiled copy of each, one
+ * libgomp pool). A product takes the int16 kernel from its weight's measured int16_from rows,
+ * as the per-layer path's quantized_linear does.
  *
  * Per layer, T tokens, residual x (T, H) float32 updated in place:
  *   h = rms_norm(x += delta) * input_norm        (delta: the previous layer's MLP output)
@@ -19,6 +21,11 @@
 
 typedef void (*quant_matmul_fn)(int64_t qtype, const uint8_t *w, int64_t N, int64_t K,
                                 const float *x, int64_t M, float *out, float *scratch);
+typedef void (*i16_quantize_rows_fn)(const float *x, int64_t M, int64_t K, int16_t *xq,
+                                     float *sx, float *sums);
+typedef int (*i16_matmul_fn)(const int16_t *xq, const float *sx, const float *sums,
+                             int64_t M, const int8_t *wq, const float *d, const float *m,
+                             int64_t N, int64_t K, float *out);
 typedef void (*add_rms_norm_fn)(float *x, const float *delta, const float *weight, float eps,
                                 int64_t T, int64_t H, float *out);
 typedef void (*rotary_fn)(float *q, float *k, int64_t row_stride, const float *cos,
@@ -36,6 +43,8 @@ typedef void (*attention_fn)(const float *q, const void *k_cache, const void *v_
 
 typedef struct {
     quant_matmul_fn quant_matmul;
+    i16_quantize_rows_fn i16_quantize_rows;
+    i16_matmul_fn i16_matmul;
     add_rms_norm_fn add_rms_norm;
     rotary_fn rotary;
     silu_mul_fn silu_mul;
@@ -46,6 +55,9 @@ typedef struct {
 typedef struct {
     const uint8_t *data; /* (out, in / 32 * block bytes) GGUF blocks */
     int64_t qtype;
+    const int8_t *quants; /* the int16 path's copy (cpu_int16_matmul.c), or NULL */
+    const float *scales, *offsets;
+    int64_t int16_from; /* products with at least this many rows take the int16 copy */
 } QWeight;
 
 typedef struct {
@@ -76,7 +88,23 @@ typedef struct {
     float *gate_up;                          /* (T, 2 * intermediate) */
     float *act;                              /* (T, intermediate) */
     float *matmul_scratch, *attention_scratch;
+    int16_t *int16_rows;                     /* (T, widest input) int16 */
+    float *int16_scales, *int16_sums;        /* (T, widest input / 32) */
 } Step;
+
+/* out (T, N) = x (T, K) @ W^T by the weight's kernel for T rows. */
+static void linear(const Kernels *k, const QWeight *w, int64_t N, int64_t K, const float *x,
+                   int64_t T, float *out, const Step *s) {
+    if (w->quants && T >= w->int16_from) {
+        float *sums = w->offsets ? s->int16_sums : NULL;
+        k->i16_quantize_rows(x, T, K, s->int16_rows, s->int16_scales, sums);
+        if (k->i16_matmul(s->int16_rows, s->int16_scales, sums, T, w->quants, w->scales,
+                          w->offsets, N, K, out))
+            return;
+        /* no memory for its panel buffer: the fused kernel needs none */
+    }
+    k->quant_matmul(w->qtype, w->data, N, K, x, T, out, s->matmul_scratch);
+}
 
 void decode_stack(const Kernels *k, const Layer *layers, int64_t num_layers, const Dims *d,
                   const Step *s, float *x, float *out) {
@@ -87,7 +115,7 @@ void decode_stack(const Kernels *k, const Layer *layers, int64_t num_layers, con
     for (int64_t l = 0; l < num_layers; l++) {
         const Layer *L = layers + l;
         k->add_rms_norm(x, l ? s->delta : NULL, L->input_norm, d->eps, T, H, s->h);
-        k->quant_matmul(L->qkv.qtype, L->qkv.data, row, H, s->h, T, s->qkv, s->matmul_scratch);
+        linear(k, &L->qkv, row, H, s->h, T, s->qkv, s);
         float *q = s->qkv, *key = s->qkv + q_width, *value = s->qkv + q_width + kv_width;
         k->rotary(q, key, row, s->cos, s->sin, T, d->num_heads, d->num_kv_heads, D);
         k->write_kv(key, value, row, s->slots, T, d->num_kv_heads, D, num_slots, L->k_cache,
@@ -97,14 +125,11 @@ void decode_stack(const Kernels *k, const Layer *layers, int64_t num_layers, con
         k->attention(s->q, L->k_cache, L->v_cache, s->block_tables, s->context_lens, s->attn,
                      d->num_heads, d->num_kv_heads, D, d->num_blocks, d->block_size,
                      s->max_blocks, d->scale, 0, T, s->attention_scratch);
-        k->quant_matmul(L->o_proj.qtype, L->o_proj.data, H, q_width, s->attn, T, s->delta,
-                        s->matmul_scratch);
+        linear(k, &L->o_proj, H, q_width, s->attn, T, s->delta, s);
         k->add_rms_norm(x, s->delta, L->post_norm, d->eps, T, H, s->h);
-        k->quant_matmul(L->gate_up.qtype, L->gate_up.data, 2 * d->intermediate, H, s->h, T,
-                        s->gate_up, s->matmul_scratch);
+        linear(k, &L->gate_up, 2 * d->intermediate, H, s->h, T, s->gate_up, s);
         k->silu_mul(s->gate_up, T, d->intermediate, s->act);
-        k->quant_matmul(L->down.qtype, L->down.data, H, d->intermediate, s->act, T, s->delta,
-                        s->matmul_scratch);
+        linear(k, &L->down, H, d->intermediate, s->act, T, s->delta, s);
     }
     k->add_rms_norm(x, num_layers ? s->delta : NULL, s->final_norm, d->eps, T, H, out);
 }

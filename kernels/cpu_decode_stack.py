@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from tokstream.kernels import cpu_attention, cpu_build, cpu_quant, cpu_small_ops
+from tokstream.kernels import cpu_attention, cpu_build, cpu_int16, cpu_quant, cpu_small_ops
 
 SOURCE = Path(__file__).with_name("cpu_decode_stack.c")
 FLAGS = (*cpu_build.BASE_FLAGS, "-std=gnu11")
@@ -22,12 +22,14 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("quant_matmul", "add_rms_norm", "rotary", "silu_mul",
-                                        "write_kv", "attention")]
+    _fields_ = [(name, _P) for name in ("quant_matmul", "i16_quantize_rows", "i16_matmul",
+                                        "add_rms_norm", "rotary", "silu_mul", "write_kv",
+                                        "attention")]
 
 
 class _QWeight(ctypes.Structure):
-    _fields_ = [("data", _P), ("qtype", _I)]
+    _fields_ = [("data", _P), ("qtype", _I), ("quants", _P), ("scales", _P), ("offsets", _P),
+                ("int16_from", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -47,7 +49,8 @@ _BUFFERS = ("h", "qkv", "q", "attn", "delta", "gate_up", "act")
 class _Step(ctypes.Structure):
     _fields_ = [("tokens", _I), ("max_blocks", _I), ("cos", _P), ("sin", _P), ("slots", _P),
                 ("block_tables", _P), ("context_lens", _P), ("final_norm", _P)] + [
-        (name, _P) for name in _BUFFERS + ("matmul_scratch", "attention_scratch")]
+        (name, _P) for name in _BUFFERS + ("matmul_scratch", "attention_scratch",
+                                           "int16_rows", "int16_scales", "int16_sums")]
 
 
 _LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
@@ -60,7 +63,7 @@ def _address(library: ctypes.CDLL, name: str) -> int:
 
 def load() -> ctypes.CDLL | None:
     """The library, with every kernel it calls available; None otherwise."""
-    parts = (cpu_quant.load(), cpu_small_ops.load(), cpu_attention.load())
+    parts = (cpu_quant.load(), cpu_int16.load(), cpu_small_ops.load(), cpu_attention.load())
     return None if any(p is None for p in parts) else _LIBRARY.load()
 
 
@@ -70,9 +73,11 @@ _CACHE_KERNELS = {torch.float32: ("write_kv", "paged_decode_attention_f32"),
 
 
 def _kernels(cache_dtype: torch.dtype) -> _Kernels:
-    quant, small, attention = cpu_quant.load(), cpu_small_ops.load(), cpu_attention.load()
+    quant, int16 = cpu_quant.load(), cpu_int16.load()
+    small, attention = cpu_small_ops.load(), cpu_attention.load()
     write_kv, decode_attention = _CACHE_KERNELS[cache_dtype]
-    return _Kernels(_address(quant, "quant_matmul"), _address(small, "add_rms_norm"),
+    return _Kernels(_address(quant, "quant_matmul"), _address(int16, "i16_quantize_rows"),
+                    _address(int16, "i16_matmul"), _address(small, "add_rms_norm"),
                     _address(small, "rotary"), _address(small, "silu_mul"),
                     _address(small, write_kv), _address(attention, decode_attention))
 
@@ -101,8 +106,8 @@ class DecodeStack:
         for entry, (norms_and_weights, (k_cache, v_cache)) in zip(table, zip(layers, kv_caches)):
             input_norm, post_norm, *products = norms_and_weights
             entry.input_norm, entry.post_norm = input_norm.data_ptr(), post_norm.data_ptr()
-            for field, (data, qtype) in zip(("qkv", "o_proj", "gate_up", "down"), products):
-                setattr(entry, field, _QWeight(data.data_ptr(), qtype))
+            for field, w in zip(("qkv", "o_proj", "gate_up", "down"), products):
+                setattr(entry, field, _qweight(w))
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         self._table = table
         # The tensors the table points into stay alive as long as it does.
@@ -114,13 +119,18 @@ class DecodeStack:
         self._matmul_scratch = torch.empty(
             cpu_quant.scratch_floats(max(hidden, intermediate, num_heads * head_dim)))
         self._group = num_heads // num_kv_heads
+        self._widest_input = max(hidden, intermediate, num_heads * head_dim)
         self._buffers: dict[str, torch.Tensor] = {}
         self._attention_scratch = torch.empty(0)
 
     def _buffer(self, name: str, tokens: int) -> torch.Tensor:
+        return self._sized(name, (tokens, self._widths[name]))
+
+    def _sized(self, name: str, shape: tuple[int, int], dtype=torch.float32) -> torch.Tensor:
+        """A working buffer of at least shape[0] rows, grown (never shrunk) as batches do."""
         found = self._buffers.get(name)
-        if found is None or found.shape[0] < tokens:
-            found = self._buffers[name] = torch.empty(tokens, self._widths[name])
+        if found is None or found.shape[0] < shape[0]:
+            found = self._buffers[name] = torch.empty(shape, dtype=dtype)
         return found
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -139,12 +149,26 @@ class DecodeStack:
         if self._attention_scratch.numel() < needed:
             self._attention_scratch = torch.empty(needed)
         out = torch.empty_like(x)
+        int16_rows = self._sized("int16_rows", (tokens, self._widest_input), torch.int16)
+        int16_scales = self._sized("int16_scales", (tokens, self._widest_input // 32))
+        int16_sums = self._sized("int16_sums", (tokens, self._widest_input // 32))
         step = _Step(tokens, max_blocks, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                      block_tables.data_ptr(), context_lens.data_ptr(),
                      self._final_norm.data_ptr(),
                      *(self._buffer(name, tokens).data_ptr() for name in _BUFFERS),
-                     self._matmul_scratch.data_ptr(), self._attention_scratch.data_ptr())
+                     self._matmul_scratch.data_ptr(), self._attention_scratch.data_ptr(),
+                     int16_rows.data_ptr(), int16_scales.data_ptr(), int16_sums.data_ptr())
         self._library.decode_stack(ctypes.byref(self._kernels), self._table, len(self._table),
                                    ctypes.byref(self._dims), ctypes.byref(step), x.data_ptr(),
                                    out.data_ptr())
         return out
+
+
+def _qweight(w) -> _QWeight:
+    """A QuantizedWeight as the C table's entry (its int16 copy only where it has one)."""
+    int16 = w.int16
+    if int16 is None:
+        return _QWeight(w.data.data_ptr(), w.qtype, None, None, None, 1 << 62)
+    offsets = int16.offsets.data_ptr() if int16.offsets is not None else None
+    return _QWeight(w.data.data_ptr(), w.qtype, int16.quants.data_ptr(),
+                    int16.scales.data_ptr(), offsets, w.int16_from)

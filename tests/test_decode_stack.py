@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from tokstream.config import ModelConfig
-from tokstream.kernels import cpu_decode_stack, cpu_quant
+from tokstream.kernels import cpu_decode_stack, cpu_int16, cpu_quant
 from tokstream.model.weights import dummy_state_dict
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.decode_stack import stack_for_step
@@ -47,6 +47,15 @@ def native_model(formats=("Q4_1", "Q4_0", "Q8_0")) -> LlamaModel:
     return model
 
 
+def give_int16(model: LlamaModel, from_rows: int = 2) -> None:
+    """Every layer product takes the int16 kernel from from_rows rows, as a measurement
+    giving it those rows would set."""
+    for layer in model.layers:
+        for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            w.int16, w.int16_from = cpu_int16.pack(w.data, w.qtype, w.in_features), from_rows
+            assert w.int16 is not None
+
+
 def random_caches(seed: int, dtype=torch.float32):
     caches = allocate_kv_caches(CONFIG, NUM_BLOCKS, BLOCK_SIZE, 1, dtype, torch.device("cpu"))
     generator = torch.Generator().manual_seed(seed)
@@ -79,10 +88,13 @@ def run(model, fused: bool, ids, positions, caches, meta):
         return model(ids, positions, caches, meta)
 
 
+@pytest.mark.parametrize("int16", [False, True], ids=["fused", "int16"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("context_lens", [[5], [1, 7, 24], [9, 2, 13, 20, 3]])
-def test_the_stack_computes_what_the_layers_compute(context_lens, cache_dtype):
+def test_the_stack_computes_what_the_layers_compute(context_lens, cache_dtype, int16):
     model = native_model()
+    if int16:
+        give_int16(model)  # from 2 rows: the batches of 3 and 5 take it, the batch of 1 not
     meta = decode_meta(context_lens)
     ids = torch.tensor([(7 * i + 3) % CONFIG.vocab_size for i in range(len(context_lens))])
     positions = torch.tensor(context_lens) - 1

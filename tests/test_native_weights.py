@@ -11,7 +11,7 @@ from gguf.quants import dequantize, quantize
 
 from tokstream.config import CacheConfig, EngineConfig
 from tokstream.errors import UserInputError
-from tokstream.kernels import cpu_quant
+from tokstream.kernels import cpu_int16, cpu_quant
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_native_state_dict, load_state_dict
 from tokstream.tokenizer import load_tokenizer
@@ -170,6 +170,22 @@ def models():
     return source, native, dense
 
 
+@pytest.fixture(params=["fused", "int16"])
+def product_path(request, models):
+    """The native model's products with more than one row through the fused kernel, or
+    through the int16 one (as a measurement that gives it those rows sets them)."""
+    native = models[1]
+    for w in native.quantized_weights():
+        if request.param == "int16" and w.int16 is None:
+            w.int16 = cpu_int16.pack(w.data, w.qtype, w.in_features)
+            assert w.int16 is not None
+        w.int16_from = 2 if request.param == "int16" else quant_linear_module().NEVER
+        assert w.path(2) == request.param and w.path(1) == "fused"
+    yield request.param
+    for w in native.quantized_weights():
+        w.int16_from = quant_linear_module().NEVER
+
+
 def forward_logits(model, config, ids):
     n, block_size = len(ids), 16
     blocks = -(-n // block_size)
@@ -200,7 +216,7 @@ def test_native_model_holds_quantised_blocks(models):
 
 
 @pytest.mark.slow
-def test_first_step_logits_within_0_02(models):
+def test_first_step_logits_within_0_02(models, product_path):
     source, native, dense = models
     tokenizer = load_tokenizer(source)
     prompts = ([tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
@@ -212,7 +228,7 @@ def test_first_step_logits_within_0_02(models):
 
 
 @pytest.mark.slow
-def test_greedy_tokens_equal_the_float32_paths(models):
+def test_greedy_tokens_equal_the_float32_paths(models, product_path):
     source, native, dense = models
     tokenizer = load_tokenizer(source)
     for text in CHAT_PROMPTS[:3]:
@@ -221,7 +237,7 @@ def test_greedy_tokens_equal_the_float32_paths(models):
 
 
 @pytest.mark.slow
-def test_perplexity_within_half_a_percent(models):
+def test_perplexity_within_half_a_percent(models, product_path):
     source, native, dense = models
     ids = load_tokenizer(source).encode(TEXT)
     targets = torch.tensor(ids[1:])
@@ -245,7 +261,7 @@ def test_probe_results_are_cached_and_a_busy_one_is_remeasured_when_quiet(tmp_pa
 
     def fake_measure(weight):
         calls.append(weight.shape)
-        return 4, [{"rows": 4}]
+        return {"dense": 4}, [{"rows": 4}]
 
     monkeypatch.setattr(quant_linear, "measure_crossover", fake_measure)
     monkeypatch.setattr(probe_cache.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
@@ -276,8 +292,29 @@ def test_a_crossover_must_hold_for_the_larger_sizes(monkeypatch):
     sizes = [m for m in quant_linear.PROBE_ROWS if m <= 16]
     timings = iter([t for m in sizes for t in ((1.0, 2.0) if not wins[m] else (2.0, 1.0))])
     monkeypatch.setattr(probe_cache, "best_time", fake_time)
-    crossover, rows = quant_linear.measure_crossover(weight)
-    assert crossover == 8 and [r["rows"] for r in rows] == [1, 2, 4, 8, 16]
+    starts, rows = quant_linear.measure_crossover(weight)
+    assert weight.int16 is None  # 8 outputs: no int16 copy (16 a vector), so it is not timed
+    assert starts == {"dense": 8} and [r["rows"] for r in rows] == [1, 2, 4, 8, 16]
+
+
+def test_each_path_takes_the_sizes_from_which_it_stays_fastest(monkeypatch):
+    from tokstream.worker import probe_cache, quant_linear
+
+    weight, _ = quantized("Q4_1", 16, 64)
+    weight.int16 = cpu_int16.pack(weight.data, weight.qtype, weight.in_features)
+    assert weight.int16 is not None
+    # fastest by size; int16 wins for good from 8 (dense, faster at 16, is a later path),
+    # dense from 64; the probe stops after dense's second win in a row
+    fastest = {1: "fused", 2: "int16", 4: "fused", 8: "int16", 16: "dense", 32: "int16",
+               64: "dense", 128: "dense"}
+    timings = iter([1.0 if path == fastest[m] else 2.0 for m in fastest
+                    for path in quant_linear.PATHS])
+    monkeypatch.setattr(probe_cache, "best_time", lambda fn, repeats=5: next(timings))
+    starts, rows = quant_linear.measure_crossover(weight)
+    assert starts == {"int16": 8, "dense": 64} and len(rows) == len(fastest)
+    weight.int16_from, weight.crossover = starts["int16"], starts["dense"]
+    assert [weight.path(m) for m in (1, 4, 8, 16, 63, 64, 500)] == [
+        "fused", "fused", "int16", "int16", "int16", "dense", "dense"]
 
 
 @pytest.mark.slow

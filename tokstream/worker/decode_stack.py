@@ -3,7 +3,8 @@ call's table of weights and caches, built once per set of caches.
 
 It may when the step is decode-only, on CPU at one rank with the torch backend, in float32
 over a float32 or float16 cache, with every layer's products in native GGUF blocks below
-their measured crossover (where the per-layer path would switch to a float matrix product),
+their measured crossover (where the per-layer path would switch to a float matrix product;
+the int16 products below it run in the stack too),
 and the compiled kernels are there.
 Anything else runs the per-layer path, which computes the same thing.
 """
@@ -39,9 +40,8 @@ def stack_for_step(model, num_tokens: int, kv_caches, meta: AttentionMetadata):
         return None
     c, layers = model.config, []
     for layer in model.layers:
-        layers.append((layer.input_norm, layer.post_norm,
-                       *((w.data, w.qtype) for w in (layer.qkv, layer.o_proj, layer.gate_up,
-                                                     layer.down))))
+        layers.append((layer.input_norm, layer.post_norm, layer.qkv, layer.o_proj,
+                       layer.gate_up, layer.down))
     stack = cpu_decode_stack.DecodeStack(
         layers, kv_caches, model.norm, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
         c.intermediate_size, c.rms_norm_eps)

@@ -1,10 +1,14 @@
 """Linear layers over GGUF-quantised weights on CPU ("native" weights).
 
-A QuantizedWeight keeps the file's blocks (Q4_0, Q4_1, Q8_0) and multiplies through
-kernels/cpu_quant_matmul.c, which dequantises each row on the fly: decode, bound by the bytes
-read per token, reads 5 bits a weight instead of 32. Past some number of input rows a float
-matrix product over the dequantised weight (dequantised on the fly into a scratch buffer,
-never kept) is faster; that crossover is measured per weight shape when the model loads
+A QuantizedWeight keeps the file's blocks (Q4_0, Q4_1, Q8_0) and has three ways to multiply:
+- fused (kernels/cpu_quant_matmul.c): each row dequantised on the fly; decode, bound by the
+  bytes read per token, reads 5 bits a weight instead of 32;
+- int16 (kernels/cpu_int16_matmul.c): a copy of the quants as int16 and the inputs rounded to
+  int16 per block of 32, summed with AVX-512 VNNI at twice float32's multiply-adds a cycle,
+  for products with many rows, where multiply-adds are the bottleneck;
+- dense: a float matrix product over the weight dequantised into a scratch buffer (never
+  kept).
+Which one takes how many rows is measured per weight shape when the model loads
 (`measure_crossovers`), never assumed.
 """
 
@@ -17,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokstream.kernels import cpu_quant
+from tokstream.kernels import cpu_int16, cpu_quant
 from tokstream.worker import probe_cache
 
 log = logging.getLogger("tokstream.worker")
@@ -41,6 +45,10 @@ class QuantizedWeight:
     in_features: int
     crossover: int = NEVER
     """Products with at least this many input rows dequantise and use a float matmul."""
+    int16: cpu_int16.Int16Weight | None = None
+    """The int16 copy, kept only where the measurement gave it some rows."""
+    int16_from: int = NEVER
+    """Products with at least this many input rows (and fewer than crossover) use int16."""
 
     @property
     def out_features(self) -> int:
@@ -51,7 +59,15 @@ class QuantizedWeight:
         return self.out_features, self.in_features
 
     def nbytes(self) -> int:
-        return self.data.numel()
+        return self.data.numel() + (self.int16.nbytes() if self.int16 is not None else 0)
+
+    def path(self, rows: int) -> str:
+        """'fused', 'int16' or 'dense': how a product with this many input rows is taken."""
+        if rows >= self.crossover:
+            return "dense"
+        if rows >= self.int16_from and self.int16 is not None:
+            return "int16"
+        return "fused"
 
     def rows(self, begin: int, end: int) -> "QuantizedWeight":
         """Output features [begin, end): a column-parallel shard."""
@@ -91,8 +107,11 @@ def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with a QuantizedWeight: x (T, in) float32 -> (T, out) float32."""
-    if x.shape[0] >= weight.crossover:
+    path = weight.path(x.shape[0])
+    if path == "dense":
         out = F.linear(x, _dequantized(weight))
+    elif path == "int16":
+        out = cpu_int16.matmul(x, weight.int16)
     else:
         out = cpu_quant.matmul(x, weight.data, weight.qtype, weight.in_features)
     if bias is not None:
@@ -113,56 +132,127 @@ def _dequantized(weight: QuantizedWeight) -> torch.Tensor:
     return cpu_quant.dequantize(weight.data, weight.qtype, weight.in_features, out=out)
 
 
-def measure_crossover(weight: QuantizedWeight) -> tuple[int, list[dict]]:
-    """The smallest probed row count from which dequantise + float matmul beats the fused
-    kernel (NEVER if it does not), and the timings behind it. Stops once the float path has
-    won at two sizes in a row."""
-    rows, wins = [], 0
-    crossover = NEVER
+PATHS = ("fused", "int16", "dense")
+
+
+def measure_crossover(weight: QuantizedWeight) -> tuple[dict[str, int], list[dict]]:
+    """From how many rows each path takes over ({'int16': rows, 'dense': rows}, NEVER where it
+    never does), and the timings behind it. A path takes over at the smallest probed size
+    where it is the fastest of the three and stays so for every larger probed size; the
+    int16 path is timed only when the weight has its copy. Stops once dense has won at two
+    sizes in a row (its efficiency only grows with rows)."""
+    rows, dense_wins = [], 0
+    timed = [p for p in PATHS if p != "int16" or weight.int16 is not None]
     for m in PROBE_ROWS:
         x = torch.randn(m, weight.in_features)
-        fused = probe_cache.best_time(
-            lambda: cpu_quant.matmul(x, weight.data, weight.qtype, weight.in_features))
-        dense = probe_cache.best_time(lambda: F.linear(x, _dequantized(weight)))
-        rows.append({"rows": m, "fused_ms": round(fused * 1e3, 4),
-                     "dequantize_matmul_ms": round(dense * 1e3, 4)})
-        if dense < fused:
-            crossover = min(crossover, m)
-            wins += 1
-            if wins == 2:
-                break
-        else:
-            crossover, wins = NEVER, 0  # a crossover must hold for the sizes after it
-    return crossover, rows
+        run = {"fused": lambda: cpu_quant.matmul(x, weight.data, weight.qtype,
+                                                 weight.in_features),
+               "int16": lambda: cpu_int16.matmul(x, weight.int16),
+               "dense": lambda: F.linear(x, _dequantized(weight))}
+        times = {p: probe_cache.best_time(run[p]) for p in timed}
+        rows.append({"rows": m, **{f"{p}_ms": round(t * 1e3, 4) for p, t in times.items()},
+                     "fastest": min(times, key=times.get)})
+        dense_wins = dense_wins + 1 if rows[-1]["fastest"] == "dense" else 0
+        if dense_wins == 2:
+            break
+    return {p: _takes_over(rows, p) for p in timed if p != "fused"}, rows
+
+
+def _takes_over(rows: list[dict], path: str) -> int:
+    """The smallest probed size from which `path` is the fastest, or a later path (dense
+    after int16) is, at every larger probed size; NEVER if none."""
+    later = PATHS[PATHS.index(path):]
+    start = NEVER
+    for row in reversed(rows):
+        if row["fastest"] not in later:
+            break
+        if row["fastest"] == path or start != NEVER:
+            start = row["rows"]
+    return start
+
+
+STREAMED_BELOW = 64
+"""Below this many rows the int16 path is timed over every weight in model order as well: its
+weights take 16 bits where the fused kernel reads 5, so where the bytes read bound the
+product, one weight timed alone (warm in the caches) flatters it (measured: int16 fastest
+from 1 row alone, but a batch-1 step 13.2 ms with it against 9.1 ms without)."""
 
 
 def measure_crossovers(weights: list[QuantizedWeight]) -> dict[str, dict]:
-    """Set every weight's crossover, measuring each distinct (format, out, in) shape once per
-    machine (cached beside the compiled kernels; a measurement taken while the machine was
-    busier than its cores is not kept). Returns the measurements by shape, for the log."""
+    """Set every weight's crossovers (int16_from, crossover) and give int16 copies to those
+    that use them. Each distinct (format, out, in) shape is measured alone (three paths, hot
+    in the caches); then, below STREAMED_BELOW rows, int16 against fused over all the
+    weights in order, as a forward pass streams them. Measured once per machine (cached
+    beside the compiled kernels; a measurement taken while the machine was busier than its
+    cores is not kept). Returns the measurements, for the log."""
     by_shape: dict[tuple, list[QuantizedWeight]] = {}
     for w in weights:
         by_shape.setdefault((w.qtype, w.out_features, w.in_features), []).append(w)
     path = probe_cache.path("crossover", str(torch.get_num_threads()),
-                            cpu_quant.SOURCE.read_text(), repr(sorted(by_shape)),
-                            repr(PROBE_ROWS))
+                            cpu_quant.SOURCE.read_text(), cpu_int16.SOURCE.read_text(),
+                            repr(sorted(by_shape)), repr(PROBE_ROWS), str(STREAMED_BELOW))
     report = probe_cache.load(path)
     if report is None or any(_shape_name(s) not in report for s in by_shape):
         report, load_average = {}, os.getloadavg()[0]
         with torch.inference_mode():
             for shape, same in by_shape.items():
-                crossover, rows = measure_crossover(same[0])
+                _give_int16(same[0])
+                starts, rows = measure_crossover(same[0])
                 report[_shape_name(shape)] = {
-                    "crossover_rows": None if crossover == NEVER else crossover,
+                    **{f"{p}_from_rows": None if starts.get(p, NEVER) == NEVER
+                       else starts[p] for p in ("int16", "dense")},
                     "timings": rows}
+            for w in weights:
+                _give_int16(w)
+            report["streamed"] = measure_streamed(weights)
         probe_cache.store(path, report, load_average)
+    streamed_from = report["streamed"]["int16_from_rows"]
     for shape, same in by_shape.items():
-        found = report[_shape_name(shape)]["crossover_rows"]
+        found = report[_shape_name(shape)]
+        int16_from, dense_from = found["int16_from_rows"], found["dense_from_rows"]
+        if int16_from is not None:
+            int16_from = max(int16_from, streamed_from)
         for w in same:
-            w.crossover = NEVER if found is None else found
-        log.info("native %s: dequantise + matmul from %s rows", _shape_name(shape),
-                 found or "no number of")
+            w.crossover = NEVER if dense_from is None else dense_from
+            if int16_from is None or int16_from >= w.crossover:
+                w.int16, w.int16_from = None, NEVER  # never used: no copy kept
+            else:
+                w.int16_from = int16_from
+                _give_int16(w)
+        log.info("native %s: int16 from %s rows, dequantise + matmul from %s",
+                 _shape_name(shape), int16_from or "no number of", dense_from or "none")
     return report
+
+
+def measure_streamed(weights: list[QuantizedWeight]) -> dict:
+    """The fewest rows below STREAMED_BELOW from which int16 beats fused over every weight
+    that has an int16 copy, taken in order (STREAMED_BELOW if at none), and the timings."""
+    packed = [w for w in weights if w.int16 is not None]
+    rows, start = [], STREAMED_BELOW
+    for m in (m for m in PROBE_ROWS if m < STREAMED_BELOW and packed):
+        inputs = {w.in_features: torch.randn(m, w.in_features) for w in packed}
+
+        def fused():
+            for w in packed:
+                cpu_quant.matmul(inputs[w.in_features], w.data, w.qtype, w.in_features)
+
+        def int16():
+            for w in packed:
+                cpu_int16.matmul(inputs[w.in_features], w.int16)
+
+        times = {"fused": probe_cache.best_time(fused, 3),
+                 "int16": probe_cache.best_time(int16, 3)}
+        rows.append({"rows": m, **{f"{p}_ms": round(t * 1e3, 4) for p, t in times.items()}})
+    for row in reversed(rows):  # int16 must win at every probed size from its start on
+        if row["int16_ms"] >= row["fused_ms"]:
+            break
+        start = row["rows"]
+    return {"int16_from_rows": start, "timings": rows}
+
+
+def _give_int16(weight: QuantizedWeight) -> None:
+    if weight.int16 is None:
+        weight.int16 = cpu_int16.pack(weight.data, weight.qtype, weight.in_features)
 
 
 def _shape_name(shape: tuple) -> str:

@@ -1,0 +1,108 @@
+"""Matrix products from GGUF-quantised weights in 16-bit integers (cpu_int16_matmul.c), for
+products with many input rows: each weight repacked once as 8-bit quants with float32
+scales, each input row rounded to int16 per block of 32, and the sums taken with AVX-512
+VNNI's vpdpwssd (twice float32's multiply-adds an instruction); the copy holds 8 bits a
+weight, widened a panel at a time. Compiled on first use and
+called through ctypes, like cpu_quant.
+
+Whether it is used for a weight, and from how many rows, is measured (quant_linear), never
+assumed; its accuracy (first-step logits within 0.009 of float32 on SmolLM2) is tested.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tokstream.kernels import cpu_build, cpu_quant
+
+SOURCE = Path(__file__).with_name("cpu_int16_matmul.c")
+FLAGS = (*cpu_build.BASE_FLAGS, "-std=gnu11")
+LANES = 16
+"""Output rows packed together: N must be a multiple."""
+BLOCK = 32
+PACKABLE = (102, 103, 108)
+"""The float-scale GGUF forms (cpu_quant: Q4_0, Q4_1, Q8_0 + FLOAT_SCALES) it repacks; the
+file's own forms are widened to them first."""
+WITH_OFFSETS = 103
+"""Q4_1's blocks carry an offset m (w = d q + m) besides the scale d."""
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
+    "i16_pack": ([_I, _P, _I, _I, _P, _P, _P], ctypes.c_int),
+    "i16_quantize_rows": [_P, _I, _I, _P, _P, _P],
+    "i16_matmul": ([_P, _P, _P, _I, _P, _P, _P, _I, _I, _P], ctypes.c_int),
+    "i16_vectorised": ([], ctypes.c_int)})
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled library, built once per machine; None if unavailable."""
+    return _LIBRARY.load()
+
+
+@dataclass
+class Int16Weight:
+    """One weight repacked for i16_matmul (layouts in cpu_int16_matmul.c)."""
+
+    quants: torch.Tensor
+    """(N * K,) int8, 16 output rows and 2 inputs a vector (widened to int16 in the kernel)."""
+    scales: torch.Tensor
+    """(N * K / 32,) float32."""
+    offsets: torch.Tensor | None
+    """(N * K / 32,) float32 for Q4_1, else None."""
+    out_features: int
+    in_features: int
+
+    def nbytes(self) -> int:
+        parts = (self.quants, self.scales, self.offsets)
+        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+
+
+def pack(blocks: torch.Tensor, qtype: int, in_features: int) -> Int16Weight | None:
+    """The (N, row bytes) uint8 GGUF blocks repacked; None where the format or shape is not
+    supported or the kernel is unavailable (callers keep their other paths)."""
+    library = load()
+    n = blocks.shape[0]
+    if qtype + cpu_quant.FLOAT_SCALES in PACKABLE:
+        widened, qtype = cpu_quant.with_float_scales(blocks.numpy(), qtype)
+        blocks = torch.from_numpy(widened)
+    if library is None or qtype not in PACKABLE or n % LANES or in_features % BLOCK:
+        return None
+    quants = torch.empty(n * in_features, dtype=torch.int8)
+    scales = torch.empty(n * in_features // BLOCK)
+    offsets = torch.empty_like(scales) if qtype == WITH_OFFSETS else None
+    blocks = blocks.contiguous()
+    if not library.i16_pack(qtype, blocks.data_ptr(), n, in_features, quants.data_ptr(),
+                            scales.data_ptr(), _pointer(offsets)):
+        return None
+    return Int16Weight(quants, scales, offsets, n, in_features)
+
+
+def matmul(x: torch.Tensor, weight: Int16Weight) -> torch.Tensor:
+    """x (M, K) float32 @ weight^T -> (M, N) float32, x rounded to int16 per block of 32."""
+    k = weight.in_features
+    x = x.contiguous()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be float32 (M, {k}), got {x.dtype} {tuple(x.shape)}")
+    m = x.shape[0]
+    out = torch.empty(m, weight.out_features)
+    if m == 0:
+        return out
+    library = load()
+    quants = torch.empty(m, k, dtype=torch.int16)
+    scales = torch.empty(m, k // BLOCK)
+    sums = torch.empty_like(scales) if weight.offsets is not None else None
+    library.i16_quantize_rows(x.data_ptr(), m, k, quants.data_ptr(), scales.data_ptr(),
+                              _pointer(sums))
+    if not library.i16_matmul(quants.data_ptr(), scales.data_ptr(), _pointer(sums), m,
+                              weight.quants.data_ptr(), weight.scales.data_ptr(),
+                              _pointer(weight.offsets), weight.out_features, k,
+                              out.data_ptr()):
+        raise MemoryError("int16 matmul: no memory for a panel buffer")
+    return out
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.data_ptr()

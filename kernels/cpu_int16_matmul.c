@@ -1,0 +1,291 @@
+/* Matrix products from GGUF-quantised weights in 16-bit integer arithmetic (AVX-512 VNNI's
+ * vpdpwssd: 32 multiply-adds an instruction, twice float32's 16 at the same issue rate), for
+ * products with many input rows, where float32 multiply-adds are the bottleneck.
+ *
+ * Weights are repacked once, at load, from the float-scale GGUF blocks (cpu_quant_matmul.c's
+ * Q4_0F, Q4_1F, Q8_0F) into:
+ *   wq  (N / 16, K / 2, 16, 2) int8: for each 16 output rows, each pair of inputs, 16 lanes
+ *       holding that pair's two quants (Q4_0: q - 8, Q4_1: q, Q8_0: q); widened to int16 a
+ *       panel of output rows at a time, into a buffer every input row then reads (8 bits a
+ *       weight from memory: the products streamed from memory are bound by the bytes)
+ *   d   (N / 16, K / 32, 16) float: each block's scale
+ *   m   (N / 16, K / 32, 16) float: each block's offset (Q4_1 only, else no array)
+ * so the weight each lane multiplies is exactly the file's, w = d * q (+ m).
+ *
+ * Inputs are rounded to int16 per row and per block of 32 (the weights' own blocks): x ~ sx *
+ * xq with sx = max|x| / 32767 over the block, so each input keeps 15 bits relative to its
+ * block's largest (measured on SmolLM2: logits within 0.009 of float32, where one scale a
+ * row gave 0.054 and int8 blocks 1.55). A row's result depends on that row alone, so it is the
+ * same whatever else shares the batch. Every weight meets the rounded inputs, its offset m too:
+ *   out[i, n] = sum_b sx[i, b] (d[n, b] sum_k q[n, k] xq[i, k] + m[n, b] sum_k xq[i, k])
+ * (integer sums exact in int32: |q| <= 127 and 32 terms of |xq| <= 32767 per block). Taking m
+ * against the unrounded inputs instead doubled the error (measured: logits 0.023 from
+ * float32's), the rounding then meeting only d q, which is not centred on zero.
+ * N must be a multiple of 16 and K of 32. Output rows are spread over OpenMP threads.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QK 32
+#define LANES 16
+enum { Q4_0F = 102, Q4_1F = 103, Q8_0F = 108 };
+
+typedef struct { float d; uint8_t qs[QK / 2]; } block_q4_0f;
+typedef struct { float d, m; uint8_t qs[QK / 2]; } block_q4_1f;
+typedef struct { float d; int8_t qs[QK]; } block_q8_0f;
+
+static int64_t block_bytes(int64_t qtype) {
+    switch (qtype) {
+    case Q4_0F: return sizeof(block_q4_0f);
+    case Q4_1F: return sizeof(block_q4_1f);
+    case Q8_0F: return sizeof(block_q8_0f);
+    default: return 0;
+    }
+}
+
+/* Quant j (0..31) of a block, its scale and offset. */
+static void block_values(int64_t qtype, const uint8_t *block, int16_t q[QK], float *d,
+                         float *m) {
+    *m = 0.0f;
+    if (qtype == Q8_0F) {
+        const block_q8_0f *b = (const block_q8_0f *)block;
+        *d = b->d;
+        for (int j = 0; j < QK; j++) q[j] = b->qs[j];
+        return;
+    }
+    const uint8_t *qs;
+    int offset = 0;
+    if (qtype == Q4_1F) {
+        const block_q4_1f *b = (const block_q4_1f *)block;
+        *d = b->d, *m = b->m, qs = b->qs;
+    } else {
+        const block_q4_0f *b = (const block_q4_0f *)block;
+        *d = b->d, qs = b->qs, offset = 8;
+    }
+    for (int j = 0; j < QK / 2; j++) {
+        q[j] = (int16_t)((qs[j] & 15) - offset);
+        q[j + QK / 2] = (int16_t)((qs[j] >> 4) - offset);
+    }
+}
+
+/* 0 when qtype or the shape is unsupported, else 1 and the packed arrays written. */
+int i16_pack(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, int8_t *wq, float *d,
+             float *m) {
+    const int64_t bytes = block_bytes(qtype);
+    if (!bytes || N % LANES || K % QK) return 0;
+    const int64_t nb = K / QK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t g = n / LANES, lane = n % LANES;
+        for (int64_t b = 0; b < nb; b++) {
+            int16_t q[QK];
+            float ds, ms;
+            block_values(qtype, w + (n * nb + b) * bytes, q, &ds, &ms);
+            d[(g * nb + b) * LANES + lane] = ds;
+            if (m) m[(g * nb + b) * LANES + lane] = ms;
+            for (int j = 0; j < QK; j++) {
+                const int64_t k = b * QK + j;
+                wq[((g * (K / 2) + k / 2) * LANES + lane) * 2 + k % 2] = (int8_t)q[j];
+            }
+        }
+    }
+    return 1;
+}
+
+/* One block of 32 inputs -> 32 int16 quants, the block's scale, and the sum of the rounded
+ * inputs (scale times the quants' sum). */
+static inline void quantize_block(const float *v, int16_t *q, float *scale, float *sum);
+
+/* Each row of x (M, K) float32 -> xq (M, K) int16, sx (M, K / 32) scales and, when sums is
+ * not NULL, each block's sum of its rounded inputs (for Q4_1's offsets). */
+void i16_quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *sx,
+                       float *sums) {
+    const int64_t blocks = M * (K / QK);
+    #pragma omp parallel for schedule(static) if (blocks > 256)
+    for (int64_t i = 0; i < blocks; i++) {
+        float sum;
+        quantize_block(x + i * QK, xq + i * QK, sx + i, &sum);
+        if (sums) sums[i] = sum;
+    }
+}
+
+#ifdef __AVX512BW__
+#include <immintrin.h>
+
+#ifdef __AVX512VNNI__
+#define DOT_PAIRS(acc, w, x) _mm512_dpwssd_epi32((acc), (w), (x))
+#else /* AVX-512 without VNNI: the same sums in two instructions */
+#define DOT_PAIRS(acc, w, x) _mm512_add_epi32((acc), _mm512_madd_epi16((w), (x)))
+#endif
+
+static inline void quantize_block(const float *v, int16_t *q, float *scale, float *sum) {
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    *scale = top > 0.0f ? top / 32767.0f : 1.0f;
+    const __m512 inverse = _mm512_set1_ps(1.0f / *scale);
+    /* round to nearest even, as lrintf in the portable path */
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+    _mm256_storeu_si256((__m256i *)q, _mm512_cvtsepi32_epi16(qa));
+    _mm256_storeu_si256((__m256i *)(q + 16), _mm512_cvtsepi32_epi16(qb));
+    *sum = *scale * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+
+#define MR 4 /* input rows a tile */
+#define NR 3 /* 16-row weight groups a tile */
+
+/* out rows [i0, i0 + mr) x the panel's nr weight groups (wq, d, m and out start at the
+ * panel's first): per block, integer sums of pairs in registers, then scaled into float
+ * accumulators (all mr * nr * 2 vectors in registers). */
+static inline __attribute__((always_inline)) void tile(const int16_t *restrict xq, const float *restrict sx,
+                        const float *restrict sums, const int16_t *restrict wq,
+                        const float *restrict d, const float *restrict m, int64_t K,
+                        int64_t N, int64_t i0, const int mr, const int nr,
+                        float *restrict out) {
+    const int64_t nb = K / QK, pairs = K / 2;
+    __m512 facc[MR][NR];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) facc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i acc[MR][NR];
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_si512();
+        for (int64_t p = b * QK / 2; p < (b + 1) * QK / 2; p++) {
+            __m512i wv[NR];
+            for (int j = 0; j < nr; j++)
+                wv[j] = _mm512_loadu_si512(wq + (j * pairs + p) * 2 * LANES);
+            for (int i = 0; i < mr; i++) {
+                int32_t pair;
+                memcpy(&pair, xq + (i0 + i) * K + 2 * p, sizeof pair);
+                const __m512i xv = _mm512_set1_epi32(pair);
+                for (int j = 0; j < nr; j++) acc[i][j] = DOT_PAIRS(acc[i][j], wv[j], xv);
+            }
+        }
+        for (int j = 0; j < nr; j++) {
+            const __m512 dv = _mm512_loadu_ps(d + (j * nb + b) * LANES);
+            const __m512 mv = m ? _mm512_loadu_ps(m + (j * nb + b) * LANES)
+                                : _mm512_setzero_ps();
+            for (int i = 0; i < mr; i++) {
+                const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[(i0 + i) * nb + b]));
+                facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i][j]), scale, facc[i][j]);
+                if (m)
+                    facc[i][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sums[(i0 + i) * nb + b]),
+                                                 facc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++)
+            _mm512_storeu_ps(out + (i0 + i) * N + j * LANES, facc[i][j]);
+}
+
+/* The tile for the remaining rows and groups, with constant sizes so it stays in registers. */
+static void tile_any(const int16_t *xq, const float *sx, const float *sums, const int16_t *wq,
+                     const float *d, const float *m, int64_t K, int64_t N, int64_t i0,
+                     int mr, int nr, float *out) {
+#define TILE(R, C) tile(xq, sx, sums, wq, d, m, K, N, i0, R, C, out)
+    switch (mr * 4 + nr) {
+    case 4 * 4 + 3: TILE(4, 3); break;
+    case 4 * 4 + 2: TILE(4, 2); break;
+    case 4 * 4 + 1: TILE(4, 1); break;
+    case 3 * 4 + 3: TILE(3, 3); break;
+    case 3 * 4 + 2: TILE(3, 2); break;
+    case 3 * 4 + 1: TILE(3, 1); break;
+    case 2 * 4 + 3: TILE(2, 3); break;
+    case 2 * 4 + 2: TILE(2, 2); break;
+    case 2 * 4 + 1: TILE(2, 1); break;
+    case 1 * 4 + 3: TILE(1, 3); break;
+    case 1 * 4 + 2: TILE(1, 2); break;
+    default: TILE(1, 1); break;
+    }
+#undef TILE
+}
+
+int i16_vectorised(void) { return 1; }
+
+#else /* portable C: the same integer sums and the same float32 steps, one lane at a time */
+
+static inline void quantize_block(const float *v, int16_t *q, float *scale, float *sum) {
+    float top = 0.0f;
+    for (int j = 0; j < QK; j++) top = fmaxf(top, fabsf(v[j]));
+    *scale = top > 0.0f ? top / 32767.0f : 1.0f;
+    const float inverse = 1.0f / *scale;
+    int32_t total = 0;
+    for (int j = 0; j < QK; j++) {
+        q[j] = (int16_t)lrintf(v[j] * inverse);
+        total += q[j];
+    }
+    *sum = *scale * (float)total;
+}
+
+static void tile_any(const int16_t *xq, const float *sx, const float *sums, const int16_t *wq,
+                     const float *d, const float *m, int64_t K, int64_t N, int64_t i0,
+                     int mr, int nr, float *out) {
+    const int64_t nb = K / QK, pairs = K / 2;
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++)
+            for (int lane = 0; lane < LANES; lane++) {
+                const int64_t g = j;
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    int32_t dot = 0;
+                    for (int64_t p = b * QK / 2; p < (b + 1) * QK / 2; p++)
+                        for (int h = 0; h < 2; h++)
+                            dot += (int32_t)wq[((g * pairs + p) * LANES + lane) * 2 + h]
+                                   * xq[(i0 + i) * K + 2 * p + h];
+                    const int64_t at = (g * nb + b) * LANES + lane;
+                    acc = fmaf((float)dot, d[at] * sx[(i0 + i) * nb + b], acc);
+                    if (m) acc = fmaf(m[at], sums[(i0 + i) * nb + b], acc);
+                }
+                out[(i0 + i) * N + g * LANES + lane] = acc;
+            }
+}
+
+int i16_vectorised(void) { return 0; }
+#define MR 4
+#define NR 3
+#endif
+
+/* The panel's int8 quants widened to int16, in a buffer of the calling thread's (grown as
+ * needed, kept for the next call). */
+static const int16_t *widen_panel(const int8_t *wq, int64_t count) {
+    static __thread int16_t *buffer;
+    static __thread int64_t capacity;
+    if (count > capacity) {
+        free(buffer);
+        buffer = malloc((size_t)count * sizeof *buffer);
+        capacity = buffer ? count : 0;
+        if (!buffer) return NULL;
+    }
+    for (int64_t i = 0; i < count; i++) buffer[i] = wq[i];
+    return buffer;
+}
+
+/* out (M, N) = x @ w^T from i16_quantize_rows' xq, sx, sums and i16_pack's wq, d, m (m and
+ * sums NULL unless Q4_1). Returns 0 if a thread's buffer could not be allocated. */
+int i16_matmul(const int16_t *xq, const float *sx, const float *sums, int64_t M,
+               const int8_t *wq, const float *d, const float *m, int64_t N, int64_t K,
+               float *out) {
+    const int64_t groups = N / LANES, nb = K / QK, per_group = K / 2 * 2 * LANES;
+    const int64_t panels = (groups + NR - 1) / NR;
+    int ok = 1;
+    #pragma omp parallel for schedule(static) reduction(&& : ok)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t g0 = p * NR;
+        const int nr = groups - g0 < NR ? (int)(groups - g0) : NR;
+        const int16_t *panel = widen_panel(wq + g0 * per_group, nr * per_group);
+        if (!panel) {
+            ok = 0;
+            continue;
+        }
+        for (int64_t i0 = 0; i0 < M; i0 += MR) {
+            const int mr = M - i0 < MR ? (int)(M - i0) : MR;
+            tile_any(xq, sx, sums, panel, d + g0 * nb * LANES, m ? m + g0 * nb * LANES : NULL,
+                     K, N, i0, mr, nr, out + g0 * LANES);
+        }
+    }
+    return ok;
+}

@@ -1,0 +1,94 @@
+"""The int16 product (kernels/cpu_int16_matmul.c) against the arithmetic it documents, done
+here in float64 from the same int16 inputs: each GGUF format, remainders of its row and
+output tiles, every row's result independent of the batch around it, and the portable C
+path equal to the vector one."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from tokstream.kernels import cpu_build, cpu_int16
+
+pytestmark = pytest.mark.skipif(cpu_int16.load() is None, reason="no C compiler here")
+
+
+def blocks(fmt: str, n: int, k: int, seed: int = 0):
+    """Random (n, k) weights in GGUF blocks of fmt, and their float32 dequantisation."""
+    qtype = GGMLQuantizationType[fmt]
+    w = np.random.default_rng(seed).normal(0, 0.1, (n, k)).astype(np.float32)
+    raw = np.ascontiguousarray(quantize(w, qtype))
+    return torch.from_numpy(raw), int(qtype), torch.from_numpy(dequantize(raw, qtype))
+
+
+def reference(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernel rounds it (per row, per 32 inputs: scale max|x| / 32767,
+    nearest even), times the file's weights, in float64."""
+    m, k = x.shape
+    b = x.reshape(m, k // 32, 32)
+    top = b.abs().amax(-1, keepdim=True)
+    scale = torch.where(top > 0, top / 32767, torch.ones_like(top))
+    rounded = torch.round(b * (1 / scale)) * scale
+    return rounded.reshape(m, k).double() @ dense.double().T
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m, n, k", [(1, 16, 64), (5, 48, 96), (9, 80, 64), (4, 32, 128)])
+def test_the_product_is_the_rounded_inputs_times_the_files_weights(fmt, m, n, k):
+    raw, qtype, dense = blocks(fmt, n, k)
+    weight = cpu_int16.pack(raw, qtype, k)
+    x = torch.randn(m, k) * torch.linspace(0.1, 4, k)  # uneven blocks, as activations are
+    got = cpu_int16.matmul(x, weight)
+    expected = reference(x, dense)
+    assert got.shape == (m, n)
+    assert (got.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+    # and close to the float32 product of the unrounded inputs
+    exact = x.double() @ dense.double().T
+    assert (got.double() - exact).abs().max() <= 1e-3 * exact.abs().max()
+
+
+def test_a_rows_result_does_not_depend_on_the_batch():
+    raw, qtype, _ = blocks("Q4_1", 48, 96, seed=2)
+    weight = cpu_int16.pack(raw, qtype, 96)
+    x = torch.randn(11, 96)
+    batch = cpu_int16.matmul(x, weight)
+    for i in (0, 5, 10):
+        assert torch.equal(cpu_int16.matmul(x[i:i + 1], weight)[0], batch[i])
+
+
+def test_zero_inputs_and_no_rows():
+    raw, qtype, _ = blocks("Q4_1", 16, 64)
+    weight = cpu_int16.pack(raw, qtype, 64)
+    assert torch.equal(cpu_int16.matmul(torch.zeros(3, 64), weight), torch.zeros(3, 16))
+    assert cpu_int16.matmul(torch.empty(0, 64), weight).shape == (0, 16)
+
+
+def test_unsupported_shapes_get_no_copy():
+    raw, qtype, _ = blocks("Q4_1", 8, 64)
+    assert cpu_int16.pack(raw, qtype, 64) is None  # outputs not a multiple of 16
+    with pytest.raises(ValueError):
+        cpu_int16.matmul(torch.randn(2, 32), cpu_int16.pack(*blocks("Q4_1", 16, 64)[:2], 64))
+
+
+def test_the_portable_path_computes_what_the_vector_path_does(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    portable = cpu_build.build(cpu_int16.SOURCE, (*cpu_int16.FLAGS, "-mno-avx512f"))
+    assert portable is not None and portable.i16_vectorised() == 0
+    assert cpu_int16.load().i16_vectorised() == 1 or pytest.skip("no AVX-512 here")
+    raw, qtype, _ = blocks("Q4_1", 48, 64, seed=4)
+    weight = cpu_int16.pack(raw, qtype, 64)
+    x = torch.randn(6, 64)
+    quants = torch.empty(6, 64, dtype=torch.int16)
+    scales, sums, out = torch.empty(6, 2), torch.empty(6, 2), torch.empty(6, 48)
+    p = ctypes.c_void_p
+    portable.i16_quantize_rows(p(x.data_ptr()), ctypes.c_int64(6), ctypes.c_int64(64),
+                               p(quants.data_ptr()), p(scales.data_ptr()), p(sums.data_ptr()))
+    assert portable.i16_matmul(p(quants.data_ptr()), p(scales.data_ptr()), p(sums.data_ptr()),
+                               ctypes.c_int64(6), p(weight.quants.data_ptr()),
+                               p(weight.scales.data_ptr()), p(weight.offsets.data_ptr()),
+                               ctypes.c_int64(48), ctypes.c_int64(64), p(out.data_ptr())) == 1
+    # the same integer sums and the same float steps in the same order
+    assert torch.equal(out, cpu_int16.matmul(x, weight))
