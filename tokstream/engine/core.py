@@ -271,9 +271,12 @@ class EngineCore:
             result = self.executor.execute(self._plan(scheduled))
         except ReplicaError as exc:
             return deltas + self._fail_in_flight(scheduled, str(exc)) + self.recover(str(exc))
-        for work in scheduled.work:
-            work.request.num_failures = 0
         advanced = self.scheduler.update(scheduled, result.sampled_token_ids)
+        # A failure streak ends at a token, as the gateway counts core deaths: a prefill chunk
+        # that ran proves nothing, and a resumed request keeps its last-chance isolation (no
+        # other suspect in its steps) until it has produced one.
+        for request in advanced:
+            request.num_failures = 0
         logprobs = _logprobs_by_request(scheduled, result)
         deltas += [self._emit(request, logprobs.get(request.request_id)) for request in advanced]
         if self._resuming:
