@@ -165,7 +165,7 @@ static inline __m512 load_cached(const void *cache, int64_t at, const int half) 
  * blocks lie anywhere in the pool, so the hardware prefetcher, which follows addresses, stops
  * at each block's end. The loops ask 32 positions ahead (measured, 32 streams x 200 tokens x
  * 30 layers: float16 15.3 -> 12.6 ms; 16 ahead gave 13.7, 48 no more than 32). */
-static inline void prefetch_rows(const void *cache, const int64_t *table, int64_t from,
+static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int64_t *table, int64_t from,
                                  int64_t context, int64_t block_size, const int half) {
     const int64_t row_bytes = 64 * (half ? 2 : 4);
     for (int64_t pos = from; pos < from + 16 && pos < context; pos++) {
@@ -179,7 +179,8 @@ static inline void prefetch_rows(const void *cache, const int64_t *table, int64_
 /* decode_item_f32 for head_dim 64 and up to 4 query heads per kv head (G), over a float32 or
  * float16 cache (half): scores 16 positions at a time with one tree sum, and the weighted
  * values summed in registers. */
-static inline void decode_item_d64(const float *q, const void *k_head, const void *v_head,
+static inline __attribute__((always_inline)) void decode_item_d64(
+                                   const float *q, const void *k_head, const void *v_head,
                                    const int64_t *table, int64_t context, int64_t block_size,
                                    const int G, const int half, float scale, float *scores,
                                    float *out) {
@@ -272,14 +273,27 @@ static inline int decode_item_d64_any(const float *q, const void *k_head, const 
                                       const int64_t *table, int64_t context,
                                       int64_t block_size, int64_t head_dim, int64_t group,
                                       const int half, float scale, float *scores, float *out) {
-    if (head_dim != 64) return 0;
-    switch (group) {
-    case 1: decode_item_d64(q, k_head, v_head, table, context, block_size, 1, half, scale, scores, out); return 1;
-    case 2: decode_item_d64(q, k_head, v_head, table, context, block_size, 2, half, scale, scores, out); return 1;
-    case 3: decode_item_d64(q, k_head, v_head, table, context, block_size, 3, half, scale, scores, out); return 1;
-    case 4: decode_item_d64(q, k_head, v_head, table, context, block_size, 4, half, scale, scores, out); return 1;
+    if (head_dim != 64 || group < 1 || group > 4) return 0;
+    /* The default block size as a constant: each position's block and offset are then a
+     * shift and a mask, not two integer divisions (measured: 30 layers x 32 sequences x 192
+     * positions: 7.5 -> 5.7 ms cache-resident, 13.0 -> 10.0 ms from memory). */
+#define ITEM(BS, G) decode_item_d64(q, k_head, v_head, table, context, BS, G, half, scale, \
+                                    scores, out)
+    if (block_size == 16) {
+        switch (group) {
+        case 1: ITEM(16, 1); return 1;
+        case 2: ITEM(16, 2); return 1;
+        case 3: ITEM(16, 3); return 1;
+        default: ITEM(16, 4); return 1;
+        }
     }
-    return 0;
+    switch (group) {
+    case 1: ITEM(block_size, 1); return 1;
+    case 2: ITEM(block_size, 2); return 1;
+    case 3: ITEM(block_size, 3); return 1;
+    default: ITEM(block_size, 4); return 1;
+    }
+#undef ITEM
 }
 
 static void decode_item_f32_any(const float *q, const float *k_head, const float *v_head,

@@ -11,6 +11,11 @@ Each stream is classified `complete` (a final event), `failed` (an explicit erro
 lost, duplicated, reordered and foreign tokens, streams that never ended or ended twice,
 events after the end, count and digest mismatches.
 
+A response with n > 1 choices (OpenAI's `n`) interleaves n streams, each its own engine
+request (`choice_request_id`), its events told apart by `choices[0].index`. The checker reads
+each choice as a stream of its own, so a token that strays into another choice is foreign and
+a choice that never came (RecordedStream.num_choices says how many were asked for) is cut.
+
     recorder = SSERecorder()
     for chunk in response.iter_bytes(): recorder.feed(chunk)
     report = check_streams([recorder.stream()])
@@ -29,6 +34,9 @@ INTEGRITY_HEADER = "x-tokstream-integrity"
 (id: lines carrying each event's last token index; keep-alive comments on OpenAI routes),
 which stock clients (vllm bench serve, GuideLLM) cannot parse and so is not the default."""
 OPT_IN = {INTEGRITY_HEADER: "1"}
+
+MAX_CHOICES = 16
+"""Most choices (OpenAI's `n`) one request may ask for."""
 
 PROBLEM_KINDS = ("lost", "duplicated", "reordered", "foreign", "never_ended", "ended_twice",
                  "after_end", "count_mismatch", "digest_mismatch", "malformed")
@@ -105,6 +113,13 @@ class RecordedStream:
     events: list[SSEEvent]
     request_id: str | None = None
     """The id the caller expects (defaults to the id of the stream's first event)."""
+    num_choices: int | None = None
+    """Choices the caller asked for (OpenAI's `n`); None: as many as the events show."""
+
+
+def choice_request_id(response_id: str, index: int) -> str:
+    """The engine request id of choice `index` of a response (choice 0 is the response)."""
+    return response_id if index == 0 else f"{response_id}-{index}"
 
 
 @dataclass
@@ -266,9 +281,58 @@ def _text_of(data: dict) -> str:
     return ""
 
 
+def split_choices(stream: RecordedStream) -> list[RecordedStream]:
+    """A multi-choice stream as one stream per choice (each named by its engine request id);
+    any other stream as itself. An error event ends every choice not yet ended."""
+    parsed = []
+    for event in stream.events:
+        try:
+            data = json.loads(event.data)
+        except ValueError:
+            data = None
+        parsed.append((event, data if isinstance(data, dict) else None))
+    seen = [_choice_index(d) for _, d in parsed if d]
+    n = stream.num_choices or max((i + 1 for i in seen if i is not None), default=1)
+    if n <= 1:
+        return [stream]
+    response_id = stream.request_id or next(
+        (_stream_id(e, d) for e, d in parsed if d and _stream_id(e, d)), None)
+    choices = [RecordedStream([], choice_request_id(response_id, i) if response_id else None)
+               for i in range(min(n, MAX_CHOICES))]
+    ended = set()
+    for event, data in parsed:
+        if data is None:
+            if not event.data.startswith("[DONE]"):
+                for choice in choices:
+                    choice.events.append(event)  # malformed: every choice reports it
+            continue
+        if event.event == "error" or "error" in data and data.get("type") != "message":
+            for i, choice in enumerate(choices):
+                if i not in ended:
+                    choice.events.append(event)
+            continue
+        index = _choice_index(data)
+        if index is None or not 0 <= index < len(choices):
+            continue  # the usage chunk (no choice) or a choice past n
+        choices[index].events.append(event)
+        if "digest" in (data.get("tokstream") or {}):
+            ended.add(index)  # an error after this belongs to the choices still running
+    return choices
+
+
+def _choice_index(data: dict) -> int | None:
+    """The choice an event belongs to, as the caller sees it (`choices[0].index`)."""
+    choices = data.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        index = choices[0].get("index")
+        return index if isinstance(index, int) else None
+    return None
+
+
 def check_streams(streams: list[RecordedStream]) -> CheckReport:
-    """Check each stream, then across streams: no (request, index) delivered to two callers."""
-    reports = [check_stream(s) for s in streams]
+    """Check each stream (each choice of a multi-choice one), then across streams: no
+    (request, index) delivered to two callers."""
+    reports = [check_stream(c) for s in streams for c in split_choices(s)]
     owners: dict[str, int] = {}
     for n, report in enumerate(reports):
         if report.request_id is None:

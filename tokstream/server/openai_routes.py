@@ -10,10 +10,11 @@ from starlette.responses import JSONResponse
 from tokstream.errors import UserInputError
 from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
 from tokstream.server.logprobs_format import chat_logprobs, completion_logprobs
-from tokstream.server.responses import collect
+from tokstream.server.choices import (Choice, choices_response, collect_choices, merge_bodies,
+                                      num_choices)
 from tokstream.server.sampling_options import sampling_extras
-from tokstream.server.sse import (EventStreamResponse, final_integrity, integrity, sse,
-                                  stream_failure, wants_integrity)
+from tokstream.server.sse import (final_integrity, integrity, sse, stream_failure,
+                                  wants_integrity)
 from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
 from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int, get_number,
@@ -23,7 +24,6 @@ from tokstream.server.validation import (get_messages, _kind, check_fits, get_bo
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 UNSUPPORTED = {
-    "n": lambda v: v != 1,
     "best_of": lambda v: v != 1,
     "echo": bool,
     "suffix": bool,
@@ -100,6 +100,7 @@ def parse(body: dict, server: Server, chat: bool) -> Prompt:
     top_k = get_int(body, "top_k", 0, minimum=-1)
     stop = get_strings(body, "stop", allow_single=True)
     seed = get_int(body, "seed", None, minimum=0, maximum=2**63 - 1)
+    n = num_choices(body)
     ignore_eos = get_bool(body, "ignore_eos")
     stream = get_bool(body, "stream")
     options = get_object(body, "stream_options") or {}
@@ -111,7 +112,7 @@ def parse(body: dict, server: Server, chat: bool) -> Prompt:
     params = sampling_params({"structured": "response_format"}, max_tokens=max_tokens,
                              temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
                              seed=seed, stop=stop, ignore_eos=ignore_eos, **extras)
-    return Prompt(token_ids, params, stream)
+    return Prompt(token_ids, params, stream, n=n)
 
 
 def finish_reason(stream: Stream) -> str:
@@ -137,8 +138,10 @@ def batch_logprobs(stream: Stream, batch: Batch, chat: bool, tokenizer, text_off
 
 class OpenAIFormatter:
     def __init__(self, stream: Stream, model: str, chat: bool, include_usage: bool,
-                 tokenizer=None, integrity: bool = True):
+                 tokenizer=None, integrity: bool = True, choice: Choice | None = None):
         self.stream = stream
+        self.choice = choice or Choice(stream.request_id)
+        """The choice this writes (its index; the response's id, shared by every choice)."""
         self.integrity = integrity
         """id: lines and comment pings (the integrity framing); off: OpenAI's own framing."""
         self.tokenizer = tokenizer
@@ -157,11 +160,11 @@ class OpenAIFormatter:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": self.choice.index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        chunk = {"id": self.stream.request_id, "object": self.object, "created": self.created,
-                 "model": self.model, "choices": [choice]}
+            choice = {"index": self.choice.index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        chunk = {"id": self.choice.response_id, "object": self.object,
+                 "created": self.created, "model": self.model, "choices": [choice]}
         if self.include_usage:
             chunk["usage"] = None
         return chunk
@@ -188,6 +191,8 @@ class OpenAIFormatter:
         chunk["choices"][0]["stop_reason"] = self.stream.final.stop_reason
         chunk["tokstream"] = final_integrity(self.stream)
         body = sse(None, chunk)
+        if self.choice.count > 1:
+            return body  # the usage chunk and [DONE] follow the last choice (server/choices.py)
         if self.include_usage:
             body += sse(None, {"id": self.stream.request_id, "object": self.object,
                                "created": self.created, "model": self.model, "choices": [],
@@ -228,21 +233,24 @@ async def _complete(request, chat: bool):
                            server.config.body_timeout_s)
     prompt = await parse_off_loop(request, parse, body, server, chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    stream = server.submit(request_id, prompt, tenant, OPENAI)
+    streams = server.submit_choices(request_id, prompt, tenant, OPENAI)
     headers = {"x-request-id": request_id}
     if prompt.stream:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        formatter = OpenAIFormatter(stream, body["model"], chat, include_usage,
-                                    server.tokenizer, wants_integrity(
-                                        request.headers, server.config.stream_integrity))
-        return EventStreamResponse(stream, formatter, server.registry,
-                                   server.config.ping_interval_s, headers)
-    batch = await collect(stream, request.receive, server.registry)
-    failure = stream_failure(stream)
+        integrity = wants_integrity(request.headers, server.config.stream_integrity)
+        formatters = [OpenAIFormatter(stream, body["model"], chat, include_usage,
+                                      server.tokenizer, integrity,
+                                      Choice(request_id, index, len(streams)))
+                      for index, stream in enumerate(streams)]
+        return choices_response(streams, formatters, usage, server.registry,
+                                server.config.ping_interval_s, headers)
+    batches = await collect_choices(streams, request.receive, server.registry)
+    failure = next(filter(None, map(stream_failure, streams)), None)
     if failure is not None:
         raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
-    return JSONResponse(response_body(stream, batch, body["model"], chat, server.tokenizer),
-                        headers=headers)
+    return JSONResponse(merge_bodies([
+        response_body(stream, batch, body["model"], chat, server.tokenizer)
+        for stream, batch in zip(streams, batches)]), headers=headers)
 
 
 @api_route(OPENAI)

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import psutil
 
+from tokstream.checker import choice_request_id
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.errors import ReplicaError, UserInputError
 from tokstream.sampling_params import SamplingParams
 from tokstream.server.admission import Admission
+from tokstream.server.choices import TenantShare, choice_params
 from tokstream.server.config import ServerConfig
 from tokstream.server.errors import ApiError
 from tokstream.server.metrics import Metrics
@@ -41,6 +43,8 @@ class Prompt:
     token_ids: list[int]
     params: SamplingParams
     stream: bool
+    n: int = 1
+    """Choices to generate from the prompt (OpenAI's `n`)."""
 
 
 class Server:
@@ -66,7 +70,8 @@ class Server:
         self.registry.on_first_token = self._on_first_token
         self.events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self.started = time.time()
-        self._tenant_of: dict[str, Tenant] = {}
+        self._tenant_of: dict[str, TenantShare] = {}
+        """Each live stream's share of its tenant's reservation (one per request)."""
         self.core_state = SharedSnapshot(lambda: self.engine.state(),
                                          timeout_s=STATE_TIMEOUT_S)
         """The core snapshot every reader shares (/metrics, /v1/state, top)."""
@@ -146,12 +151,19 @@ class Server:
     def submit(self, request_id: str, prompt: Prompt, tenant: Tenant | None,
                api: str) -> Stream:
         """Admit and start a request; raises ApiError (429/529/503) when refused."""
+        return self.submit_choices(request_id, prompt, tenant, api)[0]
+
+    def submit_choices(self, request_id: str, prompt: Prompt, tenant: Tenant | None,
+                       api: str) -> list[Stream]:
+        """Admit a request once and start its prompt.n choices, one stream each (see
+        server/choices.py); raises ApiError (429/529/503) when refused."""
         self.check_ready()
         n = len(prompt.token_ids)
+        reserved = prompt.n * prompt.params.max_tokens
         try:
             self.admission.check(n, tenant.name if tenant else None)
             if tenant is not None:
-                tenant.admit(n, prompt.params.max_tokens)
+                tenant.admit(n, reserved)
         except ApiError as error:
             self.metrics.errors.labels(error.error_type).inc()
             self.event("refused", request_id, reason=error.message,
@@ -162,25 +174,35 @@ class Server:
             # Drawn here, not by the core, so that a request resumed on a new core after the
             # old one died samples exactly as it would have on the old one.
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+        # Tenants share the engine fairly by weight, in priority tiers, and never share
+        # prefix-cache blocks (a cache hit would tell one tenant about another's prompts).
+        fields = ({"tenant": tenant.name, "priority": tenant.priority,
+                   "weight": tenant.weight, "cache_salt": tenant.name} if tenant else {})
+        if prompt.n > 1:
+            fields["prompt_group"] = request_id
+        streams: list[Stream] = []
         try:
-            # Tenants share the engine fairly by weight, in priority tiers, and never share
-            # prefix-cache blocks (a cache hit would tell one tenant about another's prompts).
-            fields = ({"tenant": tenant.name, "priority": tenant.priority,
-                       "weight": tenant.weight, "cache_salt": tenant.name} if tenant else {})
-            stream = self.registry.open(request_id, prompt.token_ids, params,
-                                        tenant.name if tenant else None, api,
-                                        bounded=prompt.stream, engine_fields=fields)
+            for index in range(prompt.n):
+                streams.append(self.registry.open(
+                    choice_request_id(request_id, index), prompt.token_ids,
+                    choice_params(params, index), tenant.name if tenant else None, api,
+                    bounded=prompt.stream, engine_fields=fields))
         except (ReplicaError, UserInputError) as error:
+            for stream in streams:
+                self.registry.close(stream, "refused")
             if tenant is not None:
-                tenant.settle(prompt.params.max_tokens, 0)
+                tenant.settle(reserved, 0)
             raise ApiError("overloaded_error", str(error), retry_after=5) from error
+        # The prompt waits (and is counted) once, until the first choice's first token.
         self.admission.enter(n, tenant.name if tenant else None)
-        stream.in_admission = True
+        streams[0].in_admission = True
         if tenant is not None:
-            self._tenant_of[request_id] = tenant
-        self.metrics.on_admit(stream)
+            share = TenantShare(tenant, reserved, prompt.n)
+            for stream in streams:
+                self._tenant_of[stream.request_id] = share
+        self.metrics.on_admit(streams[0])
         self.core_state.invalidate()
-        return stream
+        return streams
 
     def _on_first_token(self, stream: Stream) -> None:
         self._leave_admission(stream)
@@ -207,9 +229,9 @@ class Server:
         """Release a request's admission slot and tenant share, once."""
         self.core_state.invalidate()
         self._leave_admission(stream)
-        tenant = self._tenant_of.pop(stream.request_id, None)
-        if tenant is not None:
-            tenant.settle(stream.params.max_tokens, num_output_tokens)
+        share = self._tenant_of.pop(stream.request_id, None)
+        if share is not None:
+            share.settle(num_output_tokens)
 
     def event(self, kind: str, request_id: str | None = None, **fields) -> None:
         self.events.append({"time": time.time(), "kind": kind, "request_id": request_id,
