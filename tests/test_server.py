@@ -176,7 +176,7 @@ def test_bad_input_is_a_typed_400_naming_the_field(client, body, field):
 
 @pytest.mark.parametrize("body, field", [
     (openai_body(temperature=2.5), "temperature"),
-    (openai_body(n=2), "n"),
+    (openai_body(n=17), "n"),
     (openai_body(logprobs=True, top_logprobs=99), "top_logprobs"),
     ({**openai_body(), "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
     (openai_body(max_tokens=-1), "max_tokens"),
