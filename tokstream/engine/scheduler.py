@@ -86,12 +86,16 @@ class PrefillTime:
     def tokens(self, start: int, wanted: int) -> int:
         """Tokens of a chunk from position start that fit (the first chunk gets at least one,
         so a prompt progresses every step however far the decodes alone are over)."""
-        fits = self.cost.prefill_tokens_within(self.seconds_left, start)
+        fits = self.cost.prefill_tokens_within(self.seconds_left - self._step_cost(), start)
         return min(wanted, fits if self.granted else max(fits, 1))
 
     def take(self, start: int, num_tokens: int) -> None:
-        self.seconds_left -= self.cost.prefill_seconds(start, num_tokens)
+        self.seconds_left -= self.cost.prefill_seconds(start, num_tokens) + self._step_cost()
         self.granted += num_tokens
+
+    def _step_cost(self) -> float:
+        """The step's once-only cost of carrying prefill, until the first chunk has paid it."""
+        return 0.0 if self.granted else self.cost.prefill_step_s
 
     @property
     def spent(self) -> bool:

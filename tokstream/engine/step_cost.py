@@ -1,6 +1,6 @@
 """What a step costs, learned online from the steps the engine has run. Pure Python, no torch.
 
-    seconds ~ a + b * decodes + c * prefill_tokens + d * attended_tokens
+    seconds ~ a + b * decodes + c * prefill_tokens + d * attended_tokens + e * [any prefill]
 
 `attended_tokens` counts (query, key) pairs: a decode at context n attends n keys; a prefill
 chunk of n tokens from position s attends n*s + n(n+1)/2, which is what makes a chunk deep in
@@ -9,16 +9,24 @@ squares, so it follows a machine that gets slower or faster (other processes, th
 with three guards: coefficients stay >= 0; a term the recent steps do not exercise (no prefill
 for a while) keeps its last value instead of fading to zero; and a step far off the prediction
 (a pause, a recompile) counts less (Huber weights).
+
+`e` is the fixed cost of carrying any prefill at all: on CPU a decode-only step runs every layer
+in one C call, and a step with a chunk in it takes the per-layer path (measured on SmolLM2 at
+batch 32: ~10 ms more), so without it the fit averaged the two and steps carrying prefill
+overran a 100 ms target by a third at the 99th percentile.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FEATURE_SCALES = (1.0, 64.0, 1024.0, float(1 << 20))
-"""A typical size of each feature (intercept, decodes, prefill tokens, attended pairs); the fit
-works on features divided by these so its equations stay well conditioned."""
+FEATURE_SCALES = (1.0, 64.0, 1024.0, float(1 << 20), 1.0)
+"""A typical size of each feature (intercept, decodes, prefill tokens, attended pairs, carries
+prefill); the fit works on features divided by these so its equations stay well
+conditioned."""
 NUM_FEATURES = len(FEATURE_SCALES)
+MIN_PREFILL_TOKEN_S = 1e-6
+"""The least a prompt token is taken to cost when sizing a chunk (a real model's is 100x more)."""
 
 
 def attended_tokens(start: int, num_tokens: int) -> int:
@@ -38,7 +46,8 @@ class StepShape:
     """(query, key) pairs over every sequence in the step (see attended_tokens())."""
 
     def features(self) -> list[float]:
-        raw = (1.0, self.num_decodes, self.prefill_tokens, self.attended_tokens)
+        raw = (1.0, self.num_decodes, self.prefill_tokens, self.attended_tokens,
+               1.0 if self.prefill_tokens else 0.0)
         return [value / scale for value, scale in zip(raw, FEATURE_SCALES)]
 
 
@@ -64,7 +73,8 @@ class StepCostModel:
     """Observations before Huber weights apply (the first ones are the fit)."""
     num_observations: int = 0
     coefficients: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
-    """Seconds per scaled feature: intercept, decodes, prefill tokens, attended pairs."""
+    """Seconds per scaled feature: intercept, decodes, prefill tokens, attended pairs, carries
+    prefill."""
     typical_residual_s: float = 0.0
     """Exponentially weighted mean absolute residual, in seconds."""
     _xtx: list[list[float]] = field(
@@ -87,6 +97,11 @@ class StepCostModel:
     def per_attended_token_s(self) -> float:
         return self.coefficients[3] / FEATURE_SCALES[3]
 
+    @property
+    def prefill_step_s(self) -> float:
+        """What a step pays once for carrying any prefill."""
+        return self.coefficients[4] / FEATURE_SCALES[4]
+
     def predict(self, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coefficients, shape.features()))
 
@@ -95,7 +110,8 @@ class StepCostModel:
         return self.predict(StepShape(num_decodes, 0, attended))
 
     def prefill_seconds(self, start: int, num_tokens: int) -> float:
-        """Predicted time a prefill chunk adds to a step."""
+        """Predicted time a prefill chunk adds to a step that already carries prefill (the
+        first chunk adds prefill_step_s too)."""
         return (self.per_prefill_token_s * num_tokens
                 + self.per_attended_token_s * attended_tokens(start, num_tokens))
 
@@ -105,7 +121,9 @@ class StepCostModel:
             return 0
         # seconds = c*n + d*(n*start + n(n+1)/2): the positive root of the quadratic in n,
         # written 2s / (l + sqrt(l^2 + 2ds)) so a tiny d does not cancel it to zero.
-        c, d = self.per_prefill_token_s, self.per_attended_token_s
+        # A token never costs nothing: a fit that puts every prefill step's cost in its fixed
+        # term (a tiny model) must not read as unlimited room.
+        c, d = max(self.per_prefill_token_s, MIN_PREFILL_TOKEN_S), self.per_attended_token_s
         linear = c + d * (start + 0.5)
         denominator = linear + (linear * linear + 2 * d * seconds) ** 0.5
         return int(2 * seconds / denominator) if denominator > 0 else 1 << 62
@@ -132,7 +150,7 @@ class StepCostModel:
 
     def _solve(self) -> list[float]:
         """Ridge toward the previous coefficients, none below zero: drop the most negative
-        term and solve again until all are >= 0 (four terms, so at most four solves)."""
+        term and solve again until all are >= 0 (at most one solve a term)."""
         free = list(range(NUM_FEATURES))
         while free:
             ridge = [self.intercept_ridge] + [self.ridge] * (NUM_FEATURES - 1)
