@@ -288,3 +288,36 @@ def test_the_tenant_is_charged_for_every_choice(server):
             running.read()
     (row,) = [t for t in server.wait_idle(**auth(ADMIN))["tenants"] if t["name"] == "metered"]
     assert (row["live"], row["prompt_tokens"], row["output_tokens"]) == (0, 10, 800)
+
+
+def test_penalised_choices_resume_after_the_engine_core_is_killed(server):
+    """Both choices of a penalised, biased, seeded request are resubmitted to a new core with
+    the tokens they had delivered, and end exactly as an uninterrupted run."""
+    body = {"model": MODEL, "prompt": prompt_ids(5), "n": 2, "max_tokens": 64,
+            "temperature": 0.9, "seed": 11, "ignore_eos": True, "frequency_penalty": 1.0,
+            "presence_penalty": 0.6, "repetition_penalty": 1.3, "logit_bias": {"5": 6.0}}
+    reference = complete(server, **body).json()["tokstream"]["choices"]
+    before = server.state(**auth(ADMIN))
+    recorder, received = SSERecorder(), [0, 0]
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True},
+                         headers={**auth(), **OPT_IN}) as response:
+            for chunk in response.iter_bytes():
+                for event in recorder.feed(chunk):
+                    data = json.loads(event.data) if event.data.startswith("{") else {}
+                    if data.get("choices") and "token_ids" in data.get("tokstream", {}):
+                        received[data["choices"][0]["index"]] += len(data["tokstream"]
+                                                                     ["token_ids"])
+                if min(received) >= 4 and before["engine"]["pid"]:
+                    os.kill(before["engine"]["pid"], signal.SIGKILL)
+                    before["engine"]["pid"] = None
+    recorded = recorder.stream()
+    recorded.num_choices = 2
+    report = check_streams([recorded])
+    assert report.ok and report.statuses["complete"] == 2, report.summary()
+    assert [s.token_ids for s in report.streams] == [c["token_ids"] for c in reference]
+    after = server.wait_idle(**auth(ADMIN))
+    assert after["replica"]["restarts_by_kind"]["core"] == \
+        before["replica"]["restarts_by_kind"]["core"] + 1
+    assert after["replica"]["resumed_requests"]["core"] >= \
+        before["replica"]["resumed_requests"]["core"] + 2
