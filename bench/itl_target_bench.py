@@ -122,6 +122,7 @@ def run_variant(llm: LLM, target_ms: float, args, seed: int) -> dict:
                                "per_prefill_token_ms": model.per_prefill_token_s * 1000,
                                "per_attended_token_us": model.per_attended_token_s * 1e6,
                                "prefill_step_ms": model.prefill_step_s * 1000,
+                               "per_decode_with_prefill_ms": model.per_decode_with_prefill_s * 1000,
                                "observations": model.num_observations}
     return result
 

@@ -80,6 +80,8 @@ class PrefillTime:
 
     cost: StepCostModel
     seconds_left: float
+    num_decodes: int = 0
+    """The step's decodes, which cost more in a step that carries prefill."""
     granted: int = 0
     """Prefill tokens given so far this step."""
 
@@ -95,7 +97,7 @@ class PrefillTime:
 
     def _step_cost(self) -> float:
         """The step's once-only cost of carrying prefill, until the first chunk has paid it."""
-        return 0.0 if self.granted else self.cost.prefill_step_s
+        return 0.0 if self.granted else self.cost.prefill_switch_seconds(self.num_decodes)
 
     @property
     def spent(self) -> bool:
@@ -307,7 +309,7 @@ class Scheduler:
         decode_s = self.step_cost.decode_seconds(
             len(decodes), sum(attended_tokens(w.start, w.num_tokens) for w in decodes))
         floor_s = target_s * self.config.itl_min_prefill_share
-        return PrefillTime(self.step_cost, max(target_s - decode_s, floor_s))
+        return PrefillTime(self.step_cost, max(target_s - decode_s, floor_s), len(decodes))
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine ran out's work in seconds (schedule to emit): refit the step cost."""

@@ -1,6 +1,7 @@
 """What a step costs, learned online from the steps the engine has run. Pure Python, no torch.
 
-    seconds ~ a + b * decodes + c * prefill_tokens + d * attended_tokens + e * [any prefill]
+    seconds ~ a + b * decodes + c * prefill_tokens + d * attended_tokens      (decode-only step)
+    seconds ~ a + e + f * decodes + c * prefill_tokens + d * attended_tokens  (carries prefill)
 
 `attended_tokens` counts (query, key) pairs: a decode at context n attends n keys; a prefill
 chunk of n tokens from position s attends n*s + n(n+1)/2, which is what makes a chunk deep in
@@ -10,20 +11,21 @@ with three guards: coefficients stay >= 0; a term the recent steps do not exerci
 for a while) keeps its last value instead of fading to zero; and a step far off the prediction
 (a pause, a recompile) counts less (Huber weights).
 
-`e` is the fixed cost of carrying any prefill at all: on CPU a decode-only step runs every layer
-in one C call, and a step with a chunk in it takes the per-layer path (measured on SmolLM2 at
-batch 32: ~10 ms more), so without it the fit averaged the two and steps carrying prefill
-overran a 100 ms target by a third at the 99th percentile.
+A step that carries prefill has its own fixed cost `e` and cost per decode `f`: on CPU a
+decode-only step runs every layer in one C call, and a step with a chunk in it takes the
+per-layer path (measured on SmolLM2: ~15 ms more a step, and more a decode), so a fit of one
+kind of step averaged the two and steps carrying prefill overran a 100 ms target by a third at
+the 99th percentile.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FEATURE_SCALES = (1.0, 64.0, 1024.0, float(1 << 20), 1.0)
-"""A typical size of each feature (intercept, decodes, prefill tokens, attended pairs, carries
-prefill); the fit works on features divided by these so its equations stay well
-conditioned."""
+FEATURE_SCALES = (1.0, 64.0, 1024.0, float(1 << 20), 1.0, 64.0)
+"""A typical size of each feature (intercept, decodes of a decode-only step, prefill tokens,
+attended pairs, carries prefill, decodes of a step that carries prefill); the fit works on
+features divided by these so its equations stay well conditioned."""
 NUM_FEATURES = len(FEATURE_SCALES)
 MIN_PREFILL_TOKEN_S = 1e-6
 """The least a prompt token is taken to cost when sizing a chunk (a real model's is 100x more)."""
@@ -46,8 +48,9 @@ class StepShape:
     """(query, key) pairs over every sequence in the step (see attended_tokens())."""
 
     def features(self) -> list[float]:
-        raw = (1.0, self.num_decodes, self.prefill_tokens, self.attended_tokens,
-               1.0 if self.prefill_tokens else 0.0)
+        mixed = self.prefill_tokens > 0
+        raw = (1.0, 0 if mixed else self.num_decodes, self.prefill_tokens, self.attended_tokens,
+               1.0 if mixed else 0.0, self.num_decodes if mixed else 0)
         return [value / scale for value, scale in zip(raw, FEATURE_SCALES)]
 
 
@@ -73,8 +76,7 @@ class StepCostModel:
     """Observations before Huber weights apply (the first ones are the fit)."""
     num_observations: int = 0
     coefficients: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
-    """Seconds per scaled feature: intercept, decodes, prefill tokens, attended pairs, carries
-    prefill."""
+    """Seconds per scaled feature (FEATURE_SCALES' order)."""
     typical_residual_s: float = 0.0
     """Exponentially weighted mean absolute residual, in seconds."""
     _xtx: list[list[float]] = field(
@@ -99,8 +101,18 @@ class StepCostModel:
 
     @property
     def prefill_step_s(self) -> float:
-        """What a step pays once for carrying any prefill."""
+        """What a step pays once for carrying any prefill, its decodes aside."""
         return self.coefficients[4] / FEATURE_SCALES[4]
+
+    @property
+    def per_decode_with_prefill_s(self) -> float:
+        return self.coefficients[5] / FEATURE_SCALES[5]
+
+    def prefill_switch_seconds(self, num_decodes: int) -> float:
+        """What a step of num_decodes decodes pays, once, for carrying prefill: the fixed cost
+        and the dearer decodes (never taken as a saving)."""
+        extra = self.per_decode_with_prefill_s - self.per_decode_s
+        return max(0.0, self.prefill_step_s + extra * num_decodes)
 
     def predict(self, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coefficients, shape.features()))
@@ -111,7 +123,7 @@ class StepCostModel:
 
     def prefill_seconds(self, start: int, num_tokens: int) -> float:
         """Predicted time a prefill chunk adds to a step that already carries prefill (the
-        first chunk adds prefill_step_s too)."""
+        first chunk adds prefill_switch_seconds too)."""
         return (self.per_prefill_token_s * num_tokens
                 + self.per_attended_token_s * attended_tokens(start, num_tokens))
 
