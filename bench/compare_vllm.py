@@ -122,6 +122,9 @@ def parse_args() -> argparse.Namespace:
                    help="'all' (defaults, then each --weights format serve --help lists), "
                         "'default' (defaults only) or a comma list of formats; default all "
                         "(--quick: default)")
+    p.add_argument("--tokstream-variant", action="append", default=[], metavar="NAME=ARGS",
+                   help="an extra tokstream config with these serve arguments, run after the "
+                        "others (repeatable), e.g. itl100='--itl-target-ms 100'")
     p.add_argument("--tokstream-dtype", default=None,
                    help="pass --dtype to tokstream serve (default: none, its own auto)")
     p.add_argument("--input-len", type=int, default=None, help="default 128")
@@ -741,6 +744,12 @@ def run_tokstream(args, gguf: str, vllm_peer: str, work: str, commands: dict,
         out["configs"][w] = run_contender(args, f"tokstream_{w}", builder(["--weights", w]), {},
                                           vllm_peer, work, commands,
                                           {"weights": w, "model": gguf})
+    for variant in args.tokstream_variant:
+        name, _, extra = variant.partition("=")
+        out["configs"][name] = run_contender(args, f"tokstream_{name}", builder(extra.split()),
+                                             {}, vllm_peer, work, commands,
+                                             {"weights": "default", "serve_args": extra,
+                                              "model": gguf})
 
 
 def probe_stream(port: int) -> dict:
