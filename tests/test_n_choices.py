@@ -153,6 +153,38 @@ def test_the_checker_names_damage_to_one_choice():
     assert [s.status for s in missing.streams] == ["complete"] * 3 + ["cut"]
 
 
+# --- the gateway's collection of choices, on hand-fed channels ------------------------------
+
+def test_collecting_stops_at_a_failed_choice_and_aborts_the_others():
+    from tokstream.engine.messages import RequestDelta
+    from tokstream.server.choices import collect_choices
+    from tokstream.server.sse import stream_failure
+    from tokstream.server.streams import Channel, Stream
+
+    class Registry:
+        def __init__(self):
+            self.closed = []
+
+        def close(self, stream, reason=None):
+            self.closed.append(stream.request_id)
+
+    async def main():
+        streams = [Stream(choice_request_id("cmpl-y", i), [1, 2], SamplingParams(), None,
+                          "openai", Channel(None)) for i in range(3)]
+        failed = RequestDelta(streams[1].request_id, [], 0, "", finish_reason="error",
+                              error="the replica is down")
+        streams[1].final = failed
+        streams[1].channel.put(failed)
+        streams[0].channel.put(RequestDelta(streams[0].request_id, [5], 0, "x"))
+        registry = Registry()
+        batches = await collect_choices(streams, asyncio.Event().wait, registry)
+        return streams, batches, registry
+
+    streams, batches, registry = asyncio.run(main())
+    assert stream_failure(streams[1])[0] == "overloaded_error" and len(batches) == 3
+    assert registry.closed == [s.request_id for s in streams]  # the others are aborted
+
+
 # --- through a real server ----------------------------------------------------------------
 
 MODEL = "dummy:tiny"

@@ -94,7 +94,8 @@ def merge_bodies(bodies: list[dict]) -> dict:
 async def collect_choices(streams: list[Stream], receive,
                           registry: StreamRegistry) -> list[Batch]:
     """Every choice's tokens and final delta; if the caller leaves, or one choice fails, every
-    choice still running is aborted."""
+    choice still running is aborted (the caller finds the failure by stream_failure; the
+    aborted choices' batches are empty)."""
     if len(streams) == 1:
         return [await collect(streams[0], receive, registry)]
     drains = {asyncio.ensure_future(_drain(stream)): stream for stream in streams}
@@ -117,10 +118,11 @@ async def collect_choices(streams: list[Stream], receive,
             registry.close(stream, "disconnected" if gone else None)
     if gone:
         raise ClientGone(streams[0].request_id)
-    for task in drains:
-        if not task.cancelled() and task.exception() is not None:
+    finished = [task for task in drains if not task.cancelled()]
+    for task in finished:
+        if task.exception() is not None:
             raise task.exception()
-    return [task.result() for task in drains]
+    return [task.result() if task in finished else Batch() for task in drains]
 
 
 @dataclass
