@@ -1,5 +1,6 @@
 """Penalties and logit_bias survive every interruption: penalised, biased requests (greedy and
-seeded) preempted on a tiny pool, resumed after their rank is SIGKILLed, and resumed from
+seeded) preempted on a tiny pool (recomputed, or swapped to host memory and back), resumed
+after their rank is SIGKILLed, and resumed from
 prompt + delivered tokens (what a new engine core is given after the old one died) produce
 exactly the tokens of an uninterrupted run. The worker rebuilds each request's penalty state
 from its tokens by position: the prompt for the repetition penalty, the output (delivered
@@ -48,12 +49,15 @@ def run(llm, reqs, fault=None) -> dict[tuple[int, int], list[int]]:
     return {tuple(map(int, rid[1:].split("-"))): out for rid, out in tokens.items()}
 
 
+def tiny_pool(**cache) -> EngineConfig:
+    return EngineConfig(model="dummy:tiny", dtype="float32",
+                        cache=CacheConfig(block_size=4, num_blocks=NUM_BLOCKS, **cache),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=64))
+
+
 @pytest.fixture(scope="module")
 def llm():
-    config = EngineConfig(model="dummy:tiny", dtype="float32",
-                          cache=CacheConfig(block_size=4, num_blocks=NUM_BLOCKS),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=64))
-    with LLM(config) as llm:
+    with LLM(tiny_pool()) as llm:
         yield llm
 
 
@@ -77,6 +81,15 @@ def test_preempted_requests_equal_uninterrupted_ones(llm, alone):
     before = llm.core.scheduler.num_preemptions
     together = run(llm, requests("p"))
     assert llm.core.scheduler.num_preemptions > before
+    assert together == alone
+
+
+def test_requests_swapped_out_and_back_equal_uninterrupted_ones(alone):
+    """Swap-mode preemption: the KV comes back from host memory, so the worker is sent the
+    history of positions it is not sent again."""
+    with LLM(tiny_pool(preemption_mode="swap", swap_space=2**24)) as swapping:
+        together = run(swapping, requests("s"))
+        assert swapping.core.scheduler.num_swap_outs > 0
     assert together == alone
 
 
