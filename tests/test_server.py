@@ -178,7 +178,8 @@ def test_bad_input_is_a_typed_400_naming_the_field(client, body, field):
     (openai_body(temperature=2.5), "temperature"),
     (openai_body(n=17), "n"),
     (openai_body(logprobs=True, top_logprobs=99), "top_logprobs"),
-    ({**openai_body(), "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({**openai_body(), "messages": [{"role": "tool", "content": "x"}]},
+     "messages.0.tool_call_id"),
     (openai_body(max_tokens=-1), "max_tokens"),
     (openai_body(seed=-1), "seed"),
 ])

@@ -109,27 +109,32 @@ class Tokenizer:
         # Ids the vocabulary lacks (a random-weight model emits any id) decode to nothing.
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """tools: function definitions for a template that renders them (only passed when
+        given, so a template that tests `tools is defined` sees none otherwise)."""
         import jinja2  # only chat rendering needs it (keeps GPU-box imports small)
 
         if self._template is None:
             self._template = _compile_template(self.chat_template or PLAIN_CHAT_TEMPLATE)
+        extra = {"tools": tools} if tools else {}
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra,
             )
         except (jinja2.TemplateError, TypeError) as error:  # messages it cannot handle
             raise UserInputError(f"chat template failed on these messages: {error}") from error
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Messages through the chat template to ids: the template's markers are control tokens,
         special-token strings inside message content are plain text."""
         # The template writes any BOS itself, so none is added here (as transformers does).
         specials = self.special_strings
         if not any(isinstance(m.get("content"), str) and any(s in m["content"] for s in specials)
                    for m in messages):
-            text = self.apply_chat_template(messages, add_generation_prompt)
+            text = self.apply_chat_template(messages, add_generation_prompt, tools)
             return self.backend.encode(text, add_special_tokens=False).ids
         # Render with a placeholder per message, then tokenise the template's text with special
         # tokens and each message's own text without.
@@ -137,7 +142,7 @@ class Tokenizer:
                  if isinstance(m.get("content"), str)}
         masked = [{**m, "content": marks[n]} if n in marks else m
                   for n, m in enumerate(messages)]
-        text = self.apply_chat_template(masked, add_generation_prompt)
+        text = self.apply_chat_template(masked, add_generation_prompt, tools)
         found = []
         for n, mark in marks.items():
             if text.count(mark) != 1:

@@ -7,11 +7,15 @@ import uuid
 from starlette.responses import JSONResponse
 
 from tokstream.errors import UserInputError
+from tokstream.server.anthropic_tools import (ToolBlocks, content_blocks, history_messages,
+                                              tool_request, tool_stop_reason)
 from tokstream.server.errors import ANTHROPIC, api_route, bad_request
 from tokstream.server.sse import (EventStreamResponse, final_integrity, integrity, sse,
                                   stream_failure, wants_integrity)
 from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
+from tokstream.server.tool_template import encode_chat, message_text
+from tokstream.server.tools import Tool, ToolRequest, tool_sampling
 from tokstream.server.validation import (get_messages, check_fits, get_bool, get_int, get_number, get_object,
                                          get_strings, parse_off_loop, read_json,
                                          reject_unsupported, sampling_params, shown, _kind)
@@ -65,21 +69,27 @@ def chat_messages(body: dict) -> list[dict]:
             raise bad_request(f"{at}.role", f"must be 'user' or 'assistant', got {shown(role)}")
         if "content" not in message:
             raise bad_request(f"{at}.content", "required")
-        chat.append({"role": role, "content": _text_blocks(message["content"],
-                                                           f"{at}.content")})
+        content = message["content"]
+        if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") in (
+                "tool_use", "tool_result") for b in content):
+            chat += history_messages(role, content, f"{at}.content")
+        else:
+            chat.append({"role": role, "content": _text_blocks(content, f"{at}.content")})
     if chat[-1]["role"] == "assistant" and len(chat) == 1:
         raise bad_request("messages.0.role", "the first message must be from the user")
     return chat
 
 
-def encode_messages(server: Server, chat: list[dict]) -> list[int]:
-    """Prompt ids; a final assistant message is a prefill the model continues."""
+def encode_messages(server: Server, chat: list[dict], tools: tuple[Tool, ...] = ()
+                    ) -> list[int]:
+    """Prompt ids, with the tools shown to the model; a final assistant message is a prefill
+    the model continues."""
     tokenizer = server.tokenizer
     try:
         if chat[-1]["role"] == "assistant":
-            prefix = tokenizer.encode_chat(chat[:-1])
-            return prefix + tokenizer.encode_text(chat[-1]["content"])
-        return tokenizer.encode_chat(chat)
+            prefix = encode_chat(tokenizer, chat[:-1], tools)
+            return prefix + tokenizer.encode_text(message_text(chat[-1]))
+        return encode_chat(tokenizer, chat, tools)
     except UserInputError as error:
         raise bad_request("messages", str(error)) from None
 
@@ -87,8 +97,7 @@ def encode_messages(server: Server, chat: list[dict]) -> list[int]:
 def parse(body: dict, server: Server) -> Prompt:
     server.check_model(body.get("model"))
     max_tokens = get_int(body, "max_tokens", required=True, minimum=1)
-    reject_unsupported(body, {"tools": bool, "tool_choice": lambda v: True,
-                              "thinking": lambda v: not (isinstance(v, dict)
+    reject_unsupported(body, {"thinking": lambda v: not (isinstance(v, dict)
                                                          and v.get("type") == "disabled")})
     get_object(body, "metadata")
     temperature = get_number(body, "temperature", 1.0, minimum=0.0, maximum=1.0)
@@ -98,12 +107,13 @@ def parse(body: dict, server: Server) -> Prompt:
     seed = get_int(body, "seed", None, minimum=0, maximum=2**63 - 1)
     ignore_eos = get_bool(body, "ignore_eos")
     stream = get_bool(body, "stream")
-    token_ids = encode_messages(server, chat_messages(body))
+    tools = tool_request(body)
+    token_ids = encode_messages(server, chat_messages(body), tools.tools if tools else ())
     check_fits(len(token_ids), max_tokens, server.max_model_len, "messages")
     params = sampling_params({"stop": "stop_sequences"}, max_tokens=max_tokens,
                              temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                             stop=stop, ignore_eos=ignore_eos)
-    return Prompt(token_ids, params, stream)
+                             stop=stop, ignore_eos=ignore_eos, **tool_sampling(tools, None))
+    return Prompt(token_ids, params, stream, tools=tools)
 
 
 def stop_reason(stream: Stream) -> tuple[str, str | None]:
@@ -132,24 +142,34 @@ def usage(stream: Stream, block_size: int) -> dict:
 
 class AnthropicFormatter:
     def __init__(self, stream: Stream, model: str, integrity: bool = True,
-                 block_size: int = 16):
+                 block_size: int = 16, tools: ToolRequest | None = None):
         self.integrity = integrity
         self.block_size = block_size
         """id: lines on token events (the integrity framing); off: the Messages API's own."""
         self.stream = stream
         self.model = model
+        self.tool_blocks = ToolBlocks(tools) if tools is not None else None
+        """Splits the text into text and tool_use blocks (a request with tools)."""
+        self.unsent = Batch()
+        """Tokens whose text the parser holds back, carried by the next event."""
 
     def start(self) -> bytes:
         message = {"id": self.stream.request_id, "type": "message", "role": "assistant",
                    "content": [], "model": self.model, "stop_reason": None,
                    "stop_sequence": None,
                    "usage": {"input_tokens": self.stream.num_prompt_tokens, "output_tokens": 0}}
+        if self.tool_blocks is not None:  # blocks open as the parser finds them
+            return sse("message_start", {"type": "message_start", "message": message}) \
+                + self.ping()
         return (sse("message_start", {"type": "message_start", "message": message})
                 + sse("content_block_start", {"type": "content_block_start", "index": 0,
                                               "content_block": {"type": "text", "text": ""}})
                 + self.ping())
 
     def tokens(self, batch: Batch) -> bytes:
+        if self.tool_blocks is not None:
+            self.unsent.merge(batch)
+            return self._carrying(self.tool_blocks.feed(batch.text))
         data = {"type": "content_block_delta", "index": 0,
                 "delta": {"type": "text_delta", "text": batch.text}}
         if batch.token_ids:
@@ -163,14 +183,30 @@ class AnthropicFormatter:
         if failure is not None:
             return self.error(*failure)
         reason, sequence = stop_reason(self.stream)
-        final = self.stream.final
-        return (sse("content_block_stop", {"type": "content_block_stop", "index": 0})
-                + sse("message_delta", {
+        if self.tool_blocks is None:
+            body = sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+        else:
+            body = self._carrying(self.tool_blocks.finish())
+            reason, sequence = tool_stop_reason(reason, sequence, self.tool_blocks.made_calls)
+        return (body + self._carrying([("message_delta", {
                     "type": "message_delta",
                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
                     "usage": usage(self.stream, self.block_size),
-                    "tokstream": final_integrity(self.stream)})
+                    "tokstream": final_integrity(self.stream)})])
                 + sse("message_stop", {"type": "message_stop"}))
+
+    def _carrying(self, events: list[tuple[str, dict]]) -> bytes:
+        """The events, the last carrying the tokens not yet sent (so every token rides on
+        the first event its text reaches, or on the final one)."""
+        if not events:
+            return b""
+        body = b"".join(sse(name, data) for name, data in events[:-1])
+        name, data = events[-1]
+        if not self.unsent.token_ids:
+            return body + sse(name, data)
+        carried, self.unsent = self.unsent, Batch()
+        data = {**data, "tokstream": {**integrity(carried), **data.get("tokstream", {})}}
+        return body + sse(name, data, carried.indices[-1] if self.integrity else None)
 
     def error(self, error_type: str, message: str) -> bytes:
         return sse("error", {"type": "error", "error": {"type": error_type, "message": message}})
@@ -179,10 +215,16 @@ class AnthropicFormatter:
         return sse("ping", {"type": "ping"})
 
 
-def message_body(stream: Stream, batch: Batch, model: str, block_size: int) -> dict:
+def message_body(stream: Stream, batch: Batch, model: str, block_size: int,
+                 tools: ToolRequest | None = None) -> dict:
     reason, sequence = stop_reason(stream)
+    content = [{"type": "text", "text": batch.text}]
+    if tools is not None:
+        blocks = ToolBlocks(tools)
+        content = content_blocks(blocks.feed(batch.text) + blocks.finish())
+        reason, sequence = tool_stop_reason(reason, sequence, blocks.made_calls)
     return {"id": stream.request_id, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": batch.text}],
+            "content": content,
             "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage(stream, block_size),
             "tokstream": {**final_integrity(stream), "token_ids": batch.token_ids}}
@@ -200,7 +242,7 @@ async def create_message(request):
     headers = {"request-id": request_id}
     if prompt.stream:
         formatter = AnthropicFormatter(stream, body["model"], wants_integrity(
-            request.headers, server.config.stream_integrity), server.block_size)
+            request.headers, server.config.stream_integrity), server.block_size, prompt.tools)
         return EventStreamResponse(stream, formatter,
                                    server.registry, server.config.ping_interval_s, headers)
     batch = await collect(stream, request.receive, server.registry)
@@ -208,8 +250,8 @@ async def create_message(request):
     if failure is not None:
         from tokstream.server.errors import ApiError
         raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
-    return JSONResponse(message_body(stream, batch, body["model"], server.block_size),
-                        headers=headers)
+    return JSONResponse(message_body(stream, batch, body["model"], server.block_size,
+                                     prompt.tools), headers=headers)
 
 
 @api_route(ANTHROPIC)
@@ -219,9 +261,9 @@ async def count_tokens(request):
     body = await read_json(request, server.config.max_body_bytes,
                            server.config.body_timeout_s)
     server.check_model(body.get("model"))
-    reject_unsupported(body, {"tools": bool})
-    token_ids = await parse_off_loop(request, lambda: encode_messages(server,
-                                                                      chat_messages(body)))
+    tools = tool_request(body)
+    token_ids = await parse_off_loop(request, lambda: encode_messages(
+        server, chat_messages(body), tools.tools if tools else ()))
     if tenant is not None:
         tenant.charge(len(token_ids))  # counting costs tokenisation: it is not free
     return JSONResponse({"input_tokens": len(token_ids)})

@@ -10,6 +10,8 @@ from starlette.responses import JSONResponse
 from tokstream.errors import UserInputError
 from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
 from tokstream.server.logprobs_format import chat_logprobs, completion_logprobs
+from tokstream.server.openai_tools import (ToolDeltas, finish_reason as tool_finish_reason,
+                                           tool_fields, tool_message, tool_request)
 from tokstream.server.choices import (Choice, choices_response, collect_choices, merge_bodies,
                                       num_choices)
 from tokstream.server.sampling_options import sampling_extras
@@ -17,17 +19,18 @@ from tokstream.server.sse import (final_integrity, integrity, sse, stream_failur
                                   wants_integrity)
 from tokstream.server.state import Prompt, Server
 from tokstream.server.streams import Batch, Stream
+from tokstream.server.tool_template import encode_chat
+from tokstream.server.tools import ToolRequest, tool_sampling
 from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int, get_number,
                                          get_object, get_strings, parse_off_loop, read_json,
                                          reject_unsupported, sampling_params, shown)
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 UNSUPPORTED = {
     "best_of": lambda v: v != 1,
     "echo": bool,
     "suffix": bool,
-    "tools": bool,
     "functions": bool,
 }
 
@@ -47,7 +50,17 @@ def _content(value, path: str) -> str:
     raise bad_request(path, f"must be a string or an array of text parts, not {_kind(value)}")
 
 
-def chat_prompt(body: dict, server: Server) -> list[int]:
+def chat_prompt(body: dict, server: Server, tools: ToolRequest | None = None) -> list[int]:
+    """Prompt ids for the messages, with the tools shown to the model (read from the body
+    unless given)."""
+    tools = tools or tool_request(body)
+    try:
+        return encode_chat(server.tokenizer, chat_messages(body), tools.tools if tools else ())
+    except UserInputError as error:
+        raise bad_request("messages", str(error)) from None
+
+
+def chat_messages(body: dict) -> list[dict]:
     messages = get_messages(body)
     chat = []
     for n, message in enumerate(messages):
@@ -59,14 +72,13 @@ def chat_prompt(body: dict, server: Server) -> list[int]:
             raise bad_request(f"{at}.role", f"must be one of {', '.join(CHAT_ROLES)}, got "
                                             f"{shown(role)}")
         content = message.get("content")
-        if content is None:
+        calls = tool_fields(message, at)
+        if content is None and not calls.get("tool_calls"):
             raise bad_request(f"{at}.content", "required")
         chat.append({"role": "system" if role == "developer" else role,
-                     "content": _content(content, f"{at}.content")})
-    try:
-        return server.tokenizer.encode_chat(chat)
-    except UserInputError as error:
-        raise bad_request("messages", str(error)) from None
+                     "content": "" if content is None else _content(content, f"{at}.content"),
+                     **calls})
+    return chat
 
 
 def completion_prompt(body: dict, server: Server) -> list[int]:
@@ -106,13 +118,15 @@ def parse(body: dict, server: Server, chat: bool) -> Prompt:
     options = get_object(body, "stream_options") or {}
     get_bool(options, "include_usage")
     extras = sampling_extras(body, chat, server.tokenizer.vocab_size)
-    token_ids = chat_prompt(body, server) if chat else completion_prompt(body, server)
+    tools = tool_request(body) if chat else None
+    extras.update(tool_sampling(tools, extras["structured"]))
+    token_ids = chat_prompt(body, server, tools) if chat else completion_prompt(body, server)
     max_tokens = check_fits(len(token_ids), max_tokens, server.max_model_len,
                             "messages" if chat else "prompt")
     params = sampling_params({"structured": "response_format"}, max_tokens=max_tokens,
                              temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
                              seed=seed, stop=stop, ignore_eos=ignore_eos, **extras)
-    return Prompt(token_ids, params, stream, n=n)
+    return Prompt(token_ids, params, stream, tools=tools, n=n)
 
 
 def finish_reason(stream: Stream) -> str:
@@ -138,10 +152,13 @@ def batch_logprobs(stream: Stream, batch: Batch, chat: bool, tokenizer, text_off
 
 class OpenAIFormatter:
     def __init__(self, stream: Stream, model: str, chat: bool, include_usage: bool,
-                 tokenizer=None, integrity: bool = True, choice: Choice | None = None):
+                 tokenizer=None, integrity: bool = True, tools: ToolRequest | None = None,
+                 choice: Choice | None = None):
         self.stream = stream
         self.choice = choice or Choice(stream.request_id)
         """The choice this writes (its index; the response's id, shared by every choice)."""
+        self.tool_deltas = ToolDeltas(tools) if tools is not None else None
+        """Splits the text into content and tool_calls deltas (a request with tools)."""
         self.integrity = integrity
         """id: lines and comment pings (the integrity framing); off: OpenAI's own framing."""
         self.tokenizer = tokenizer
@@ -153,9 +170,10 @@ class OpenAIFormatter:
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
 
-    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False) -> dict:
+    def _chunk(self, text: str | None, finish: str | None = None, role: bool = False,
+               delta: dict | None = None) -> dict:
         if self.chat:
-            delta = {}
+            delta = dict(delta or {})
             if role:
                 delta["role"] = "assistant"
             if text is not None:
@@ -173,6 +191,8 @@ class OpenAIFormatter:
         return sse(None, self._chunk("", role=True)) if self.chat else b""
 
     def tokens(self, batch: Batch) -> bytes:
+        if self.tool_deltas is not None:
+            return self._tool_chunks(self.tool_deltas.feed(batch.text), batch)
         chunk = self._chunk(batch.text)
         if batch.token_ids and self.stream.params.logprobs is not None:
             chunk["choices"][0]["logprobs"] = batch_logprobs(
@@ -183,14 +203,33 @@ class OpenAIFormatter:
             return sse(None, chunk, batch.indices[-1] if self.integrity else None)
         return sse(None, chunk)
 
+    def _tool_chunks(self, deltas: list[dict], batch: Batch | None) -> bytes:
+        """A chunk per delta; the last carries the batch's tokens (with an empty delta when
+        the parser holds back all their text)."""
+        chunks = [self._chunk(None, delta=d) for d in deltas]
+        if batch is None or not batch.token_ids:
+            return b"".join(sse(None, c) for c in chunks)
+        if not chunks:
+            chunks.append(self._chunk(None))
+        last = chunks[-1]
+        last["choices"][0]["logprobs"] = batch_logprobs(self.stream, batch, True,
+                                                        self.tokenizer)
+        last["tokstream"] = integrity(batch)
+        return b"".join(sse(None, c) for c in chunks[:-1]) + sse(
+            None, last, batch.indices[-1] if self.integrity else None)
+
     def finish(self, batch: Batch) -> bytes:
         failure = stream_failure(self.stream)
         if failure is not None:
             return self.error(*failure)
-        chunk = self._chunk(None if self.chat else "", finish_reason(self.stream))
+        reason, body = finish_reason(self.stream), b""
+        if self.tool_deltas is not None:
+            body = self._tool_chunks(self.tool_deltas.finish(), None)
+            reason = tool_finish_reason(reason, self.tool_deltas.made_calls)
+        chunk = self._chunk(None if self.chat else "", reason)
         chunk["choices"][0]["stop_reason"] = self.stream.final.stop_reason
         chunk["tokstream"] = final_integrity(self.stream)
-        body = sse(None, chunk)
+        body += sse(None, chunk)
         if self.choice.count > 1:
             return body  # the usage chunk and [DONE] follow the last choice (server/choices.py)
         if self.include_usage:
@@ -210,11 +249,16 @@ class OpenAIFormatter:
         return b": ping\n" if self.integrity else b""
 
 
-def response_body(stream: Stream, batch: Batch, model: str, chat: bool, tokenizer) -> dict:
+def response_body(stream: Stream, batch: Batch, model: str, chat: bool, tokenizer,
+                  tools: ToolRequest | None = None) -> dict:
     reason = finish_reason(stream)
     logprobs = batch_logprobs(stream, batch, chat, tokenizer)
+    message = {"role": "assistant", "content": batch.text}
+    if tools is not None:
+        message = tool_message(batch.text, tools)
+        reason = tool_finish_reason(reason, "tool_calls" in message)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": batch.text},
+        choice = {"index": 0, "message": message,
                   "logprobs": logprobs, "finish_reason": reason,
                   "stop_reason": stream.final.stop_reason}
     else:
@@ -239,7 +283,7 @@ async def _complete(request, chat: bool):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         integrity = wants_integrity(request.headers, server.config.stream_integrity)
         formatters = [OpenAIFormatter(stream, body["model"], chat, include_usage,
-                                      server.tokenizer, integrity,
+                                      server.tokenizer, integrity, prompt.tools,
                                       Choice(request_id, index, len(streams)))
                       for index, stream in enumerate(streams)]
         return choices_response(streams, formatters, usage, server.registry,
@@ -249,7 +293,7 @@ async def _complete(request, chat: bool):
     if failure is not None:
         raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
     return JSONResponse(merge_bodies([
-        response_body(stream, batch, body["model"], chat, server.tokenizer)
+        response_body(stream, batch, body["model"], chat, server.tokenizer, prompt.tools)
         for stream, batch in zip(streams, batches)]), headers=headers)
 
 

@@ -8,6 +8,18 @@ TEXT_BLOCKS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {
     "type": "object", "required": ["type", "text"],
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}
 
+ANTHROPIC_TOOLS = {
+    "tools": {"type": "array", "items": {"type": "object", "required": ["name", "input_schema"],
+                                         "properties": {"name": {"type": "string"},
+                                                        "description": {"type": "string"},
+                                                        "input_schema": {"type": "object"}}}},
+    "tool_choice": {"type": "object", "properties": {
+        "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+        "disable_parallel_tool_use": {"type": "boolean"}}},
+}
+"""Custom tools only; content may also hold tool_use (assistant) and tool_result (user,
+text only) blocks."""
+
 SAMPLING = {
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "seed": {"type": "integer", "minimum": 0, "description": "tokstream extension"},
@@ -28,13 +40,14 @@ MESSAGES_BODY = {
         "top_k": {"type": "integer", "minimum": 0},
         "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
         "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
+        **ANTHROPIC_TOOLS,
         **SAMPLING,
     },
 }
 
 COUNT_BODY = {"type": "object", "required": ["model", "messages"],
               "properties": {k: v for k, v in MESSAGES_BODY["properties"].items()
-                             if k in ("model", "messages", "system")}}
+                             if k in ("model", "messages", "system", "tools", "tool_choice")}}
 
 OPENAI_COMMON = {
     "model": {"type": "string"},
@@ -70,9 +83,19 @@ CHAT_BODY = {
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
         "max_completion_tokens": {"type": "integer", "minimum": 1},
         "messages": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["role", "content"],
-            "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]},
-                           "content": TEXT_BLOCKS}}},
+            "type": "object", "required": ["role"],
+            "properties": {"role": {"enum": ["system", "developer", "user", "assistant",
+                                             "tool"]},
+                           "content": TEXT_BLOCKS, "tool_calls": {"type": "array"},
+                           "tool_call_id": {"type": "string"}}}},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type", "function"],
+                                             "properties": {"type": {"const": "function"},
+                                                            "function": {"type": "object"}}}},
+        "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]},
+                                  {"type": "object", "properties": {
+                                      "type": {"const": "function"},
+                                      "function": {"type": "object"}}}]},
+        "parallel_tool_calls": {"type": "boolean"},
     },
 }
 

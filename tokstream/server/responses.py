@@ -25,12 +25,7 @@ async def _drain(stream: Stream) -> Batch:
     while True:
         await channel.ready.wait()
         batch = channel.take()
-        total.token_ids += batch.token_ids
-        total.indices += batch.indices
-        total.step_ids += batch.step_ids
-        total.request_ids += batch.request_ids
-        total.logprobs += batch.logprobs
-        total.text += batch.text
+        total.merge(batch)
         if batch.final is not None:
             total.final = batch.final
             return total

@@ -27,6 +27,7 @@ from tokstream.server.snapshot import SharedSnapshot
 from tokstream.server.streams import Stream, StreamRegistry
 from tokstream.server.supervisor import EngineSupervisor
 from tokstream.server.tenants import Tenant, Tenants, load_tenants
+from tokstream.server.tools import ToolRequest
 from tokstream.tokenizer import Tokenizer
 
 log = logging.getLogger("tokstream.server")
@@ -43,6 +44,8 @@ class Prompt:
     token_ids: list[int]
     params: SamplingParams
     stream: bool
+    tools: ToolRequest | None = None
+    """The functions the model may call (its output is then parsed for calls)."""
     n: int = 1
     """Choices to generate from the prompt (OpenAI's `n`)."""
 

@@ -62,6 +62,15 @@ class Batch:
         if delta.finished:
             self.final = delta
 
+    def merge(self, later: "Batch") -> None:
+        """Append a later batch's tokens (ids, indices, stamps, log-probabilities) and text."""
+        self.token_ids += later.token_ids
+        self.indices += later.indices
+        self.step_ids += later.step_ids
+        self.request_ids += later.request_ids
+        self.logprobs += later.logprobs
+        self.text += later.text
+
     @property
     def ended(self) -> bool:
         return self.final is not None or self.error is not None
