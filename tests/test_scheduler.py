@@ -28,7 +28,9 @@ def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=8, watermark
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                              watermark_blocks=watermark, **config)
     swap = SwapSpace(swap_blocks) if swap_blocks is not None else None
-    return Scheduler(config, bm, max_model_len=1000, eos_token_ids=(2,), swap_space=swap)
+    scheduler = Scheduler(config, bm, max_model_len=1000, eos_token_ids=(2,), swap_space=swap)
+    scheduler.clock = lambda: float(next(_clock))  # the requests' arrival clock
+    return scheduler
 
 
 def run_step(s, token=7):

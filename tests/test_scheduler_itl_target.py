@@ -164,6 +164,25 @@ def test_the_cost_of_carrying_prefill_is_learned_and_kept_within_the_target(dear
         assert mixed_truth(step_shape(out.work)) <= 0.060 + 0.001
 
 
+def test_a_burst_of_prompts_goes_in_first_come_first_served():
+    # Six 100-token prompts arrive together. Once the first have their first token they
+    # decode, but the target does not hold the rest back for them: those arrived with them,
+    # so every step fills its budget with prefill until all six are in (a stream is protected
+    # only from prompts that arrive after its first token).
+    s = itl_scheduler(target_ms=60.0)
+    trained(s.step_cost)
+    for i in range(6):
+        s.add_request(make_request(f"burst{i}", prompt_len=100, max_tokens=50))
+    steps = [timed_step(s) for _ in range(3)]
+    # 600 prompt tokens: 256, then 2 decodes + 254, then 5 decodes + the last 90
+    assert [(len(decodes_of(out)), prefill_tokens(out)) for out in steps] == [
+        (0, 256), (2, 254), (5, 90)]
+    # a prompt arriving now is held to the target for the six streams
+    s.add_request(make_request("late", prompt_len=100, max_tokens=4))
+    out = timed_step(s)
+    assert len(decodes_of(out)) == 6 and truth(step_shape(out.work)) <= 0.060 + 0.001
+
+
 def test_the_prefill_share_fits_the_target():
     s = itl_scheduler(target_ms=60.0)
     trained(s.step_cost)
@@ -242,6 +261,7 @@ def trace(s, arrivals, steps=120, slowdown=1.0):
     chunks = []
     for step in range(steps):
         for request in arrivals.get(step, []):
+            request.arrival = s.clock()  # it arrives now, after the earlier steps' tokens
             s.add_request(request)
         out = timed_step(s, slowdown)
         chunks.append([(w.request.request_id, w.start, w.num_tokens) for w in out.work]

@@ -137,8 +137,9 @@ class EngineCore:
             raise UserInputError(f"tenant weight must be > 0, got {submitted.weight}")
         params = submitted.params
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        request = Request(submitted.request_id, list(prompt), params, seed, time.monotonic(),
-                          output_token_ids=list(outputs), cache_salt=submitted.cache_salt,
+        request = Request(submitted.request_id, list(prompt), params, seed,
+                          submitted.submitted_at, output_token_ids=list(outputs),
+                          cache_salt=submitted.cache_salt,
                           tenant=submitted.tenant, priority=submitted.priority,
                           weight=submitted.weight, num_failures=submitted.num_failures,
                           prompt_group=submitted.prompt_group)

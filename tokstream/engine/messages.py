@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from dataclasses import dataclass, field
 
 from tokstream.sampling_params import SamplingParams
@@ -170,6 +171,10 @@ class EngineRequest:
     prompt_group: str = ""
     """Shared by the n choices of one API request (same prompt): the core prefills the prompt
     once and the others take its blocks from the prefix cache ('' for none)."""
+    submitted_at: float = field(default_factory=time.monotonic)
+    """Monotonic time it was made (in the gateway: one clock for every process on the
+    machine), its arrival for the scheduler: a request that came in while a step ran arrived
+    before that step's tokens went out."""
     num_failures: int = 0
     """Replica failures in a row (engine core deaths) this request was in flight at, with no
     token between them, before this submission (see EngineConfig.max_request_failures)."""

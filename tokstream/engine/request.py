@@ -38,7 +38,8 @@ class Request:
     seed: int
     """The resolved seed (params.seed, or one drawn at admission)."""
     arrival: float
-    """Monotonic arrival time; preemption picks the latest arrival."""
+    """Monotonic arrival time (the gateway's, one clock for every process on the machine);
+    preemption picks the latest arrival."""
     output_token_ids: list[int] = field(default_factory=list)
     """Every output token so far, including any delivered before a resume."""
     status: RequestStatus = RequestStatus.WAITING
@@ -63,6 +64,9 @@ class Request:
     num_failures: int = 0
     """Replica failures in a row this request was in flight at (reset by a step that ran)."""
     first_scheduled: float | None = None
+    first_token_at: float | None = None
+    """When its first output token was sampled, on the scheduler's clock (the ITL target
+    protects a stream only from prompts that arrive after that)."""
     swapped_block_ids: list[int] = field(default_factory=list)
     """Host blocks holding this request's computed KV while it is swapped out (swap-mode
     preemption); block i of the cache is swapped_block_ids[i]. Empty otherwise."""

@@ -99,9 +99,6 @@ class PrefillTime:
         """The step's once-only cost of carrying prefill, until the first chunk has paid it."""
         return 0.0 if self.granted else self.cost.prefill_switch_seconds(self.num_decodes)
 
-    @property
-    def spent(self) -> bool:
-        return self.tokens(0, 1) == 0
 
 
 class Scheduler:
@@ -129,6 +126,8 @@ class Scheduler:
         self.num_swap_outs = 0
         """Of the preemptions, those that kept their KV in host memory."""
         self.step_cost = StepCostModel()
+        self.clock = time.monotonic
+        """Requests' arrivals are on this clock (tests give both a fake one)."""
         """Fitted from every step the engine reports (observe_step), target on or off."""
         self._forgotten: list[str] = []
 
@@ -182,11 +181,13 @@ class Scheduler:
                 suspect_taken = True
             num_new = self._num_new_tokens(request, budget)
             prefilling = self._is_prefilling(request)
+            limit = None
             if prefilling:
                 if not prefill_time_known:
                     prefill_time, prefill_time_known = self._prefill_time(decodes), True
-                if prefill_time is not None:
-                    num_new = prefill_time.tokens(request.num_computed_tokens, num_new)
+                limit = self._limit_for(request, prefill_time, decodes)
+                if limit is not None:
+                    num_new = limit.tokens(request.num_computed_tokens, num_new)
                     if num_new == 0:
                         continue
             if self._is_long_prefill(request):
@@ -198,7 +199,7 @@ class Scheduler:
             if new_blocks is None:
                 continue
             if prefilling and prefill_time is not None:
-                prefill_time.take(request.num_computed_tokens, num_new)
+                prefill_time.take(request.num_computed_tokens, num_new)  # limited or not
             scheduled.add(request.request_id)
             work = ScheduledWork(request, request.num_computed_tokens, num_new, new_blocks, False)
             (decodes if num_new == 1 and work.samples else prefills).append(work)
@@ -210,8 +211,6 @@ class Scheduler:
         # No admissions in a step that had to preempt: the pool is tight.
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
-                break
-            if prefill_time is not None and prefill_time.spent:
                 break
             request = self.waiting.peek(
                 lambda r: self._may_start(r) and (long_left > 0 or not self._is_long_prefill(r))
@@ -233,8 +232,9 @@ class Scheduler:
                 self.block_manager.match_prefix(request)  # cached prefix blocks count as computed
             start = request.num_computed_tokens
             num_new = self._num_new_tokens(request, budget)
-            if prefill_time is not None:
-                num_new = prefill_time.tokens(start, num_new)
+            limit = self._limit_for(request, prefill_time, decodes)
+            if limit is not None:
+                num_new = limit.tokens(start, num_new)
                 if num_new == 0:  # deeper into its prompt (a cached prefix) than time allows
                     if not swapped:
                         self.block_manager.free(request)
@@ -310,6 +310,19 @@ class Scheduler:
             len(decodes), sum(attended_tokens(w.start, w.num_tokens) for w in decodes))
         floor_s = target_s * self.config.itl_min_prefill_share
         return PrefillTime(self.step_cost, max(target_s - decode_s, floor_s), len(decodes))
+
+    def _limit_for(self, request: Request, prefill_time: PrefillTime | None,
+                   decodes: list[ScheduledWork]) -> PrefillTime | None:
+        """prefill_time where the ITL target holds request's prefill back: only for streams
+        whose first token was out before it arrived. Streams that arrived with it (a burst of
+        prompts) or after it are behind it, first come first served: their next tokens wait
+        for its prefill, as a burst's prompts all going in first gives every one of them its
+        first token soonest."""
+        if prefill_time is None or not any(
+                w.request.first_token_at is not None and w.request.first_token_at < request.arrival
+                for w in decodes):
+            return None
+        return prefill_time
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine ran out's work in seconds (schedule to emit): refit the step cost."""
@@ -450,6 +463,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.output_token_ids.append(token)
+            if request.first_token_at is None:
+                request.first_token_at = self.clock()
             self.ledger.charge_output(request.tenant, 1, request.weight)
             advanced.append(request)
             self._check_stop(request, token)
