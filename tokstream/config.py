@@ -133,8 +133,12 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64
     """Most sequences running at once."""
-    max_num_batched_tokens: int = 1024
-    """Token budget per step: decode tokens first, then prefill chunks."""
+    max_num_batched_tokens: int = 2048
+    """Token budget per step: decode tokens first, then prefill chunks. 2048: measured with
+    `vllm bench serve` (32 streams of 128 -> 128 arriving at once, SmolLM2 native, 2-core
+    Xeon): 1024 gave 378 output tok/s, p99 ITL 406 ms (the burst's prefill took four long
+    steps, each a gap for every stream already out), median TTFT 2.39 s; 2048 gave 374 tok/s,
+    95 ms, 2.89 s."""
     chunked_prefill: bool = True
     """Split prompts into chunks under the budget, mixed with decodes. Off: a prompt is
     prefilled whole in one step, past the budget if need be (as engines without chunking do),
@@ -228,7 +232,8 @@ class EngineConfig:
     """A request in flight at this many replica failures in a row (rank group or engine
     core) is ended with an error, and the replica goes on without it."""
     spare: bool = False
-    """Keep a standby rank group loaded, so a failure swaps groups instead of respawning."""
+    """Keep standbys loaded, so a failure swaps instead of respawning: a rank group in the
+    engine core and, behind the server's gateway, a second engine core with its own group."""
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda", "auto"):
