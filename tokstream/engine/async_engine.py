@@ -18,6 +18,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import psutil
@@ -71,7 +72,8 @@ class AsyncEngine:
         self.run_dir = tempfile.mkdtemp(prefix="tokstream-core-")
         # Not a daemon: the core must be able to start worker processes of its own.
         self.process = context.Process(target=core_main,
-                                       args=(child_conn, self.config, os.getpid(), self.run_dir),
+                                       args=(child_conn, self.config, os.getpid(), self.run_dir,
+                                             time.monotonic()),
                                        name="tokstream-engine-core")
         self.process.start()
         child_conn.close()

@@ -2,7 +2,8 @@
 
 client -> core: ("add", EngineRequest) | ("abort", request_id) | ("shutdown",)
                 | ("state", token) | ("score", token, token_ids, start)
-core -> client: ("ready", info) | ("failed", user_error, message) | ("deltas", [RequestDelta])
+core -> client: ("ready", info: model facts, pids, start_times: StartTimes)
+                | ("failed", user_error, message) | ("deltas", [RequestDelta])
                 | ("state", token, snapshot dict) | ("score", token, ScoreResult | None,
                   error kind None|"user"|"overloaded"|"error", message) | ("dead", message)
                 | ("status", "ready"|"recovering"|"down", reason, {restarts, worker_pids,
@@ -15,29 +16,37 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from tokstream.config import EngineConfig
 from tokstream.engine.child_process import become_child
 from tokstream.engine.messages import RequestDelta
+from tokstream.engine.start_times import StartTimes
 
 IDLE_POLL_S = 0.5
 
 
-def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None = None) -> None:
+def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None = None,
+              spawned_at: float | None = None) -> None:
     """The core's process: dies with the gateway and leaves SIGTERM to it (child_process);
-    its rank groups keep their files under run_dir, which the gateway removes."""
+    its rank groups keep their files under run_dir, which the gateway removes. spawned_at:
+    the gateway's time.monotonic() as it started this process."""
+    entered = time.monotonic()
     become_child(parent_pid)
     logging.basicConfig(level=os.environ.get("TOKSTREAM_LOG", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
     from tokstream.engine.core import EngineCore
     from tokstream.errors import ReplicaError, TokstreamError, UserInputError
 
+    imported = time.monotonic()
     try:
         core = EngineCore(config, run_dir=run_dir)
     except TokstreamError as exc:
         conn.send(("failed", isinstance(exc, UserInputError), str(exc)))
         return
     conn.send(("ready", {
+        "start_times": _start_times(core.executor.group, spawned_at or entered, entered,
+                                    imported),
         "model": core.model_config.name, "dtype": core.dtype,
         "weights": core.weights, "pid": os.getpid(),
         "worker_pids": core.executor.pids, "num_blocks": core.block_manager.num_blocks,
@@ -63,6 +72,15 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
             pass
     finally:
         core.shutdown()
+
+
+def _start_times(group, spawned_at: float, entered: float, imported: float) -> StartTimes:
+    now = time.monotonic()
+    load_s = max(ready.load_s for ready in group.ready)
+    return StartTimes(spawn_s=entered - spawned_at, imports_s=imported - entered,
+                      model_s=group.spawned_at - imported,
+                      ranks_start_s=group.ready_at - group.spawned_at - load_s,
+                      ranks_load_s=load_s, rest_s=now - group.ready_at, total_s=now - spawned_at)
 
 
 def _serve(conn, core) -> None:

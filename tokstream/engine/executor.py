@@ -104,6 +104,9 @@ class RankGroup:
         # never meet by accident, and no port is claimed. Under run_dir, which the gateway
         # removes even when this core could not (it was killed).
         self._tmpdir = tempfile.mkdtemp(prefix="tokstream-ranks-", dir=run_dir)
+        self.spawned_at = time.monotonic()
+        self.ready_at: float | None = None
+        """When the last rank reported ready (wait_ready)."""
         rendezvous = os.path.join(self._tmpdir, "rendezvous")
         self.conns = []
         self.processes = []
@@ -129,6 +132,7 @@ class RankGroup:
                 self.kill()
                 raise (UserInputError if message.user_error else ReplicaError)(message.message)
             self.ready.append(message)
+        self.ready_at = time.monotonic()
         return self.ready
 
     def _receive(self, conn, deadline: float, doing: str, timeout_s: float):

@@ -195,7 +195,8 @@ class EngineSupervisor:
         resumed = self.registry.resubmit(engine)
         seconds = None if was_down else time.monotonic() - started
         self._event("engine_restarted", pid=engine.pid, worker_pids=engine.info["worker_pids"],
-                    seconds=seconds, resumed=resumed)
+                    seconds=seconds, resumed=resumed,
+                    start_times=engine.info["start_times"].as_dict())
         self._count("core", seconds, resumed)
         self._set_status(engine.replica_status, None)
 
