@@ -48,11 +48,15 @@ def main() -> None:
     parser.add_argument("--kill-every", type=int, default=3,
                         help="SIGKILL rank 0 during every Nth batch (0: never)")
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--auto", type=int, default=0,
+                        help="also N free (tool_choice auto) requests: how often the model "
+                             "calls, validly, and whether markup ever reaches the text")
     parser.add_argument("--json", default=os.path.join(ROOT, "bench/results/tool_calls.json"))
     args = parser.parse_args()
 
     model_args = ["--profile", "ci"] if args.model == "dummy:tiny" else [
-        "--profile", "ci", "--model", args.model, "--num-blocks", "2048", "--block-size", "16"]
+        "--profile", "ci", "--model", args.model, "--num-blocks", "2048", "--block-size", "16",
+        "--step-timeout", "120"]  # a real model's step on a loaded 2-core machine can pass 30 s
     work = jobs(args.count, args.model, args.max_tokens)
     results, killed_batches, started = [], [], time.monotonic()
     load_before = os.getloadavg()
@@ -60,17 +64,24 @@ def main() -> None:
         for b in range(0, len(work), args.batch):
             batch = work[b:b + args.batch]
             kill = args.kill_every and (b // args.batch) % args.kill_every == 1
-            rank = server.state()["ranks"][0]["pid"]
+            to_kill = [server.state()["ranks"][0]["pid"]] if kill else []
+            restarts = server.state()["replica"]["restarts"]
             received = [0] * len(batch)
 
-            def on_tokens(j, n, rank=rank, kill=kill, received=received):
+            def on_tokens(j, n, received=received, to_kill=to_kill):
+                # Once every stream is a few tokens in: mid-generation, none finished.
                 received[j] += n
-                if kill and j == 0 and received[0] >= 20 > received[0] - n:
-                    os.kill(rank, signal.SIGKILL)
+                if to_kill and min(received) >= 4:
+                    pid = to_kill.pop()
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:  # the batch then counts as not killed
+                        print(f"rank pid {pid} was already gone", file=sys.stderr)
 
             streams = asyncio.run(record_all(server.url, batch, on_tokens))
             server.wait_idle(timeout=300)
             report = check_streams(streams)
+            kill = server.state()["replica"]["restarts"] > restarts
             if kill:
                 killed_batches.append(b // args.batch)
             for job, stream, checked in zip(batch, streams, report.streams):
@@ -80,7 +91,9 @@ def main() -> None:
                                 "during_rank_kill": bool(kill), "tokens": len(checked.token_ids),
                                 "problems": found})
             print(f"batch {b // args.batch}: {sum(not r['problems'] for r in results)}"
-                  f"/{len(results)} valid so far", file=sys.stderr)
+                  f"/{len(results)} valid so far, restarts {restarts} -> "
+                  f"{server.state()['replica']['restarts']}", file=sys.stderr)
+        auto = auto_probe(server.url, args.model, args.auto) if args.auto else None
         final = server.state()
     valid = [r for r in results if not r["problems"]]
     out = {
@@ -98,6 +111,7 @@ def main() -> None:
         "elapsed_s": round(time.monotonic() - started, 1),
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
                     "load_average_before": load_before, "load_average_after": os.getloadavg()},
+        "auto": auto,
         "failures": [r for r in results if r["problems"]],
     }
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
@@ -105,6 +119,45 @@ def main() -> None:
         json.dump(out, file, indent=1)
     print(json.dumps({k: v for k, v in out.items() if k != "failures"}, indent=1))
     sys.exit(0 if len(valid) == len(results) else 1)
+
+
+def auto_probe(url: str, model: str, count: int) -> dict:
+    """count streamed tool_choice=auto requests (the model free): calls made, calls whose
+    arguments validate, texts that hold tool-call markup."""
+    from tokstream.checker import SSERecorder
+    from tool_workload import NAMES, SCHEMAS, Job, streamed
+    import httpx
+    import jsonschema
+
+    tools = [{"type": "function", "function": {"name": n, "description": d, "parameters": s}}
+             for n, d, s in zip(NAMES[:2], ("Current weather in a city", "Count things"),
+                                SCHEMAS[:2])]
+    questions = ["What is the weather in Paris?", "Is it cold in Oslo today?",
+                 "Count to 5 for me.", "Tell me a joke."]
+    made = valid = leaked = 0
+    samples = []
+    for i in range(count):
+        body = {"model": model, "max_tokens": 160, "stream": True, "seed": i,
+                "temperature": (0.0, 0.7)[i % 2], "tools": tools,
+                "messages": [{"role": "user", "content": questions[i % len(questions)]}]}
+        recorder = SSERecorder()
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body,
+                          timeout=300) as response:
+            for chunk in response.iter_bytes():
+                recorder.feed(chunk)
+        text, calls, _ = streamed(Job("auto", "/v1/chat/completions", body, {}, None),
+                                  recorder.stream())
+        samples.append({"text": text[:160], "calls": calls})
+        leaked += "<tool_call>" in text or "</tool_call>" in text
+        made += bool(calls)
+        for name, arguments in calls:
+            try:
+                jsonschema.validate(json.loads(arguments), dict(zip(NAMES, SCHEMAS))[name])
+                valid += 1
+            except (ValueError, KeyError, jsonschema.ValidationError):
+                pass
+    return {"requests": count, "with_calls": made, "valid_calls": valid,
+            "texts_with_markup": leaked, "samples": samples[:4]}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ that takes tools) and the forced-call grammar."""
 
 import json
 
-import jsonschema
 import pytest
 from llguidance import LLMatcher, LLTokenizer
 
@@ -178,5 +177,12 @@ def test_a_forced_grammar_accepts_only_valid_calls_of_the_allowed_tools():
     assert not accepts(ToolRequest((WEATHER, SEARCH), "named", "search"), call)
     assert not accepts(both, call.replace('"c"', '"k"'))  # the schema's enum
     assert not accepts(both, "Sure. " + call)
-    jsonschema.validate({"city": "Rome", "unit": "c"}, WEATHER.parameters)
     assert ToolRequest((WEATHER,)).structured() is None  # auto: the model is free
+    nested = Tool("put", "", {"$defs": {"Item": {"type": "object", "properties": {
+        "id": {"type": "integer"}}, "required": ["id"]}}, "type": "object",
+        "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"]})
+    put = ToolRequest((nested,), "named", "put")  # pydantic's nested models refer to $defs
+    assert accepts(put, '<tool_call>\n{"name": "put", "arguments": {"item": {"id": 4}}}'
+                        '\n</tool_call>')
+    assert not accepts(put, '<tool_call>\n{"name": "put", "arguments": {"item": {}}}'
+                            '\n</tool_call>')

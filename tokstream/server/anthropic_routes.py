@@ -158,13 +158,11 @@ class AnthropicFormatter:
                    "content": [], "model": self.model, "stop_reason": None,
                    "stop_sequence": None,
                    "usage": {"input_tokens": self.stream.num_prompt_tokens, "output_tokens": 0}}
-        if self.tool_blocks is not None:  # blocks open as the parser finds them
-            return sse("message_start", {"type": "message_start", "message": message}) \
-                + self.ping()
-        return (sse("message_start", {"type": "message_start", "message": message})
-                + sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                              "content_block": {"type": "text", "text": ""}})
-                + self.ping())
+        head = sse("message_start", {"type": "message_start", "message": message})
+        if self.tool_blocks is None:  # with tools, blocks open as the parser finds them
+            head += sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                                "content_block": {"type": "text", "text": ""}})
+        return head + self.ping()
 
     def tokens(self, batch: Batch) -> bytes:
         if self.tool_blocks is not None:
@@ -188,11 +186,11 @@ class AnthropicFormatter:
         else:
             body = self._carrying(self.tool_blocks.finish())
             reason, sequence = tool_stop_reason(reason, sequence, self.tool_blocks.made_calls)
-        return (body + self._carrying([("message_delta", {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                    "usage": usage(self.stream, self.block_size),
-                    "tokstream": final_integrity(self.stream)})])
+        delta = {"type": "message_delta",
+                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                 "usage": usage(self.stream, self.block_size),
+                 "tokstream": final_integrity(self.stream)}
+        return (body + self._carrying([("message_delta", delta)])
                 + sse("message_stop", {"type": "message_stop"}))
 
     def _carrying(self, events: list[tuple[str, dict]]) -> bytes:

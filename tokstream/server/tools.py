@@ -84,10 +84,13 @@ class ToolRequest:
 def call_schema(tool: Tool) -> dict:
     """The JSON of one Hermes call of tool: its name, then arguments matching its schema (in
     that order, so a stream can name the function before its arguments arrive)."""
+    arguments = dict(tool.parameters)
+    # References such as "#/$defs/Item" (pydantic's nested models) resolve from the root.
+    definitions = {k: arguments.pop(k) for k in ("$defs", "definitions") if k in arguments}
     return {"type": "object", "properties": {"name": {"const": tool.name},
-                                             "arguments": tool.parameters},
+                                             "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False,
-            "x-guidance": JSON_LAYOUT}
+            "x-guidance": JSON_LAYOUT, **definitions}
 
 
 def new_call_id(prefix: str) -> str:
