@@ -41,8 +41,18 @@ def machine() -> dict:
                       if line.startswith("flags")), []))
     return {"cpu": model, "flags": [f for f in FLAGS if f in flags],
             "cores": len(os.sched_getaffinity(0)), "nice": os.nice(0),
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                     capture_output=True, text=True).stdout.strip()}
+            "commit": _commit()}
+
+
+def _commit() -> str:
+    """HEAD, with '+changes' when the working tree differs from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD")
+    return head + ("+changes" if head and git("status", "--porcelain", "--untracked-files=no")
+                   else "")
 
 
 async def start_phases(model: str, tp: int, starts: int) -> list[dict]:
@@ -66,7 +76,7 @@ def fault_run(model: str, tp: int, experiment: str, rank: int | None, spare: boo
 
     report = run(Options(experiment, rank, model=model, tp=tp, spare=spare,
                          max_tokens=max_tokens))
-    fault = report["rounds"][0]["fault"] if report.get("rounds") else {}
+    fault = report["faults"][0] if report.get("faults") else {}
     streams = [{"stream": row["stream"], "role": row["role"],
                 "state_at_fault": row["state_at_fault"],
                 "next_token_after_s": _round(row["resumed_after_s"])}

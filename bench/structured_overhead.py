@@ -28,7 +28,7 @@ ROWS, STEPS = 32, 40
 
 
 def worker_allocator() -> None:
-    """The worker's malloc settings (engine/executor.py WORKER_ENV), applied to this process:
+    """The worker's malloc settings (engine/rank_start.py WORKER_ENV), applied to this process:
     without them each step's large buffers are mapped and unmapped, and that is measured."""
     import ctypes
 

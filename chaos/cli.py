@@ -23,7 +23,8 @@ DEVICE = typer.Option("cpu", "--device", help="cpu or cuda (the server chaos sta
 DTYPE = typer.Option(None, "--dtype", help="dtype of the server chaos starts (default auto).")
 TP = typer.Option(None, "--tp", help="Ranks of the server chaos starts (default: the smallest "
                   "of at least 2 dividing the model's heads; 3 for SmolLM2).")
-SPARE = typer.Option(False, "--spare/--no-spare", help="Start the server with a warm spare.")
+SPARE = typer.Option(False, "--spare/--no-spare", help="Start the server with warm spares "
+                     "(serve --spare --spare-core: a rank group and an engine core).")
 STREAMS = typer.Option(None, "--streams", help="Streams per round (default per experiment).")
 MAX_TOKENS = typer.Option(32, "--max-tokens", help="Output tokens of each decoding stream.")
 REPEAT = typer.Option(1, "--repeat", help="Rounds in a row, one fault each.")

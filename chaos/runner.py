@@ -71,7 +71,7 @@ def run(options: Options) -> dict:
         raise UserInputError(f"rank {options.rank}: the server has ranks 0..{tp - 1} (--tp {tp})")
     args = ["--model", options.model, "--device", options.device, "--tp", str(tp),
             "--ping-interval", "1", *(["--dtype", options.dtype] if options.dtype else []),
-            *(["--spare"] if options.spare else []), *exp.serve_args]
+            *(["--spare", "--spare-core"] if options.spare else []), *exp.serve_args]
     with OwnServer(args, env=exp.serve_env) as target:
         return asyncio.run(_main(options, target))
 

@@ -1,5 +1,6 @@
 """What a server leaves behind: nothing. Every rank group's rendezvous folder goes, on
-restarts and at shutdown; ranks die with their engine core (PR_SET_PDEATHSIG) and the gateway
+restarts and at shutdown; ranks (and the forkserver they are forked from) die with their
+engine core (PR_SET_PDEATHSIG) and the gateway
 kills the recorded rank pids of a core that died; a replacement core keeps the pool size."""
 
 import dataclasses
@@ -42,14 +43,18 @@ def test_no_rank_folder_or_process_outlives_restarts_and_shutdown(tmp_path):
         response, _ = record(client, "/v1/messages", anthropic_body("hi", max_tokens=4))
         assert response.status_code == 200
         wait_for(lambda: server.state()["replica"]["restarts"] == 1)
-        core = psutil.Process(server.state()["engine"]["pid"])
-        second_ranks = core.children()
-        # A stopped rank notices nothing: only PR_SET_PDEATHSIG or the gateway's kill of the
-        # recorded pids ends it.
-        second_ranks[0].suspend()
-        core.kill()  # an engine core restart: its ranks must not outlive it
+        state = server.state()
+        core = psutil.Process(state["engine"]["pid"])
+        below = core.children(recursive=True)  # its ranks and the forkserver they come from
+        forkserver = [p for p in core.children() if "forkserver" in " ".join(p.cmdline())]
+        assert len(forkserver) == 1, [p.cmdline() for p in below]
+        # A stopped process notices nothing: only PR_SET_PDEATHSIG or the gateway's kill of
+        # the recorded pids ends it.
+        psutil.Process(state["ranks"][0]["pid"]).suspend()
+        forkserver[0].suspend()
+        core.kill()  # an engine core restart: nothing under it may outlive it
         wait_for(lambda: server.state()["replica"]["restarts"] == 2)
-        _, alive = psutil.wait_procs(first_ranks + second_ranks, timeout=30)
+        _, alive = psutil.wait_procs(first_ranks + below, timeout=30)
         assert not alive, alive
         response, _ = record(client, "/v1/messages", anthropic_body("hi", max_tokens=4))
         assert response.status_code == 200

@@ -299,6 +299,7 @@ def serve(
     device: Optional[str] = typer.Option(None, help="cpu (default) or cuda"),
     tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel ranks, one process each (default 1; must divide the model's query and KV heads)."),
     spare: Optional[bool] = typer.Option(None, "--spare/--no-spare", help="Keep a standby rank group loaded, so a rank failure swaps groups instead of starting processes (default off)."),
+    spare_core: Optional[bool] = typer.Option(None, "--spare-core/--no-spare-core", help="Keep a second engine core loaded (with its own rank group), so an engine-core death swaps cores instead of starting one (default off)."),
     step_timeout: Optional[float] = typer.Option(None, help="Seconds a step may take before a rank counts as hung and the group is replaced (default 120)."),
     max_recovery_attempts: Optional[int] = typer.Option(None, help="Failed restarts in a row (rank group or engine core) before the replica is down (default 3)."),
     max_request_failures: Optional[int] = typer.Option(None, help="A request in flight at this many replica failures in a row is ended with an error and the replica goes on without it (default 3)."),
@@ -348,7 +349,7 @@ def serve(
     preset = load_profile(profile) if profile else {}
     flags = {
         "engine": {"model": model, "dtype": dtype, "weights": weights, "device": device,
-                   "tp": tp, "spare": spare,
+                   "tp": tp, "spare": spare, "spare_core": spare_core,
                    "step_timeout_s": step_timeout,
                    "max_recovery_attempts": max_recovery_attempts,
                    "max_request_failures": max_request_failures,

@@ -232,8 +232,10 @@ class EngineConfig:
     """A request in flight at this many replica failures in a row (rank group or engine
     core) is ended with an error, and the replica goes on without it."""
     spare: bool = False
-    """Keep standbys loaded, so a failure swaps instead of respawning: a rank group in the
-    engine core and, behind the server's gateway, a second engine core with its own group."""
+    """Keep a standby rank group loaded, so a failure swaps groups instead of respawning."""
+    spare_core: bool = False
+    """Keep a second engine core loaded behind the server's gateway (with its own rank group),
+    so an engine-core death swaps cores instead of starting one."""
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda", "auto"):

@@ -194,6 +194,11 @@ class AsyncEngine:
         self._sinks[request.request_id] = sink
         self._send(("add", request))
 
+    def arm_spare(self) -> None:
+        """Have the core keep a standby rank group from now on (a spare core taking over)."""
+        if self.dead is None:
+            self._send(("arm_spare",))
+
     def abort(self, request_id: str) -> None:
         """Stop request_id; its final delta (finish_reason 'abort') still reaches its sink."""
         if self.dead is None:

@@ -260,6 +260,9 @@ class EngineCore:
         if self.status == "down":
             self.retry_when_down()
             return deltas
+        self._resuming.intersection_update(self.scheduler.requests)
+        if not self._resuming:
+            self.executor.reload_spare()  # only now: its loading would slow their re-prefill
         scheduled = self.scheduler.schedule()
         deltas += [self._final_delta(r, "") for r in scheduled.finished]
         if not scheduled.work and not scheduled.forgotten_ids:

@@ -2,6 +2,7 @@
 
 client -> core: ("add", EngineRequest) | ("abort", request_id) | ("shutdown",)
                 | ("state", token) | ("score", token, token_ids, start)
+                | ("arm_spare",): keep a standby rank group from now on
 core -> client: ("ready", info: model facts, pids, start_times: StartTimes)
                 | ("failed", user_error, message) | ("deltas", [RequestDelta])
                 | ("state", token, snapshot dict) | ("score", token, ScoreResult | None,
@@ -35,6 +36,9 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
     become_child(parent_pid)
     logging.basicConfig(level=os.environ.get("TOKSTREAM_LOG", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
+    from tokstream.engine.rank_start import rank_context
+
+    rank_context(config)  # the ranks' forkserver preloads while this core loads its own
     from tokstream.engine.core import EngineCore
     from tokstream.errors import ReplicaError, TokstreamError, UserInputError
 
@@ -102,6 +106,8 @@ def _serve(conn, core) -> None:
                 except (UserInputError, OverloadedError) as exc:
                     out.append(RequestDelta(request.request_id, [], 0, "",
                                             finish_reason="error", error=str(exc)))
+            elif kind == "arm_spare":
+                core.executor.arm_spare()
             elif kind == "abort":
                 delta = core.abort(message[1])
                 if delta is not None:
@@ -112,6 +118,8 @@ def _serve(conn, core) -> None:
                 conn.send(("score", message[1], *_score(core, message[2], message[3])))
         if core.has_work or core.status == "down" or core.pending_deltas:
             out.extend(core.step())
+        elif core.status == "ready":
+            core.executor.reload_spare()  # idle: nothing left to re-prefill (see step)
         if out:
             conn.send(("deltas", out))
 

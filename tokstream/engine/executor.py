@@ -1,14 +1,12 @@
 """The executor boundary: the engine core's handle on its worker process(es).
 
 The core never imports torch; it sends StepPlans down a pipe and reads StepResults back.
-Workers are spawned (not forked) so they start clean, and they exit when the pipe closes.
+Ranks start from the core's forkserver (rank_start) and exit when the pipe closes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
@@ -18,20 +16,10 @@ import tempfile
 import time
 
 from tokstream.config import EngineConfig
-from tokstream.engine.child_process import become_child
 from tokstream.engine.messages import ScoreRequest, ScoreResult, StepPlan, StepResult
+from tokstream.engine.rank_start import rank_context, rank_main
 from tokstream.errors import ReplicaError, UserInputError
-from tokstream.worker.worker import WorkerFailed, WorkerReady, worker_main
-
-
-# Read once by the child at start (glibc malloc, OpenMP, torch's CPU allocator). Measured on
-# a batch-32 SmolLM2 run: without them, per-step buffers of a few MB are mmap'ed and unmapped
-# every step (1.8M page faults, 11 s of system time in a 14 s run, prefill steps 2x slower).
-WORKER_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),  # keep per-step buffers in the heap...
-    "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),  # ...and never hand them back to the OS
-    "THP_MEM_ALLOC_ENABLE": "1",  # torch: transparent huge pages for large tensors
-}
+from tokstream.worker.worker import WorkerFailed, WorkerReady
 
 
 POISON_ENV = "TOKSTREAM_POISON"
@@ -68,30 +56,6 @@ class Poison:
         group.processes[0].join(5)
 
 
-@contextlib.contextmanager
-def worker_environment(config: EngineConfig):
-    """Set the children's environment for the duration of a spawn; the user's values win."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    wanted = dict(WORKER_ENV)
-    if config.tp > cores:
-        wanted["OMP_WAIT_POLICY"] = "PASSIVE"  # spinning ranks would starve each other
-    saved = {key: os.environ.get(key) for key in wanted}
-    for key, value in wanted.items():
-        os.environ.setdefault(key, value)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def rank_main(parent_pid: int, *args) -> None:
-    """A rank's process: dies with its engine core, leaves SIGTERM to it (child_process)."""
-    become_child(parent_pid)
-    worker_main(*args)
 
 
 class RankGroup:
@@ -99,7 +63,7 @@ class RankGroup:
 
     def __init__(self, config: EngineConfig, run_dir: str | None = None):
         self.config = config
-        context = mp.get_context("spawn")
+        context = rank_context(config)
         # A rendezvous file unique to this group: two servers (or a group and its spare)
         # never meet by accident, and no port is claimed. Under run_dir, which the gateway
         # removes even when this core could not (it was killed).
@@ -110,17 +74,15 @@ class RankGroup:
         rendezvous = os.path.join(self._tmpdir, "rendezvous")
         self.conns = []
         self.processes = []
-        with worker_environment(config):
-            for rank in range(config.tp):
-                parent_conn, child_conn = context.Pipe()
-                process = context.Process(target=rank_main,
-                                          args=(os.getpid(), child_conn, config, rank,
-                                                rendezvous),
-                                          name=f"tokstream-rank{rank}")
-                process.start()
-                child_conn.close()
-                self.conns.append(parent_conn)
-                self.processes.append(process)
+        for rank in range(config.tp):
+            parent_conn, child_conn = context.Pipe()
+            process = context.Process(target=rank_main,
+                                      args=(child_conn, config, rank, rendezvous),
+                                      name=f"tokstream-rank{rank}")
+            process.start()
+            child_conn.close()
+            self.conns.append(parent_conn)
+            self.processes.append(process)
         self.ready: list[WorkerReady] = []
 
     def wait_ready(self) -> list[WorkerReady]:
@@ -214,9 +176,10 @@ class Executor:
         # free when they start.
         self.group_config = dataclasses.replace(
             config, cache=dataclasses.replace(config.cache, num_blocks=self.ready.num_blocks))
+        self.keep_spare = config.spare
+        """Keep a standby group loaded (config.spare, or armed by arm_spare)."""
         self.spare: RankGroup | None = None
-        if config.spare:
-            self.spare = RankGroup(self.group_config, run_dir)
+        self.reload_spare()
         self.poison = Poison.from_env()
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -249,9 +212,19 @@ class Executor:
             raise ReplicaError(f"restart failed: {exc}") from exc
         if min(r.num_blocks for r in ready) < self.ready.num_blocks:
             raise ReplicaError("the restarted rank group has a smaller KV pool")
-        if self.config.spare:
-            self.spare = RankGroup(self.group_config, self.run_dir)  # loads meanwhile
         return time.monotonic() - started
+
+    def reload_spare(self) -> None:
+        """Start loading a standby group, if one is kept and there is none (the engine core
+        calls this once the requests a restart resumed have their next token: loading a group
+        takes the cores their re-prefill needs)."""
+        if self.keep_spare and self.spare is None:
+            self.spare = RankGroup(self.group_config, self.run_dir)
+
+    def arm_spare(self) -> None:
+        """Keep a standby group from now on (a spare engine core, once it takes over)."""
+        self.keep_spare = True
+        self.reload_spare()
 
     def shutdown(self) -> None:
         self.group.shutdown()

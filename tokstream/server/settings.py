@@ -10,7 +10,7 @@ from tokstream.server.config import ServerConfig, field_names
 SECTIONS = {"engine": EngineConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
             "server": ServerConfig, "admission": AdmissionConfig}
 ENGINE_FIELDS = {"model", "dtype", "weights", "device", "seed", "num_threads", "tp", "spare",
-                 "step_timeout_s", "collective_timeout_s", "max_recovery_attempts",
+                 "spare_core", "step_timeout_s", "collective_timeout_s", "max_recovery_attempts",
                  "max_request_failures", "start_timeout_s"}
 SERVER_FIELDS = field_names(ServerConfig) - {"admission"}
 

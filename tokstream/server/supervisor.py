@@ -19,6 +19,9 @@ dying at once cannot restart forever.
 A request in flight at `max_request_failures` core deaths in a row (no token between them) is
 ended with an error instead of being resubmitted: it is what kills the cores. Its count goes
 with it to the next core, which runs a request on its last chance in a step of its own.
+
+With `spare_core` (serve --spare-core) a second core stands by loaded (spare_core): a death
+swaps it in, and the next spare loads once the resumed streams have their next token.
 """
 
 from __future__ import annotations
@@ -35,15 +38,19 @@ import psutil
 from tokstream.config import EngineConfig
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.messages import RequestDelta, poison_message
+from tokstream.server.spare_core import SpareCore
 from tokstream.server.streams import StreamRegistry
 
 log = logging.getLogger("tokstream.server")
 
 KINDS = ("rank", "core")
+"""What a restart replaced: the rank group (by the core) or the engine core (by the gateway)."""
 STABLE_CORE_S = 30.0
 """A core that dies sooner than this after it started, having streamed nothing, counts as a
 failed start."""
-"""What a restart replaced: the rank group (by the core) or the engine core (by the gateway)."""
+SPARE_RELOAD_WAIT_S = 60.0
+"""The longest the spares wait for the resumed streams' next tokens before loading anyway."""
+SPARE_RELOAD_POLL_S = 0.05
 
 
 class EngineSupervisor:
@@ -69,13 +76,23 @@ class EngineSupervisor:
         self._seen = (0, 0, 0)
         """The current core's (restarts, resumed requests, recoveries) already counted."""
         self._task: asyncio.Task | None = None
+        self._spares_task: asyncio.Task | None = None
+        self._reaping: asyncio.Task | None = None
+        """The dead core's shutdown, running beside its replacement."""
         self._starting: AsyncEngine | None = None
         self._closing = False
         self._failed_starts = 0
         """Failed core starts in a row (quick deaths included); reset by a core that lasts."""
         self._deaths: dict[str, tuple[int, int]] = {}
         """request id -> (core deaths in a row it was in flight at, tokens it had then)."""
+        self.spare = (SpareCore(self.config, retry_interval_s) if self.config.spare_core
+                      else None)
         self._attach(engine)
+        if self.spare is not None:
+            self.spare.on_ready = lambda spare: self._event(
+                "spare_core_ready", pid=spare.pid, worker_pids=spare.info["worker_pids"],
+                start_times=spare.info["start_times"].as_dict())
+            self.spare.load()
 
     @property
     def total_restarts(self) -> int:
@@ -175,10 +192,13 @@ class EngineSupervisor:
 
     async def _replace(self) -> None:
         started = time.monotonic()
-        await self.engine.shutdown()  # reap the dead core and close its pipe
+        # Reap the dead core and kill what is left of its ranks beside the replacement, which
+        # waits for none of it (a rank no longer a child of anyone here can take seconds).
+        self._reaping = asyncio.get_running_loop().create_task(self.engine.shutdown())
         attempts = self.config.max_recovery_attempts
         last_error = "the engine core kept dying as soon as it started"
-        while True:
+        swapped = engine = await self.spare.take() if self.spare is not None else None
+        while engine is None:
             if self._failed_starts >= attempts:
                 if self.status != "down":
                     self._go_down(last_error)
@@ -195,10 +215,29 @@ class EngineSupervisor:
         resumed = self.registry.resubmit(engine)
         seconds = None if was_down else time.monotonic() - started
         self._event("engine_restarted", pid=engine.pid, worker_pids=engine.info["worker_pids"],
-                    seconds=seconds, resumed=resumed,
+                    seconds=seconds, resumed=resumed, spare=swapped is not None,
                     start_times=engine.info["start_times"].as_dict())
         self._count("core", seconds, resumed)
         self._set_status(engine.replica_status, None)
+        if self.spare is not None:  # its own task: the replacement is over (see replacing)
+            self._spares_task = asyncio.get_running_loop().create_task(
+                self._reload_spares(engine))
+
+    async def _reload_spares(self, engine: AsyncEngine) -> None:
+        """Once every resumed stream has its next token (or SPARE_RELOAD_WAIT_S passed), the
+        new core arms its standby rank group and the next spare core loads: earlier, their
+        loading would take the cores from the re-prefill."""
+        waiting = {rid: len(s.delivered) for rid, s in self.registry.streams.items() if s.live}
+        deadline = time.monotonic() + SPARE_RELOAD_WAIT_S
+        while waiting and time.monotonic() < deadline:
+            await asyncio.sleep(SPARE_RELOAD_POLL_S)
+            streams = self.registry.streams
+            waiting = {rid: n for rid, n in waiting.items() if rid in streams
+                       and streams[rid].live and len(streams[rid].delivered) == n}
+        if engine is self.engine:  # else it died meanwhile: its replacement reloads them
+            if self.config.spare:
+                engine.arm_spare()
+            self.spare.load()
 
     async def _start(self) -> tuple[AsyncEngine | None, str | None]:
         engine = AsyncEngine(self.config)
@@ -225,9 +264,15 @@ class EngineSupervisor:
         self._closing = True
 
     async def close(self) -> None:
-        """Stop supervising and shut the engine down (and one still starting, if any)."""
+        """Stop supervising and shut the engine down (and one still starting, and the spare)."""
         self._closing = True
         starting = self._starting
+        if self._spares_task is not None:
+            self._spares_task.cancel()
+        if self._reaping is not None:
+            await asyncio.gather(self._reaping, return_exceptions=True)
+        if self.spare is not None:
+            await self.spare.close()
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

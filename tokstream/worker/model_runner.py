@@ -233,10 +233,10 @@ def kv_pool_blocks(config: EngineConfig, model_config: ModelConfig, dtype: str,
             free, _ = torch.cuda.mem_get_info(device)
             budget = int(free * config.cache.memory_fraction)
         else:
-            # Every rank (and a warm spare's) shares host memory: the budget is the replica's.
+            # Every rank (and the spares') shares host memory: the budget is the replica's.
             import psutil
             available = psutil.virtual_memory().available
-            groups = 2 if config.spare else 1
+            groups = 1 + config.spare + config.spare_core
             budget = min(DEFAULT_CPU_KV_MEMORY,
                          int(available * config.cache.memory_fraction) // groups) // config.tp
         # Without an explicit budget, stop at what the sequence cap could ever fill.
