@@ -92,3 +92,49 @@ void NAME(const float *k, const float *v, int64_t row_stride, const int64_t *slo
 }
 DEFINE_WRITE_KV(write_kv, float)
 DEFINE_WRITE_KV(write_kv_f16, _Float16)
+
+/* out[r] = the index of row r's largest value, the first one on ties (a NaN counts as the
+ * largest, the first NaN wins), as torch.argmax. Greedy sampling's whole cost: torch's argmax
+ * over (32, 49152) took 1.9 ms here where a max over the same values took 0.12. */
+void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
+    #pragma omp parallel for schedule(static) if (rows >= 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * cols;
+        int64_t i = 0;
+        float max = -INFINITY;
+        int nan = 0;
+#ifdef __AVX512F__
+        /* four running maxima: one would wait on the previous max's latency each step */
+        __m512 m[4];
+        for (int j = 0; j < 4; j++) m[j] = _mm512_set1_ps(-INFINITY);
+        __mmask16 unordered = 0;
+        for (; i + 64 <= cols; i += 64)
+            for (int j = 0; j < 4; j++) {
+                const __m512 v = _mm512_loadu_ps(row + i + 16 * j);
+                unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                m[j] = _mm512_max_ps(m[j], v);
+            }
+        nan = unordered != 0;
+        max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]),
+                                                 _mm512_max_ps(m[2], m[3])));
+#endif
+        for (; i < cols; i++) {
+            if (row[i] != row[i]) nan = 1;
+            else if (row[i] > max) max = row[i];
+        }
+        int64_t found = -1;
+        i = 0;
+#ifdef __AVX512F__
+        const __m512 mv = _mm512_set1_ps(max);
+        for (; i + 16 <= cols; i += 16) {
+            const __m512 v = _mm512_loadu_ps(row + i);
+            const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
+                                      : _mm512_cmp_ps_mask(v, mv, _CMP_EQ_OQ);
+            if (hit) { found = i + __builtin_ctz(hit); break; }
+        }
+#endif
+        for (; found < 0 && i < cols; i++)
+            if (nan ? row[i] != row[i] : row[i] == max) found = i;
+        out[r] = found < 0 ? 0 : found;
+    }
+}

@@ -1,5 +1,6 @@
 """The fused elementwise steps of a decoder layer on CPU (cpu_small_ops.c): residual add +
-RMSNorm, rotary embedding in place, SiLU(gate) * up. float32 only; compiled on first use like
+RMSNorm, rotary embedding in place, SiLU(gate) * up, KV writes, and the row argmax of greedy
+sampling. float32 only; compiled on first use like
 the other CPU kernels. `load()` is None without a compiler, and callers use torch instead."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ _LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
     "rotary": [_P, _P, _I, _P, _P, _I, _I, _I, _I],
     "silu_mul": [_P, _I, _I, _P],
     "write_kv": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P],
-    "write_kv_f16": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P]})
+    "write_kv_f16": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P],
+    "argmax_rows": [_P, _I, _I, _P]})
 _WRITE_KV = {torch.float32: "write_kv", torch.float16: "write_kv_f16"}
 """The cache dtypes write_kv can store into (float16: each value rounded once)."""
 
@@ -69,3 +71,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     write = getattr(load(), _WRITE_KV[k_cache.dtype])
     write(k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), t, heads, d,
           k_cache.shape[1] * k_cache.shape[2], k_cache.data_ptr(), v_cache.data_ptr())
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (rows, cols) contiguous float32 -> (rows,) int64, exactly torch.argmax(x, dim=-1)
+    (first index on ties, NaN the largest)."""
+    rows, cols = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    load().argmax_rows(x.data_ptr(), rows, cols, out.data_ptr())
+    return out

@@ -72,7 +72,7 @@ def test_kernel_ignores_what_lies_past_each_sequence():
 # ---- the fused elementwise steps (cpu_small_ops.c) against the torch they replace ----------
 
 from tokstream.kernels import cpu_small_ops  # noqa: E402
-from tokstream.worker.model import Rotary, apply_rotary, rms_norm, silu_mul  # noqa: E402
+from tokstream.kernels.torch_ops import Rotary, apply_rotary, rms_norm, silu_mul  # noqa: E402
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 17])
@@ -147,3 +147,30 @@ def test_kv_writes_match_torch(tokens, cache_dtype, monkeypatch):
     TorchBackend.write_kv(*got, k, v, slots)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
     assert got[0].any()
+
+
+@pytest.mark.parametrize("rows,cols", [(32, 49152), (1, 49152), (5, 77), (3, 15)])
+def test_argmax_rows_matches_torch_with_ties_nans_and_infinities(rows, cols):
+    logits = torch.randn(rows, cols)
+    if rows > 1:
+        logits[1, cols // 3] = logits[1, cols - 1] = 50.0  # a tie: the first index wins
+    if rows > 2:
+        logits[2, :] = float("-inf")  # all -inf: index 0
+    if rows > 3:
+        logits[3, cols - 2] = float("nan")  # NaN counts as the largest
+        logits[3, cols - 1] = float("nan")
+    logits[0, cols - 1] = 1e9  # the largest in the tail, past the last full vector
+    assert torch.equal(cpu_small_ops.argmax_rows(logits), logits.argmax(dim=-1))
+
+
+def test_greedy_sampling_takes_the_c_argmax(monkeypatch):
+    from tokstream.worker import sampler
+
+    logits = torch.randn(4, 1000)
+    rows = [sampler.SamplingRow(0.0, 1.0, -1, 0, 0) for _ in range(4)]
+    expected = logits.argmax(dim=-1).tolist()
+    calls = []
+    real = cpu_small_ops.argmax_rows
+    monkeypatch.setattr(cpu_small_ops, "argmax_rows", lambda x: calls.append(x) or real(x))
+    assert sampler.sample(logits, rows) == expected
+    assert calls  # the kernel, not torch, answered
