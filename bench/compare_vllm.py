@@ -54,6 +54,9 @@ import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tokstream.stats import percentile  # noqa: E402
 PEER_DIR = os.environ.get("VLLM_PEER_DIR", "/work/peers")
 DEFAULT_VENV = os.environ.get("VLLM_PEER_VENV", os.path.join(PEER_DIR, "vllm-venv"))
 DEFAULT_LLAMA_SERVER = os.environ.get(
@@ -595,15 +598,6 @@ def summarize_bench(path: str, rc: int, log_path: str, num_prompts: int, output_
         result["mean_chunks_per_request"] = sum(len(i) + 1 for i in itls) / len(itls)
     result["raw_result_file"] = path
     return result
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks, as numpy.percentile (what the client uses)."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 # -- contenders ------------------------------------------------------------------------------

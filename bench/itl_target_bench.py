@@ -27,7 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from scheduler_bench import Arrival, drive, random_tokens, rounded  # noqa: E402
-from tokstream.bench import percentiles  # noqa: E402
+from tokstream.stats import percentiles  # noqa: E402
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from tokstream.engine.llm import LLM  # noqa: E402
 from tokstream.engine.messages import EngineRequest  # noqa: E402

@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from scheduler_bench import Arrival, drive, engine, random_tokens, rounded  # noqa: E402
-from tokstream.bench import percentiles  # noqa: E402
+from tokstream.stats import percentiles  # noqa: E402
 from tokstream.engine.messages import EngineRequest  # noqa: E402
 from tokstream.sampling_params import SamplingParams  # noqa: E402
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tokstream.bench import percentiles  # noqa: E402
+from tokstream.stats import jain_index, percentiles  # noqa: E402
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from tokstream.engine.llm import LLM  # noqa: E402
 from tokstream.engine.messages import EngineRequest  # noqa: E402
@@ -327,10 +327,6 @@ def summarize_flood(run: Run, budget: int, chunked: bool, num_long: int) -> dict
 
 # ---------------------------------------------------------------------------- (c) hot tenant
 
-def jain(values: list[float]) -> float:
-    return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
-
-
 def max_min_shares(capacity: float, demands: dict[str, float]) -> dict[str, float]:
     """Water-filling: equal shares, except a tenant asking less gets what it asks."""
     shares, left, open_ = {}, capacity, dict(demands)
@@ -386,7 +382,7 @@ def hot_tenant(args) -> dict:
                 "fair_share_tokens_per_s": fair,
                 "share_of_fair": of_fair,
                 "min_cold_share_of_fair": min(of_fair[t] for t in tenants if t != "hot"),
-                "jain_index": jain(list(of_fair.values())),
+                "jain_index": jain_index(list(of_fair.values())),
                 "total_output_tokens_per_s": capacity,
                 "requests_submitted": {t: sum(1 for a in arrivals if a.kind == t)
                                        for t in tenants},

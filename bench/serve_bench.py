@@ -29,7 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tokstream.bench import BenchSpec, percentiles, random_prompts  # noqa: E402
+from tokstream.bench import BenchSpec, random_prompts  # noqa: E402
+from tokstream.stats import percentiles  # noqa: E402
 from tokstream.kernels import cpu_build  # noqa: E402
 
 READY = re.compile(r"ready on http://([\d.]+):(\d+)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from tokstream.loadgen.metrics import jain_index
+from tokstream.stats import jain_index
 
 
 @dataclass

@@ -14,20 +14,10 @@ from __future__ import annotations
 
 import math
 
+from tokstream.stats import percentile
+
 PERCENTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile by linear interpolation between closest ranks (numpy's default);
-    None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def distribution(values: list[float]) -> dict:
@@ -88,17 +78,6 @@ def meets_slo(sample: dict, slo: dict[str, float]) -> bool:
         if value is not None and value > limit:
             return False
     return True
-
-
-def jain_index(values: list[float]) -> float | None:
-    """Jain's fairness index of non-negative values; None when there is nothing to compare."""
-    if not values:
-        return None
-    total = sum(values)
-    squares = sum(v * v for v in values)
-    if squares == 0:
-        return None
-    return total * total / (len(values) * squares)
 
 
 def summarize(samples: list[dict], duration_s: float, slo: dict[str, float]) -> dict:

@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 
 from tokstream.loadgen.fairness import fairness
-from tokstream.loadgen.metrics import percentile, request_timings, summarize
+from tokstream.loadgen.metrics import request_timings, summarize
+from tokstream.stats import percentile
 
 LATE_S = 0.1
 """An open-loop request that started this much after its arrival time counts as late."""

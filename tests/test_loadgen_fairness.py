@@ -7,7 +7,7 @@ import pytest
 
 from tokstream.errors import UserInputError
 from tokstream.loadgen.fairness import TenantShare, fairness, tenant_shares, water_fill
-from tokstream.loadgen.metrics import jain_index
+from tokstream.stats import jain_index
 from tokstream.loadgen.mix import parse_mix
 
 

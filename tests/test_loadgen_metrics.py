@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from tokstream.loadgen.metrics import (distribution, jain_index, meets_slo, parse_slo, percentile,
-                                       request_timings, summarize)
+from tokstream.loadgen.metrics import distribution, meets_slo, parse_slo, request_timings, summarize
+from tokstream.stats import jain_index, percentile, percentiles
 
 
 def test_percentile_interpolates_between_closest_ranks():
@@ -18,6 +18,10 @@ def test_percentile_interpolates_between_closest_ranks():
     assert percentile(values, 99) == pytest.approx(4 + 0.96 * 6, abs=1e-12)
     assert percentile([5.0], 99) == 5.0
     assert percentile([], 50) is None
+    # The bench reports' shape, from the same function.
+    assert percentiles(values) == {"p50": 3.0, "p90": percentile(values, 90),
+                                   "p99": percentile(values, 99), "mean": 4.0}
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None, "mean": None}
     # 1..100: p50 = 50.5, p90 = 90.1, p99 = 99.01
     hundred = [float(n) for n in range(1, 101)]
     random.Random(3).shuffle(hundred)

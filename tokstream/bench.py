@@ -12,6 +12,7 @@ from tokstream.config import EngineConfig, SchedulerConfig
 from tokstream.engine.llm import LLM
 from tokstream.engine.messages import EngineRequest
 from tokstream.sampling_params import SamplingParams
+from tokstream.stats import percentiles
 
 
 @dataclass
@@ -27,21 +28,6 @@ class BenchSpec:
 class _Timing:
     submitted: float
     token_times: list[float] = field(default_factory=list)
-
-
-def percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    ordered = sorted(values)
-
-    def at(q):
-        # Linear interpolation between closest ranks (numpy's default).
-        pos = q * (len(ordered) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(ordered) - 1)
-        return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": sum(ordered) / len(ordered)}
 
 
 def random_prompts(spec: BenchSpec, vocab_size: int, special_ids: set[int]) -> list[list[int]]:
