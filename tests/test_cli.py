@@ -111,3 +111,84 @@ def test_bench_bad_dials_are_one_line_and_exit_2(args):
     result = run("bench", "--model", "dummy:tiny", *args)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+# Every flag serve took before its flags were generated from the config dataclasses.
+SERVE_FLAGS_BEFORE = (
+    "--model -m --dtype --weights --device --tp --spare --no-spare --spare-core --no-spare-core "
+    "--step-timeout --max-recovery-attempts --max-request-failures --start-timeout "
+    "--down-retry-interval --shutdown-timeout --host --port --served-model-name "
+    "--kv-cache-memory --num-blocks --block-size --kv-cache-dtype --prefix-caching "
+    "--no-prefix-caching --max-num-seqs --max-num-batched-tokens --chunked-prefill "
+    "--no-chunked-prefill --max-prefill-chunk --itl-target-ms --preemption-mode --swap-space "
+    "--max-waiting-requests --max-waiting-tokens --max-pending-tokens --slow-client-grace "
+    "--ping-interval --public-load-metrics --no-public-load-metrics --stream-integrity "
+    "--no-stream-integrity --max-body-bytes --tenants --profile --insecure --allowed-hosts "
+    "--allowed-origins --header-timeout --body-timeout --max-connections --descriptor-reserve "
+    "--demux-mutation --verbose -v").split()
+
+
+def help_rows(text: str) -> dict[str, str]:
+    """{each option name: its row's text, wrapped lines joined} from a rich --help screen."""
+    rows: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if not line.startswith("│"):
+            current = None  # a panel's border
+            continue
+        cells = line.strip("│ ").split()
+        if cells and cells[0].startswith("-"):
+            current = list(cells)
+            for name in cells:
+                if not name.startswith("-"):
+                    break
+                rows[name] = current
+        elif current is not None:
+            current.extend(cells)
+    return {name: " ".join(cells) for name, cells in rows.items()}
+
+
+def test_serve_help_shows_the_dataclass_defaults_for_every_field():
+    import dataclasses
+    import os
+    import re
+
+    from tokstream.plan import parse_size
+    from tokstream.server.settings import FLAG_NAMES, NESTED, SECTIONS
+
+    result = subprocess.run([sys.executable, "-m", "tokstream", "serve", "--help"],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "COLUMNS": "400"})
+    assert result.returncode == 0, result.stderr
+    rows = help_rows(result.stdout)
+    hidden = {"--demux-mutation"}
+    assert set(SERVE_FLAGS_BEFORE) - hidden <= set(rows), set(SERVE_FLAGS_BEFORE) - set(rows)
+    checked = 0
+    for section, cls in SECTIONS.items():
+        for field in dataclasses.fields(cls):
+            if field.name in NESTED or field.name == "demux_mutation":
+                continue
+            flag = FLAG_NAMES.get(field.name, ("--" + field.name.removesuffix("_s")
+                                               .replace("_", "-"),))[0]
+            assert flag in rows, f"[{section}] {field.name} has no flag {flag}"
+            default = (field.default if field.default is not dataclasses.MISSING
+                       else field.default_factory())
+            shown = re.search(r"\[default: \(?([^)\]]*)\)?\]", rows[flag])
+            if default is None:
+                assert shown is None, rows[flag]
+                continue
+            assert shown, f"{flag} shows no default: {rows[flag]}"
+            text = shown.group(1)
+            if isinstance(default, bool):
+                assert text == ("on" if default else "off"), (flag, text)
+            elif field.metadata.get("unit") == "bytes":
+                assert parse_size(text) == default, (flag, text)
+            elif isinstance(default, (int, float)):
+                assert float(text) == default, (flag, text)
+            elif isinstance(default, list):
+                assert text == (",".join(default) or "none"), (flag, text)
+            else:
+                assert text == default, (flag, text)
+            assert len(rows[flag].split("[default:")[0].split()) > 3, f"{flag} has no help"
+            checked += 1
+    assert checked > 50

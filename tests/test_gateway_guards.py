@@ -16,7 +16,7 @@ from tokstream.errors import UserInputError
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
 from tokstream.server.admission import Admission, AdmissionConfig
-from tokstream.server.config import ServerConfig
+from tokstream.config import ServerConfig
 from tokstream.server.errors import ApiError
 from tokstream.server.streams import StreamRegistry
 from tokstream.server.tenants import Tenant

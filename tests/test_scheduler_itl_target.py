@@ -293,7 +293,8 @@ def test_with_the_target_off_nothing_changes(chunking):
 
 
 def test_under_overload_decoders_keep_the_target_and_the_rest_wait_or_are_refused():
-    from tokstream.server.admission import Admission, AdmissionConfig
+    from tokstream.config import AdmissionConfig
+    from tokstream.server.admission import Admission
     from tokstream.server.errors import ANTHROPIC, OPENAI, ApiError, error_response
 
     s = itl_scheduler(target_ms=60.0)
@@ -361,7 +362,7 @@ def test_the_flag_and_the_profile_key_reach_the_scheduler(monkeypatch):
     assert seen == [120.0, SchedulerConfig().itl_target_ms]
     help_text = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
     assert "--itl-target-ms" in help_text
-    assert f"default {SchedulerConfig().itl_target_ms:g}" in help_text
+    assert f"[default: ({SchedulerConfig().itl_target_ms:g})]" in help_text
 
 
 def test_the_engine_core_feeds_every_step_to_the_cost_model_and_outputs_do_not_change():

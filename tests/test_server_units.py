@@ -3,12 +3,12 @@ admission bounds, the tenant token bucket, profile and flag merging."""
 
 import pytest
 
+from tokstream.config import AdmissionConfig, ServerConfig
 from tokstream.engine.messages import RequestDelta
 from tokstream.errors import UserInputError
-from tokstream.server.admission import Admission, AdmissionConfig
-from tokstream.server.config import ServerConfig, load_profile
+from tokstream.server.admission import Admission
 from tokstream.server.errors import ApiError
-from tokstream.server.settings import build_settings
+from tokstream.server.settings import build_settings, load_profile
 from tokstream.server.streams import Channel
 from tokstream.server.tenants import Tenant, hash_key
 

@@ -8,20 +8,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from tokstream.config import EngineConfig, SchedulerConfig
+from tokstream.config import BenchSpec, EngineConfig, SchedulerConfig
 from tokstream.engine.llm import LLM
 from tokstream.engine.messages import EngineRequest
 from tokstream.sampling_params import SamplingParams
 from tokstream.stats import percentiles
-
-
-@dataclass
-class BenchSpec:
-    num_requests: int = 32
-    input_len: int = 128
-    output_len: int = 128
-    concurrency: int = 32
-    seed: int = 0
 
 
 @dataclass
@@ -110,8 +101,11 @@ def summarize(spec, llm, timings, step_times, step_batch, elapsed) -> dict:
 
 
 def bench_config(model: str, dtype: str, device: str, spec: BenchSpec, **kwargs) -> EngineConfig:
-    config = EngineConfig(model=model, dtype=dtype, device=device, **kwargs)
-    # Enough room for every sequence at once: the benchmark measures batching, not the pool.
+    return fit_concurrency(EngineConfig(model=model, dtype=dtype, device=device, **kwargs), spec)
+
+
+def fit_concurrency(config: EngineConfig, spec: BenchSpec) -> EngineConfig:
+    """Enough room for every sequence at once: the benchmark measures batching, not the pool."""
     config.scheduler.max_num_seqs = max(config.scheduler.max_num_seqs, spec.concurrency)
     return config
 

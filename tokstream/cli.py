@@ -14,15 +14,18 @@ import typer
 app = typer.Typer(help="tokstream: paged-KV, continuously batched LLM serving.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
-ModelOpt = typer.Option("smollm2", "--model", "-m",
-                        help="smollm2 (embedded), a .gguf file, a Hugging Face folder, or dummy:NAME")
-DtypeOpt = typer.Option("auto", help="float32, bfloat16, float16 or auto (bfloat16 where the CPU or GPU has native bfloat16 matmuls, else float32)")
-DeviceOpt = typer.Option("cpu", help="cpu or cuda")
-WeightsOpt = typer.Option("auto", help="native (a GGUF's quantised blocks, CPU), float32, "
-                          "bfloat16, float16 (dequantised), or auto: native where it applies.")
-KV_CACHE_DTYPE_HELP = ("auto (default: float16 on a CPU computing in float32, where decode "
-                       "attention is bound by the bytes it reads; else the serving dtype), "
-                       "float16 (CPU, float32 compute), or the serving dtype.")
+# Flags that set a config field come from the field (tokstream/options.py): its name, its
+# docstring as help, its default. This import is light (typer and the dataclasses).
+from tokstream.config import BenchSpec, EngineConfig  # noqa: E402
+from tokstream.options import config_flags, field_help, with_flags  # noqa: E402
+from tokstream.server.settings import SERVE_FLAGS, flags_for  # noqa: E402
+
+MODEL_FLAGS = flags_for("model", "dtype", "weights", "device")
+"""What generate and bench take of the engine's flags."""
+BENCH_FLAGS = MODEL_FLAGS + flags_for(
+    "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory", "block_size", "kv_cache_dtype",
+    "chunked_prefill", "max_prefill_chunk", "preemption_mode", "swap_space")
+WORKLOAD_FLAGS = config_flags("bench", BenchSpec)
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -55,10 +58,10 @@ def user_errors(func):
 
 
 @app.command()
+@with_flags(MODEL_FLAGS)
 @user_errors
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user message unless --no-chat)."),
-    model: str = ModelOpt,
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Apply the model's chat template."),
     max_tokens: int = typer.Option(256, help="Most tokens to generate."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
@@ -66,20 +69,18 @@ def generate(
     top_k: int = typer.Option(0, help="0 = no limit."),
     seed: Optional[int] = typer.Option(None),
     stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
-    dtype: str = DtypeOpt,
-    weights: str = WeightsOpt,
-    device: str = DeviceOpt,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log to stderr."),
+    flags: dict = None,
 ):
     """Generate one completion without a server; the text streams to stdout."""
     _setup_logging(verbose)
-    from tokstream.config import EngineConfig
     from tokstream.engine.llm import LLM
     from tokstream.sampling_params import SamplingParams
+    from tokstream.server.settings import build_settings
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, stop=list(stop))
-    config = EngineConfig(model=model, dtype=dtype, weights=weights, device=device)
+    config, _ = build_settings({}, flags)
     _check_prompt_fits(config, prompt, chat)
     with LLM(config) as llm:
         request = llm.request(prompt, params, chat=chat)
@@ -110,31 +111,9 @@ def _check_prompt_fits(config, prompt: str, chat: bool) -> None:
 
 
 @app.command()
+@with_flags(BENCH_FLAGS + WORKLOAD_FLAGS)
 @user_errors
 def bench(
-    model: str = ModelOpt,
-    num_requests: int = typer.Option(32, min=1),
-    input_len: int = typer.Option(128, min=1),
-    output_len: int = typer.Option(128, min=1),
-    concurrency: int = typer.Option(32, min=1),
-    dtype: str = DtypeOpt,
-    weights: str = WeightsOpt,
-    device: str = DeviceOpt,
-    max_num_batched_tokens: int = typer.Option(1024, help="Token budget per step."),
-    max_num_seqs: Optional[int] = typer.Option(None, help="Most running sequences "
-                                               "(default: at least the concurrency)."),
-    kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 2GB "
-                                                  "(default: 4 GiB on CPU)."),
-    block_size: int = typer.Option(16, help="Tokens per KV block."),
-    kv_cache_dtype: str = typer.Option("auto", help=KV_CACHE_DTYPE_HELP),
-    chunked_prefill: bool = typer.Option(True, "--chunked-prefill/--no-chunked-prefill",
-                                         help="Chunk prompts under the token budget (off: "
-                                         "each prompt is prefilled whole in one step)."),
-    max_prefill_chunk: int = typer.Option(0, min=0, help="Most prompt tokens of one request "
-                                          "per step (0 = the token budget)."),
-    preemption_mode: str = typer.Option("recompute", help="recompute or swap (to host memory)."),
-    swap_space: str = typer.Option("4GiB", help="Host memory for swapped-out KV (swap mode)."),
-    seed: int = typer.Option(0),
     sweep: Optional[str] = typer.Option(None, help="Comma-separated values of --sweep-param "
                                         "(e.g. 1,2,4,8,16,32): one run per value, output "
                                         "tokens/s against ITL and TTFT, JSON and a PNG."),
@@ -145,33 +124,30 @@ def bench(
                                            "(default: the --json path with .png, else "
                                            "bench-sweep.png)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
+    flags: dict = None,
 ):
-    """Offline throughput and latency of the engine alone, on random prompts."""
+    """Offline throughput and latency of the engine alone, on random prompts. Without
+    --max-num-seqs, at least --concurrency sequences run at once."""
     _setup_logging(verbose)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from tokstream.bench import BenchSpec, bench_config, run_bench
+    from tokstream.bench import fit_concurrency, run_bench
+    from tokstream.config import BenchSpec
     from tokstream.engine.llm import LLM
+    from tokstream.server.settings import build_settings
 
-    from tokstream.config import CacheConfig, SchedulerConfig
-    from tokstream.plan import parse_size
-
+    workload = {k: v for k, v in flags.pop("bench").items() if v is not None}
     values = _parse_sweep(sweep, sweep_param) if sweep else None
     if values and sweep_param == "max-num-seqs":
-        concurrency = max(concurrency, *values)  # enough callers to fill the largest batch
-    spec = BenchSpec(num_requests, input_len, output_len, concurrency, seed)
-    cache = CacheConfig(block_size=block_size, kv_cache_memory=(
-        parse_size(kv_cache_memory) if kv_cache_memory else None),
-        preemption_mode=preemption_mode, swap_space=parse_size(swap_space),
-        kv_cache_dtype=kv_cache_dtype)
-    scheduler = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                                chunked_prefill=chunked_prefill,
-                                max_prefill_chunk=max_prefill_chunk)
-    config = bench_config(model, dtype, device, spec, cache=cache, scheduler=scheduler,
-                          weights=weights)
-    if max_num_seqs is not None:
-        config.scheduler.max_num_seqs = max_num_seqs
+        # enough callers to fill the largest batch
+        workload["concurrency"] = max(workload.get("concurrency", BenchSpec.concurrency),
+                                      *values)
+    spec = BenchSpec(**workload)
+    config, _ = build_settings({}, flags)
+    if flags["scheduler"]["max_num_seqs"] is None:
+        fit_concurrency(config, spec)
+    num_requests, output_len = spec.num_requests, spec.output_len
     console = Console(stderr=True)
     if values:
         _bench_sweep(config, spec, sweep_param, values, json_path, png_path, console)
@@ -263,7 +239,8 @@ def _print_bench(console, result: dict) -> None:
 @app.command()
 @user_errors
 def plan(
-    model: str = ModelOpt,
+    model: str = typer.Option(EngineConfig.model, "--model", "-m",
+                              help=field_help(EngineConfig, "model")),
     tp: int = typer.Option(1, min=1),
     device_memory: str = typer.Option("80GB", help="Memory per device (decimal: 80GB = 80e9 B)."),
     dtype: str = typer.Option("float16"),
@@ -286,99 +263,21 @@ def plan(
         Console().print(render_plan(result))
 
 
-# serve's help states defaults from the dataclass, not typed twice; this import is light.
-from tokstream.config import SchedulerConfig as _SCHEDULER_DEFAULTS  # noqa: E402
-
-
 @app.command()
+@with_flags(SERVE_FLAGS)
 @user_errors
 def serve(
-    model: Optional[str] = typer.Option(None, "--model", "-m", help="smollm2 (embedded, the default), a .gguf file, a Hugging Face folder, or dummy:NAME"),
-    dtype: Optional[str] = typer.Option(None, help="float32, bfloat16, float16 or auto (default)"),
-    weights: Optional[str] = typer.Option(None, help="native (a GGUF's quantised blocks, CPU), float32, bfloat16, float16 (dequantised), or auto (default: native where it applies)."),
-    device: Optional[str] = typer.Option(None, help="cpu (default) or cuda"),
-    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel ranks, one process each (default 1; must divide the model's query and KV heads)."),
-    spare: Optional[bool] = typer.Option(None, "--spare/--no-spare", help="Keep a standby rank group loaded, so a rank failure swaps groups instead of starting processes (default off)."),
-    spare_core: Optional[bool] = typer.Option(None, "--spare-core/--no-spare-core", help="Keep a second engine core loaded (with its own rank group), so an engine-core death swaps cores instead of starting one (default off)."),
-    step_timeout: Optional[float] = typer.Option(None, help="Seconds a step may take before a rank counts as hung and the group is replaced (default 120)."),
-    max_recovery_attempts: Optional[int] = typer.Option(None, help="Failed restarts in a row (rank group or engine core) before the replica is down (default 3)."),
-    max_request_failures: Optional[int] = typer.Option(None, help="A request in flight at this many replica failures in a row is ended with an error and the replica goes on without it (default 3)."),
-    start_timeout: Optional[float] = typer.Option(None, help="Seconds an engine core or rank group may take to start before it counts as hung: killed, a failed attempt (default 300)."),
-    down_retry_interval: Optional[float] = typer.Option(None, help="While down, seconds between further tries to start an engine core (default 10)."),
-    shutdown_timeout: Optional[float] = typer.Option(None, help="On SIGTERM, seconds open streams may run to their end while new requests are refused; the rest then end with an error event (default 30)."),
-    host: Optional[str] = typer.Option(None, help="Address to bind (default 127.0.0.1)."),
-    port: Optional[int] = typer.Option(None, help="Port (default 8000; 0 picks a free one)."),
-    served_model_name: Optional[str] = typer.Option(None, help="Model id clients send (default: the --model value)."),
-    kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool size, e.g. 2GiB (default: a share of free memory, at most 4 GiB on CPU)."),
-    num_blocks: Optional[int] = typer.Option(None, help="Exact KV pool size in blocks (overrides --kv-cache-memory)."),
-    block_size: Optional[int] = typer.Option(None, help="Tokens per KV block (default 16)."),
-    kv_cache_dtype: Optional[str] = typer.Option(None, help=KV_CACHE_DTYPE_HELP),
-    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching", help="Share cached KV blocks of identical prompt prefixes (default on)."),
-    max_num_seqs: Optional[int] = typer.Option(None, help="Most sequences in a step's batch (default 64)."),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, help="Token budget per step (default 1024)."),
-    chunked_prefill: Optional[bool] = typer.Option(None, "--chunked-prefill/--no-chunked-prefill", help="Chunk prompts under the token budget (default on; off: each prompt is prefilled whole)."),
-    max_prefill_chunk: Optional[int] = typer.Option(None, help="Most prompt tokens of one request per step (default 0 = the token budget)."),
-    itl_target_ms: Optional[float] = typer.Option(None, "--itl-target-ms", help=f"Inter-token latency target: while streams decode, each step carries only the prefill its measured step cost predicts fits under it (default {_SCHEDULER_DEFAULTS.itl_target_ms:g}; 0 = off)."),
-    preemption_mode: Optional[str] = typer.Option(None, help="recompute (default) or swap (preempted KV to host memory)."),
-    swap_space: Optional[str] = typer.Option(None, help="Host memory for swapped-out KV, e.g. 4GiB (default; swap mode)."),
-    max_waiting_requests: Optional[int] = typer.Option(None, help="Admission: most requests waiting for their first token (default 256)."),
-    max_waiting_tokens: Optional[int] = typer.Option(None, help="Admission: most prompt tokens waiting (default 262144)."),
-    max_pending_tokens: Optional[int] = typer.Option(None, help="Unread tokens past which a slow client's request is cancelled (default 4096)."),
-    slow_client_grace: Optional[float] = typer.Option(None, help="Seconds a client may read nothing (a send stays blocked) before it is cut off, whatever the request's state (default 30)."),
-    ping_interval: Optional[float] = typer.Option(None, help="Seconds between SSE pings on an idle stream (default 5)."),
-    public_load_metrics: Optional[bool] = typer.Option(None, "--public-load-metrics/--no-public-load-metrics", help="With a tenants file, a caller with no key may read /metrics without the series that name tenants (what a Gateway API endpoint picker reads; it sends no credentials). Default off."),
-    stream_integrity: Optional[bool] = typer.Option(None, "--stream-integrity/--no-stream-integrity", help="Frame every stream with the integrity extension (id: lines, comment pings on OpenAI routes) whether or not the request sends x-tokstream-integrity: 1 (default off: each route framed as the API it imitates)."),
-    max_body_bytes: Optional[int] = typer.Option(None, help="Largest request body (default 4 MiB)."),
-    tenants: Optional[str] = typer.Option(None, "--tenants", help="Tenants TOML file (API key hashes, limits, admin key)."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Serving preset: a name in profiles/ (cpu-smollm2, ci, gpu-llama-8b) or a TOML file; flags override it."),
-    insecure: bool = typer.Option(False, "--insecure", help="Allow a non-loopback bind without API keys."),
-    allowed_hosts: Optional[str] = typer.Option(None, help="Comma-separated Host names clients may use besides loopback names and IP literals (.example.com: subdomains too; *: any). Others get 403 (DNS rebinding)."),
-    allowed_origins: Optional[str] = typer.Option(None, help="Comma-separated web origins allowed to call the API from a browser (CORS; default none; *: any)."),
-    header_timeout: Optional[float] = typer.Option(None, help="Seconds a client has to send a complete request head (default 10; slowloris)."),
-    body_timeout: Optional[float] = typer.Option(None, help="Seconds a client has to send a request body (default 30)."),
-    max_connections: Optional[int] = typer.Option(None, help="Open client connections at most; more get 503 (default 0: the descriptor limit less --descriptor-reserve)."),
-    descriptor_reserve: Optional[int] = typer.Option(None, help="File descriptors kept back from client connections for the engine (default 128)."),
-    demux_mutation: Optional[str] = typer.Option(None, hidden=True, help="TEST ONLY: corrupt one token in the demux (drop|repeat|swap|misroute[,...]); refused with --tenants or a public --host."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log to stderr."),
+    flags: dict = None,
 ):
-    """Start the streaming gateway: Anthropic and OpenAI APIs over the engine."""
+    """Start the streaming gateway: Anthropic and OpenAI APIs over the engine. Each flag in the
+    panels below is also a key of a serving profile, in the section its panel names
+    (--step-timeout: step_timeout_s under engine)."""
     _setup_logging(verbose)
-    from tokstream.server.config import load_profile
-    from tokstream.server.settings import build_settings
+    from tokstream.server.settings import build_settings, load_profile
 
     preset = load_profile(profile) if profile else {}
-    flags = {
-        "engine": {"model": model, "dtype": dtype, "weights": weights, "device": device,
-                   "tp": tp, "spare": spare, "spare_core": spare_core,
-                   "step_timeout_s": step_timeout,
-                   "max_recovery_attempts": max_recovery_attempts,
-                   "max_request_failures": max_request_failures,
-                   "start_timeout_s": start_timeout},
-        "cache": {"kv_cache_memory": kv_cache_memory, "num_blocks": num_blocks,
-                  "block_size": block_size, "enable_prefix_caching": prefix_caching,
-                  "kv_cache_dtype": kv_cache_dtype,
-                  "preemption_mode": preemption_mode,
-                  "swap_space": swap_space},
-        "scheduler": {"max_num_seqs": max_num_seqs,
-                      "max_num_batched_tokens": max_num_batched_tokens,
-                      "chunked_prefill": chunked_prefill,
-                      "max_prefill_chunk": max_prefill_chunk,
-                      "itl_target_ms": itl_target_ms},
-        "server": {"host": host, "port": port, "served_model_name": served_model_name,
-                   "tenants_file": tenants, "insecure": insecure or None,
-                   "max_pending_tokens": max_pending_tokens, "ping_interval_s": ping_interval,
-                   "stream_integrity": stream_integrity,
-                   "public_load_metrics": public_load_metrics,
-                   "slow_client_grace_s": slow_client_grace,
-                   "max_body_bytes": max_body_bytes, "down_retry_s": down_retry_interval,
-                   "shutdown_timeout_s": shutdown_timeout,
-                   "allowed_hosts": allowed_hosts, "allowed_origins": allowed_origins,
-                   "header_timeout_s": header_timeout, "body_timeout_s": body_timeout,
-                   "max_connections": max_connections,
-                   "descriptor_reserve": descriptor_reserve, "demux_mutation": demux_mutation},
-        "admission": {"max_waiting_requests": max_waiting_requests,
-                      "max_waiting_tokens": max_waiting_tokens},
-    }
     engine_config, server_config = build_settings(preset, flags)
     from tokstream.server.app import run
 

@@ -1,10 +1,21 @@
-"""Configuration dataclasses, one per concern, validated on construction. No torch here."""
+"""Configuration dataclasses, one per concern, validated on construction. No torch here.
+
+Each option is declared once, here: its field, its default and its docstring. `tokstream
+serve`'s flags, their help text and the serving profiles' keys (profiles/*.toml, one section a
+dataclass) are generated from these fields (tokstream/options.py, tokstream/server/settings.py).
+A field docstring's first paragraph is the flag's help; what follows a blank line (measurements,
+reasons) stays in the source. A field whose metadata says BYTES also takes sizes such as "4GiB".
+"""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from tokstream.errors import UserInputError
+
+BYTES = {"unit": "bytes"}
+"""Field metadata: a size in bytes, which flags and profiles may also write as "4GiB"."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -89,23 +100,26 @@ class CacheConfig:
 
     block_size: int = 16
     """Tokens per block."""
-    kv_cache_memory: int | None = None
-    """Bytes for the KV pool; None means a fraction of free memory (see memory_fraction)."""
+    kv_cache_memory: int | None = field(default=None, metadata=BYTES)
+    """KV pool size, e.g. 2GiB (default: a share of free memory, memory_fraction, at most 4 GiB
+    on CPU)."""
     memory_fraction: float = 0.5
     """Share of free device memory (after weights) given to the pool when no budget is set."""
     num_blocks: int | None = None
-    """Exact pool size in blocks; overrides the memory budget (tests use tiny pools)."""
+    """Exact KV pool size in blocks; overrides kv_cache_memory (tests use tiny pools)."""
     kv_cache_dtype: str = "auto"
-    """The KV cache's dtype: 'auto' (float16 on a CPU computing in float32, where decode
+    """The KV cache's dtype: auto (float16 on a CPU computing in float32, where decode
     attention is bound by the cache bytes it reads; else the serving dtype), the serving
-    dtype, or 'float16' on CPU (worker/dtype_choice.resolve_kv_cache_dtype)."""
+    dtype, or float16 on CPU.
+
+    worker/dtype_choice.resolve_kv_cache_dtype decides what auto becomes."""
     enable_prefix_caching: bool = True
     """Share full blocks of identical prefixes between requests (read-only, hashed)."""
     preemption_mode: str = "recompute"
-    """What a preempted request's KV becomes: 'recompute' (dropped; prompt + output are
-    prefilled again on re-admission) or 'swap' (copied to host memory and back)."""
-    swap_space: int = 4 * 2**30
-    """Bytes of host memory per replica for swapped-out KV blocks (swap mode only); when it is
+    """What a preempted request's KV becomes: recompute (dropped; prompt + output are
+    prefilled again on re-admission) or swap (copied to host memory and back)."""
+    swap_space: int = field(default=4 * 2**30, metadata=BYTES)
+    """Host memory per replica for swapped-out KV blocks (swap mode only); when it is
     full, preemption falls back to recompute."""
 
     def __post_init__(self):
@@ -134,7 +148,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     """Most sequences running at once."""
     max_num_batched_tokens: int = 2048
-    """Token budget per step: decode tokens first, then prefill chunks. 2048: measured with
+    """Token budget per step: decode tokens first, then prefill chunks.
+
+    2048: measured with
     `vllm bench serve` (32 streams of 128 -> 128 arriving at once, SmolLM2 native, 2-core
     Xeon): 1024 gave 378 output tok/s, p99 ITL 406 ms (the burst's prefill took four long
     steps, each a gap for every stream already out), median TTFT 2.39 s; 2048 gave 374 tok/s,
@@ -148,8 +164,8 @@ class SchedulerConfig:
     watermark_blocks: int = 1
     """Free blocks kept back when admitting a new request, so running ones can grow."""
     policy: str = "fair"
-    """Admission order within a priority tier: 'fair' (tenants' virtual token counters) or
-    'fcfs' (arrival only)."""
+    """Admission order within a priority tier: fair (tenants' virtual token counters) or
+    fcfs (arrival only)."""
     long_request_tokens: int = 8192
     """Prompts at least this long count as long requests."""
     max_long_requests_per_tenant: int = 0
@@ -159,12 +175,13 @@ class SchedulerConfig:
     long_prefill_share: float = 0.5
     """While a shorter prompt waits, long prefills together take at most this share of a
     step's token budget, so a chat request behind a 50k-token prompt starts at once instead
-    of after it (1 = no limit). With nothing short waiting they take the whole budget."""
+    of after it (1 = no limit); with nothing short waiting they take the whole budget."""
     itl_target_ms: float = 150.0
     """Inter-token latency target while streams decode (0 = off): a step that carries decodes
     gets only the prefill the measured step cost predicts will fit under it; a step with
-    nothing decoding gives prefill the whole budget. Needs chunked_prefill. 150 ms: measured
-    with `vllm bench serve` (32 streams of 128 -> 128 arriving at once, SmolLM2, 2-core Xeon),
+    nothing decoding gives prefill the whole budget. Needs chunked_prefill.
+
+    150 ms: measured with `vllm bench serve` (32 streams of 128 -> 128 arriving at once, SmolLM2, 2-core Xeon),
     125 / 150 / 200 ms gave p99 ITL 153 / 159 / 214 ms at 207 / 240 / 243 output tok/s;
     vLLM's CPU build had 158 ms there."""
     itl_min_prefill_share: float = 0.25
@@ -203,28 +220,31 @@ class EngineConfig:
     """Everything one replica needs; passed whole to the core and to every worker."""
 
     model: str = "smollm2"
-    """Model: 'smollm2' (the embedded GGUF), a path to a GGUF file or HF folder, or dummy:NAME."""
+    """smollm2 (the embedded GGUF), a .gguf file, a Hugging Face folder, or dummy:NAME."""
     dtype: str = "auto"
-    """Serving dtype (activations, KV cache; weights too unless native); 'auto' picks per
-    device by measurement."""
+    """Serving dtype (activations, KV cache; weights too unless native): float32, bfloat16,
+    float16, or auto (bfloat16 where the CPU or GPU has native bfloat16 matmuls, else
+    float32; decided by measurement)."""
     weights: str = "auto"
-    """Weight format: 'native' (a GGUF's quantised blocks multiplied as stored, CPU, float32
-    activations), 'float32' / 'bfloat16' / 'float16' (dequantised to that dtype), or 'auto'
-    (native where the file and machine allow it, else dequantised to the serving dtype)."""
+    """Weight format: native (a GGUF's quantised blocks multiplied as stored, CPU, float32
+    activations), float32, bfloat16 or float16 (dequantised to that dtype), or auto (native
+    where the file and machine allow it, else dequantised to the serving dtype)."""
     device: str = "cpu"
+    """cpu, cuda, or auto (cuda when there is one)."""
     tp: int = 1
+    """Tensor-parallel ranks, one process each (must divide the model's query and KV heads)."""
     seed: int = 0
     """Seed for dummy weights and for requests that bring none."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: int | None = None
-    """Torch threads per worker; None divides the cores between the ranks."""
+    """Torch threads per worker (default: the cores divided between the ranks)."""
     step_timeout_s: float = 120.0
-    """A step (or load) that takes longer means a hung rank: the group is torn down."""
+    """Seconds a step may take before a rank counts as hung and the group is replaced."""
     collective_timeout_s: float = 300.0
     """torch.distributed timeout inside a rank group (a backstop; the core acts first)."""
     max_recovery_attempts: int = 3
-    """Failed restarts in a row before the replica is declared down."""
+    """Failed restarts in a row (rank group or engine core) before the replica is down."""
     start_timeout_s: float = 300.0
     """An engine core or rank group not ready this long after it was started is hung: its
     processes are killed and the start counts as a failed attempt."""
@@ -260,3 +280,155 @@ class EngineConfig:
             raise UserInputError("max_recovery_attempts must be >= 1")
         if self.max_request_failures < 1:
             raise UserInputError("max_request_failures must be >= 1")
+
+
+@dataclass
+class AdmissionConfig:
+    """The gateway's bounded waiting queue (tokstream/server/admission.py)."""
+
+    max_waiting_requests: int = 256
+    """Admission: most requests waiting for their first token."""
+    max_waiting_tokens: int = 262144
+    """Admission: most prompt tokens over the requests waiting."""
+
+    def __post_init__(self):
+        if self.max_waiting_requests < 1:
+            raise UserInputError("max_waiting_requests must be >= 1")
+        if self.max_waiting_tokens < 1:
+            raise UserInputError("max_waiting_tokens must be >= 1")
+
+
+@dataclass
+class ServerConfig:
+    """The gateway: bind, limits, timeouts, and what clients may do."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; a non-loopback one needs a tenants file or insecure."""
+    port: int = 8000
+    """0 picks a free port (printed on the ready line)."""
+    served_model_name: str | None = None
+    """The model id clients send and /v1/models lists (default: the --model value)."""
+    tenants_file: str | None = None
+    """Tenants TOML file (API key hashes, limits, admin key)."""
+    insecure: bool = False
+    """Allow a non-loopback bind without API keys."""
+    max_pending_tokens: int = 4096
+    """A stream's unread tokens past which its request is cancelled (slow caller)."""
+    slow_client_grace_s: float = 30.0
+    """How long a caller may leave a send blocked (reading nothing) before it is cut off:
+    after such a cancel, or with the request finished in the engine, whatever its state."""
+    ping_interval_s: float = 5.0
+    """Keep-alive on an idle stream (SSE ping), well under common 10 s proxy timeouts."""
+    public_load_metrics: bool = False
+    """With a tenants file, let a caller with no key read /metrics without the series that
+    name tenants (queue, KV and latency: what the Gateway API endpoint picker reads, and it
+    sends no credentials); a wrong key is still refused. Off: /metrics needs a key."""
+    stream_integrity: bool = False
+    """Frame every stream with the integrity extension's `id:` lines (and, on OpenAI routes,
+    comment pings) even when the request does not ask (x-tokstream-integrity: 1): without it
+    streams are framed exactly as the API they imitate, which stock clients parse."""
+    max_body_bytes: int = field(default=4 * 2**20, metadata=BYTES)
+    """Largest request body; larger ones get 413."""
+    send_buffer_bytes: int | None = field(default=65536, metadata=BYTES)
+    """SO_SNDBUF of client connections (the kernel doubles it).
+
+    Token streams are a few KB/s each; a fixed buffer bounds kernel memory per connection and
+    lets a caller that stopped reading show up as backpressure within a few hundred KB instead
+    of after megabytes of autotuned buffer. None keeps the kernel's autotuning."""
+    down_retry_s: float = 10.0
+    """While the replica is down because engine cores keep failing to start, seconds between
+    further tries."""
+    shutdown_timeout_s: float = 30.0
+    """On SIGTERM, how long open streams may run to their end (new requests are refused)
+    before the rest end with an error event and the server stops."""
+    allowed_hosts: list[str] = field(default_factory=list)
+    """Host names clients may address besides loopback names and IP literals (a leading dot
+    allows subdomains; "*" allows any). Others get 403: a web page that rebinds its own DNS
+    name to this address cannot read the API."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """Web origins whose pages may call the API (CORS); none by default, "*" for any."""
+    header_timeout_s: float = 10.0
+    """From a connection's first byte (or its previous response) to a complete request head;
+    a client that takes longer is disconnected (slowloris)."""
+    body_timeout_s: float = 30.0
+    """Most seconds to receive a request body once its head is in."""
+    max_connections: int = 0
+    """Open client connections at most; past it a new one gets 503 and is closed. 0: the
+    descriptor limit less descriptor_reserve."""
+    descriptor_reserve: int = 128
+    """File descriptors never given to client connections (engine pipes, restarts, logs)."""
+    demux_mutation: str | None = None
+    """TEST ONLY: corrupt one token in the demux (drop, repeat, swap, misroute, or a
+    comma-separated sequence) to prove the integrity checker; refused with a tenants file or
+    a non-loopback host."""
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self):
+        self.allowed_hosts = _name_list(self.allowed_hosts, "allowed_hosts")
+        self.allowed_origins = _name_list(self.allowed_origins, "allowed_origins")
+        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
+            raise UserInputError("header_timeout_s and body_timeout_s must be > 0")
+        if self.max_connections < 0 or self.descriptor_reserve < 0:
+            raise UserInputError("max_connections and descriptor_reserve must be >= 0")
+        if self.demux_mutation is not None and (self.tenants_file or not is_loopback(self.host)):
+            raise UserInputError("demux_mutation is a test-only switch: refused with a tenants "
+                                 "file or a non-loopback host")
+        if not 0 <= self.port < 65536:
+            raise UserInputError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_pending_tokens < 1:
+            raise UserInputError("max_pending_tokens must be >= 1")
+        if not self.ping_interval_s > 0:
+            raise UserInputError("ping_interval_s must be > 0")
+        if self.max_body_bytes < 1024:
+            raise UserInputError("max_body_bytes must be >= 1024")
+        if not self.down_retry_s > 0:
+            raise UserInputError("down_retry_s must be > 0")
+        if not self.shutdown_timeout_s >= 0:
+            raise UserInputError("shutdown_timeout_s must be >= 0")
+
+    def check_bind(self) -> None:
+        """Refuse to expose an open (keyless) server beyond this machine unless told to."""
+        if self.tenants_file or self.insecure or is_loopback(self.host):
+            return
+        raise UserInputError(
+            f"refusing to bind {self.host} without API keys: pass --tenants FILE, or --insecure "
+            "to serve an open endpoint on the network")
+
+
+def _name_list(value, name: str) -> list[str]:
+    """A comma-separated string (a flag) or a list of strings (a profile)."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise UserInputError(f"{name} must be a list of strings")
+    return [v.strip().lower() for v in value if v.strip()]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class BenchSpec:
+    """The workload of `tokstream bench`: random prompts, all sent at once up to a concurrency."""
+
+    num_requests: int = 32
+    """Requests in the run."""
+    input_len: int = 128
+    """Prompt tokens per request."""
+    output_len: int = 128
+    """Output tokens per request (end of sequence ignored)."""
+    concurrency: int = 32
+    """Most requests in flight at once."""
+    seed: int = 0
+    """Seed of the random prompts."""
+
+    def __post_init__(self):
+        for name in ("num_requests", "input_len", "output_len", "concurrency"):
+            if getattr(self, name) < 1:
+                raise UserInputError(f"{name} must be >= 1")

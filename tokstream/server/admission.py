@@ -12,24 +12,9 @@ its share gets 429 (its own limit), so one tenant's flood never fills the queue 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
-from tokstream.errors import UserInputError
+from tokstream.config import AdmissionConfig
 from tokstream.server.errors import ApiError
-
-
-@dataclass
-class AdmissionConfig:
-    max_waiting_requests: int = 256
-    """Most requests admitted but without a first token yet."""
-    max_waiting_tokens: int = 262144
-    """Most prompt tokens over those waiting requests."""
-
-    def __post_init__(self):
-        if self.max_waiting_requests < 1:
-            raise UserInputError("max_waiting_requests must be >= 1")
-        if self.max_waiting_tokens < 1:
-            raise UserInputError("max_waiting_tokens must be >= 1")
 
 
 class Admission:

@@ -20,10 +20,9 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from tokstream.config import EngineConfig
+from tokstream.config import EngineConfig, ServerConfig
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.server import admin_routes, anthropic_routes, openai_routes, tokenizer_routes
-from tokstream.server.config import ServerConfig
 from tokstream.server.connection_limits import (ConnectionLimits, connection_cap,
                                                 guarded_protocol, raise_descriptor_limit)
 from tokstream.server.cors import cors_middleware

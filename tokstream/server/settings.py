@@ -1,40 +1,99 @@
-"""Serve settings from a profile plus flags: flags win, then the profile, then the defaults."""
+"""Serve settings: the flags `tokstream serve` takes and the serving profiles it loads, both
+derived from the config dataclasses in tokstream/config.py (one profile section a dataclass,
+one key and one flag a field). Flags win, then the profile, then the dataclass defaults."""
 
 from __future__ import annotations
 
-from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig
-from tokstream.errors import UserInputError
-from tokstream.server.admission import AdmissionConfig
-from tokstream.server.config import ServerConfig, field_names
+import dataclasses
+import tomllib
+from pathlib import Path
 
-SECTIONS = {"engine": EngineConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-            "server": ServerConfig, "admission": AdmissionConfig}
-ENGINE_FIELDS = {"model", "dtype", "weights", "device", "seed", "num_threads", "tp", "spare",
-                 "spare_core", "step_timeout_s", "collective_timeout_s", "max_recovery_attempts",
-                 "max_request_failures", "start_timeout_s"}
-SERVER_FIELDS = field_names(ServerConfig) - {"admission"}
+from tokstream.config import (AdmissionConfig, CacheConfig, EngineConfig, SchedulerConfig,
+                              ServerConfig)
+from tokstream.errors import UserInputError
+from tokstream.options import Flag, config_flags, is_bytes
+from tokstream.toml_file import read_toml
+
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "profiles"
+
+SECTIONS: dict[str, type] = {"engine": EngineConfig, "cache": CacheConfig,
+                             "scheduler": SchedulerConfig, "server": ServerConfig,
+                             "admission": AdmissionConfig}
+"""A serving profile's sections and the config each one fills."""
+
+NESTED = {"cache", "scheduler", "admission"}
+"""Fields of EngineConfig / ServerConfig that hold another section's config."""
+
+FLAG_NAMES = {"model": ("--model", "-m"), "tenants_file": ("--tenants",),
+              "enable_prefix_caching": ("--prefix-caching",),
+              "down_retry_s": ("--down-retry-interval",)}
+"""Flags whose established spelling is not the field's name (options.flag_name)."""
+
+SERVE_FLAGS: list[Flag] = [flag for section, cls in SECTIONS.items()
+                           for flag in config_flags(section, cls, skip=NESTED,
+                                                    names=FLAG_NAMES,
+                                                    hidden={"demux_mutation"})]
+"""Every serve flag: one per config field."""
+
+
+def flags_for(*fields: str) -> list[Flag]:
+    """The serve flags of these fields (what another command, such as bench, also takes)."""
+    by_field = {flag.field: flag for flag in SERVE_FLAGS}
+    return [by_field[name] for name in fields]
+
+
+def profile_keys(section: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(SECTIONS[section])} - NESTED
+
+
+def load_profile(name_or_path: str) -> dict[str, dict]:
+    """A serving profile: {section: {field: value}} for the sections above. NAME looks in
+    profiles/ for NAME.toml; anything with a slash or a .toml suffix is a path."""
+    path = Path(name_or_path)
+    if not (path.suffix == ".toml" or "/" in name_or_path):
+        path = PROFILE_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        available = sorted(p.stem for p in PROFILE_DIR.glob("*.toml")
+                           if _is_serving_profile(p))
+        raise UserInputError(f"profile {name_or_path!r} not found (available: "
+                             f"{', '.join(available) or 'none'})")
+    data = read_toml(path, "profile")
+    unknown = set(data) - set(SECTIONS) - {"description", "kind"}
+    if unknown:
+        raise UserInputError(f"profile {path}: unknown section(s) {', '.join(sorted(unknown))}")
+    return {section: dict(data.get(section, {})) for section in SECTIONS}
+
+
+def _is_serving_profile(path: Path) -> bool:
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8")).get("kind") == "serve"
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+
+
+def section_values(section: str, preset: dict, flags: dict) -> dict:
+    """One section's settings: the profile's values, then the flags given (None: not given);
+    sizes ("4GiB") become bytes."""
+    from tokstream.plan import parse_size
+
+    values = dict(preset)
+    unknown = set(values) - profile_keys(section)
+    if unknown:
+        raise UserInputError(f"profile [{section}]: unknown setting(s) "
+                             f"{', '.join(sorted(unknown))}")
+    values.update({k: v for k, v in flags.items() if v is not None})
+    for f in dataclasses.fields(SECTIONS[section]):
+        if is_bytes(f) and values.get(f.name) is not None:
+            values[f.name] = parse_size(values[f.name])
+    return values
 
 
 def build_settings(preset: dict[str, dict], flags: dict[str, dict]) -> tuple[EngineConfig,
                                                                                 ServerConfig]:
-    merged: dict[str, dict] = {}
-    for section, cls in SECTIONS.items():
-        allowed = (ENGINE_FIELDS if section == "engine" else
-                   SERVER_FIELDS if section == "server" else field_names(cls))
-        values = dict(preset.get(section, {}))
-        unknown = set(values) - allowed
-        if unknown:
-            raise UserInputError(f"profile [{section}]: unknown setting(s) "
-                                 f"{', '.join(sorted(unknown))}")
-        values.update({k: v for k, v in flags.get(section, {}).items() if v is not None})
-        merged[section] = values
-    cache = merged["cache"]
-    from tokstream.plan import parse_size
-    for size in ("kv_cache_memory", "swap_space"):
-        if size in cache:
-            cache[size] = parse_size(cache[size])
+    merged = {section: section_values(section, preset.get(section, {}),
+                                      flags.get(section, {})) for section in SECTIONS}
     try:
-        engine = EngineConfig(**merged["engine"], cache=CacheConfig(**cache),
+        engine = EngineConfig(**merged["engine"], cache=CacheConfig(**merged["cache"]),
                               scheduler=SchedulerConfig(**merged["scheduler"]))
         server = ServerConfig(**merged["server"],
                               admission=AdmissionConfig(**merged["admission"]))

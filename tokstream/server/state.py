@@ -20,7 +20,7 @@ from tokstream.errors import ReplicaError, UserInputError
 from tokstream.sampling_params import SamplingParams
 from tokstream.server.admission import Admission
 from tokstream.server.choices import TenantShare, choice_params
-from tokstream.server.config import ServerConfig
+from tokstream.config import ServerConfig
 from tokstream.server.errors import ApiError
 from tokstream.server.metrics import Metrics
 from tokstream.server.snapshot import SharedSnapshot
