@@ -78,3 +78,23 @@ def test_profiles_load_and_flags_win():
     with pytest.raises(UserInputError):
         ServerConfig(host="0.0.0.0").check_bind()
     ServerConfig(host="0.0.0.0", insecure=True).check_bind()
+
+
+def test_serving_profiles_set_only_what_differs_from_the_defaults():
+    """A default lives in its dataclass: a profile restating one would drift from it (the
+    model a preset is for is named even when it is the default)."""
+    import dataclasses
+    from pathlib import Path
+
+    from tokstream.options import field_default
+    from tokstream.server.settings import PROFILE_DIR, SECTIONS
+
+    root = Path(__file__).resolve().parents[1]
+    paths = sorted(PROFILE_DIR.glob("*.toml")) + [root / "deploy/k8s/serve.toml"]
+    assert len(paths) >= 4
+    for path in paths:
+        for section, values in load_profile(str(path)).items():
+            defaults = {f.name: field_default(f) for f in dataclasses.fields(SECTIONS[section])}
+            restated = {key for key, value in values.items()
+                        if key != "model" and defaults[key] == value}
+            assert not restated, f"{path.name} [{section}] restates defaults: {restated}"
