@@ -183,6 +183,23 @@ def test_a_burst_of_prompts_goes_in_first_come_first_served():
     assert len(decodes_of(out)) == 6 and truth(step_shape(out.work)) <= 0.060 + 0.001
 
 
+def test_a_long_prompt_is_held_to_the_target_even_when_it_came_first():
+    # A long prompt arrives with a short one. The short one is in after the first step and
+    # decodes; the long prompt's chunks then ride its steps, and first come first served would
+    # let each fill the budget, so a stream would wait on a long prefill every step of it
+    # (measured: chat ITL of seconds behind 8k-token prompts). A long prompt never exempts.
+    s = itl_scheduler(target_ms=60.0, long_prefill_tokens=150)
+    s.max_model_len = 4000
+    trained(s.step_cost)
+    s.add_request(make_request("short", prompt_len=50, max_tokens=50))
+    s.add_request(make_request("long", prompt_len=1000, max_tokens=4))
+    assert not decodes_of(timed_step(s))  # both prompts start; nothing decodes yet
+    for _ in range(6):
+        out = timed_step(s)
+        assert len(decodes_of(out)) == 1 and prefill_tokens(out) > 0
+        assert truth(step_shape(out.work)) <= 0.060 + 0.001
+
+
 def test_the_prefill_share_fits_the_target():
     s = itl_scheduler(target_ms=60.0)
     trained(s.step_cost)
