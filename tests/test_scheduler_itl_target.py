@@ -200,6 +200,25 @@ def test_a_long_prompt_is_held_to_the_target_even_when_it_came_first():
         assert truth(step_shape(out.work)) <= 0.060 + 0.001
 
 
+def test_a_long_prefill_leaves_a_share_of_the_prefill_time_to_a_short_prompt():
+    # A long prompt mid-prefill would take the whole prefill time the target leaves, step
+    # after step, and a chat prompt arriving behind it would wait for all of it (measured,
+    # long-prompt-flood on SmolLM2: chat TTFT p90 22 s). long_prefill_share splits the time
+    # too: the short prompt starts in the very next step.
+    s = itl_scheduler(target_ms=60.0, long_prefill_tokens=150, long_prefill_share=0.5)
+    s.max_model_len = 4000
+    trained(s.step_cost)
+    start_decoders(s, 4)
+    s.add_request(make_request("long", prompt_len=1000, max_tokens=4))
+    timed_step(s)
+    timed_step(s)
+    s.add_request(make_request("short", prompt_len=50, max_tokens=4))
+    out = timed_step(s)
+    chunks = {w.request.request_id: w.num_tokens for w in out.work if w.num_tokens > 1}
+    assert chunks.get("short", 0) > 0 and chunks.get("long", 0) > 0
+    assert truth(step_shape(out.work)) <= 0.060 + 0.001
+
+
 def test_the_prefill_share_fits_the_target():
     s = itl_scheduler(target_ms=60.0)
     trained(s.step_cost)

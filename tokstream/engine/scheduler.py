@@ -85,10 +85,12 @@ class PrefillTime:
     granted: int = 0
     """Prefill tokens given so far this step."""
 
-    def tokens(self, start: int, wanted: int) -> int:
-        """Tokens of a chunk from position start that fit (the first chunk gets at least one,
-        so a prompt progresses every step however far the decodes alone are over)."""
-        fits = self.cost.prefill_tokens_within(self.seconds_left - self._step_cost(), start)
+    def tokens(self, start: int, wanted: int, share: float = 1.0) -> int:
+        """Tokens of a chunk from position start that fit in share of the time left (the
+        first chunk gets at least one, so a prompt progresses every step however far the
+        decodes alone are over)."""
+        fits = self.cost.prefill_tokens_within(
+            (self.seconds_left - self._step_cost()) * share, start)
         return min(wanted, fits if self.granted else max(fits, 1))
 
     def take(self, start: int, num_tokens: int) -> None:
@@ -187,7 +189,8 @@ class Scheduler:
                     prefill_time, prefill_time_known = self._prefill_time(decodes), True
                 limit = self._limit_for(request, prefill_time, decodes)
                 if limit is not None:
-                    num_new = limit.tokens(request.num_computed_tokens, num_new)
+                    num_new = limit.tokens(request.num_computed_tokens, num_new,
+                                           self._time_share(request, long_left))
                     if num_new == 0:
                         continue
             if self._is_long_prefill(request):
@@ -234,7 +237,7 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             limit = self._limit_for(request, prefill_time, decodes)
             if limit is not None:
-                num_new = limit.tokens(start, num_new)
+                num_new = limit.tokens(start, num_new, self._time_share(request, long_left))
                 if num_new == 0:  # deeper into its prompt (a cached prefix) than time allows
                     if not swapped:
                         self.block_manager.free(request)
@@ -344,6 +347,15 @@ class Scheduler:
     def _is_long_prefill(self, request: Request) -> bool:
         return (request.num_tokens - request.num_computed_tokens
                 > self.config.long_prefill_tokens)
+
+    def _time_share(self, request: Request, long_left: int) -> float:
+        """The share of the step's prefill time request's chunk may take: long prefills take
+        long_prefill_share of it while a shorter prompt waits (as of the token budget), or a
+        long prompt mid-prefill would take all of it step after step, and a chat prompt
+        behind it would wait for its whole prefill."""
+        if long_left != sys.maxsize and self._is_long_prefill(request):
+            return self.config.long_prefill_share
+        return 1.0
 
     def _long_prefill_allowance(self, budget: int) -> int:
         """Tokens long prefills may take this step: a share of the budget while a shorter
