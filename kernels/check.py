@@ -118,7 +118,7 @@ def check_rotary(device, dtype, heads, kv_heads, head_dim, num_tokens):
     import torch
 
     from tokstream.kernels import rotary as kernel
-    from tokstream.worker.model import Rotary
+    from tokstream.kernels.torch_ops import Rotary
 
     rotary = Rotary(head_dim, 8192, 500000.0).to(device)
     split = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)

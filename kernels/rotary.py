@@ -6,7 +6,7 @@ Contract (checked by `apply_rotary`):
   last dim contiguous; any token and head strides (views into a fused qkv output are fine).
 - positions (num_tokens,) int32 / int64.
 - cos, sin (max_position, head_dim) float32 tables with cos[:, :half] == cos[:, half:] (the
-  layout `tokstream.worker.model.Rotary` builds); only the first half of each row is read.
+  layout `tokstream.kernels.torch_ops.Rotary` builds); only the first half of each row is read.
 Rotates q and k in place, in float32, rounding once to their dtype.
 """
 

@@ -37,7 +37,8 @@ def loadtest(
     request at a time to capacity (--sweep); report to the terminal, report.json and PNG plots
     in --out. Exit 1 when errors or integrity failures pass the thresholds, 2 on bad input."""
     from tokstream.errors import UserInputError
-    from tokstream.loadgen.runner import Options, run
+    from tokstream.loadgen.loadtest import run
+    from tokstream.loadgen.runner import Options
 
     try:
         options = Options(url=url, mix=mix, api=api, users=users, rate=rate, arrival=arrival,

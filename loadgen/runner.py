@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,9 +22,8 @@ import httpx
 from tokstream.errors import UserInputError
 from tokstream.toml_file import read_toml
 from tokstream.loadgen import metrics
-from tokstream.loadgen.capacity import rate_from_fraction, read_capacity
 from tokstream.loadgen.locust_child import run_locust
-from tokstream.loadgen.mix import ARRIVALS, Mix, load_mix
+from tokstream.loadgen.mix import ARRIVALS, Mix
 from tokstream.loadgen.plan import Limits, build_spec
 from tokstream.loadgen.prompts import TokenCounter, calibrate, verify
 from tokstream.loadgen.report import build_report, read_samples, verdict
@@ -300,41 +298,3 @@ def run_stage(session: Session, settings: dict, out: Path, mix: Mix | None = Non
     results.unlink(missing_ok=True)
     return StageResult(report, reasons, bool(done.get("interrupted")))
 
-
-def run(options: Options) -> int:
-    mix = load_mix(options.mix)
-    if options.sweep:
-        from tokstream.loadgen.sweep import SweepBounds, run_sweep
-
-        bounds = SweepBounds.from_options(options, mix)  # bad input stops before any request
-        return run_sweep(open_session(options, mix), bounds)
-    settings = settings_for(options, mix)
-    fraction = settings["capacity_fraction"]
-    capacity = None
-    if options.capacity is not None:
-        if fraction is None:
-            print("note: --capacity is not used: this run's rate is absolute or a closed loop",
-                  file=sys.stderr)
-        else:
-            capacity = read_capacity(options.capacity, mix.name)  # before any request
-    session = open_session(options, mix)
-    if fraction is not None:
-        if capacity is None:
-            from tokstream.loadgen.sweep import probe_capacity
-
-            capacity = probe_capacity(session)
-        settings["rate"] = rate_from_fraction(settings["capacity_fraction"], capacity)
-        settings["capacity"] = capacity.row()
-        print(f"rate {settings['rate']:.3g} req/s = {settings['capacity_fraction']:g} x "
-              f"capacity {capacity.requests_per_s:.3g} req/s ({capacity.source})",
-              file=sys.stderr)
-    result = run_stage(session, settings, session.out)
-    from tokstream.loadgen.tables import print_report
-
-    print_report(result.report, result.reasons)
-    out = session.out
-    plots = ", ".join(p.name for p in sorted(out.glob("*.png")))
-    print(f"report: {out / 'report.json'}; plots: {plots}")
-    if result.interrupted:
-        return 130
-    return 1 if result.reasons else 0

@@ -172,7 +172,7 @@ def test_add_rms_norm(interpreted_kernels, out_dtype, with_delta):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary(interpreted_kernels, dtype):
     kernel = interpreted_kernels.rotary
-    from tokstream.worker.model import Rotary
+    from tokstream.kernels.torch_ops import Rotary
 
     torch.manual_seed(9)
     heads, kv_heads, head_dim, tokens = 6, 2, 24, 5
@@ -193,7 +193,7 @@ def test_rotary(interpreted_kernels, dtype):
 
 def test_rotary_matches_the_model_layout(interpreted_kernels):
     """The reference rotates exactly as the torch model's apply_rotary (float32)."""
-    from tokstream.worker.model import Rotary, apply_rotary
+    from tokstream.kernels.torch_ops import Rotary, apply_rotary
 
     torch.manual_seed(11)
     rotary = Rotary(16, 32, 10000.0)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from tokstream.checker import MAX_CHOICES, choice_request_id
 from tokstream.sampling_params import SamplingParams
-from tokstream.server.responses import ClientGone, _drain, _wait_disconnect, collect
+from tokstream.server.errors import ClientGone
+from tokstream.server.responses import _drain, _wait_disconnect, collect
 from tokstream.server.sse import EventStreamResponse, sse, stream_failure
 from tokstream.server.streams import Batch, Stream, StreamRegistry
 from tokstream.server.tenants import Tenant

@@ -8,9 +8,13 @@ Anthropic `{"type":"error","error":{"type","message"}}`, OpenAI `{"error":{"mess
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 
 from starlette.responses import Response
+
+from tokstream.errors import OverloadedError, ReplicaError, UserInputError
 
 ANTHROPIC = "anthropic"
 OPENAI = "openai"
@@ -47,6 +51,10 @@ class ApiError(Exception):
         return self.status
 
 
+class ClientGone(Exception):
+    """The caller left before its response was ready: nothing is sent (logged as 499)."""
+
+
 def bad_request(param: str, message: str) -> ApiError:
     """400 whose message starts with the field's path, e.g. `messages.0.role: ...`."""
     return ApiError("invalid_request_error", f"{param}: {message}", param=param)
@@ -80,12 +88,6 @@ def api_for_path(path: str) -> str:
 def api_route(api: str):
     """Wrap an endpoint: ApiError and bad input become typed responses in the API's shape;
     anything unexpected is logged and becomes a 500 api_error (never a bare traceback)."""
-    import functools
-    import logging
-
-    from tokstream.errors import OverloadedError, ReplicaError, UserInputError
-    from tokstream.server.responses import ClientGone
-
     def wrap(endpoint):
         @functools.wraps(endpoint)
         async def wrapper(request):

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from tokstream.server.errors import ApiError
+from tokstream.server.errors import ApiError, ClientGone
 from tokstream.server.streams import Batch, Stream, StreamRegistry
-
-
-class ClientGone(Exception):
-    pass
 
 
 async def _wait_disconnect(receive) -> None:

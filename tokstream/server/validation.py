@@ -13,8 +13,7 @@ from starlette.requests import ClientDisconnect
 
 from tokstream.errors import PromptTooLongError, UserInputError
 from tokstream.sampling_params import SamplingParams
-from tokstream.server.errors import ApiError, bad_request
-from tokstream.server.responses import ClientGone
+from tokstream.server.errors import ApiError, ClientGone, bad_request
 
 log = logging.getLogger("tokstream.server")
 

@@ -13,8 +13,8 @@ import os
 import torch
 
 from tokstream.kernels import cpu_small_ops
+from tokstream.kernels.torch_ops import apply_rotary, rms_norm, silu_mul
 from tokstream.worker import attention
-from tokstream.worker.model import apply_rotary, rms_norm, silu_mul
 
 BACKEND_ENV = "TOKSTREAM_KERNELS"
 

@@ -1,0 +1,147 @@
+"""The tokstream package's imports form no cycle, and the kernels sit below everything else.
+
+Function-local imports count as edges too: a local import whose target imports the importer
+(directly or not) only hides a cycle, and the definition it reaches for belongs elsewhere.
+`if TYPE_CHECKING:` imports never run and are left out. Lazy imports that break no cycle
+(torch, pynvml, a subcommand's body) are fine."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIRS = {"tokstream": "tokstream", "kernels": "tokstream.kernels",
+                "chaos": "tokstream.chaos", "loadgen": "tokstream.loadgen"}
+"""Folder -> the package it installs as (pyproject.toml's package-dir)."""
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Dotted name -> file for every module of the installed tokstream package."""
+    out = {}
+    for folder, package in PACKAGE_DIRS.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = list(path.relative_to(root / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _is_type_checking(node: ast.AST) -> bool:
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _imported_names(node: ast.Import | ast.ImportFrom, module: str, is_package: bool):
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".")
+        if not is_package:
+            parts.pop()
+        parts = parts[:len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
+
+
+def import_graph(root: Path) -> dict[str, dict[str, int]]:
+    """module -> {imported tokstream module: line of the first such import}; importing a.b.c
+    runs a and a.b too, so those are edges as well."""
+    found = modules(root)
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in found.items():
+        edges = graph.setdefault(module, {})
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        todo = list(ast.iter_child_nodes(tree))
+        while todo:
+            node = todo.pop()
+            if _is_type_checking(node):
+                todo.extend(node.orelse)
+                continue
+            todo.extend(ast.iter_child_nodes(node))
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for name in _imported_names(node, module, path.name == "__init__.py"):
+                while name:
+                    if name in found and name != module:
+                        edges[name] = min(edges.get(name, node.lineno), node.lineno)
+                    name = name.rpartition(".")[0]
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, {}):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return out
+
+
+def _described(graph, component: list[str]) -> str:
+    members = set(component)
+    return "; ".join(f"{a}:{line} -> {b}" for a in component
+                     for b, line in sorted(graph[a].items()) if b in members)
+
+
+def test_no_import_cycles():
+    graph = import_graph(ROOT)
+    assert len(graph) > 100  # the whole package was read
+    found = cycles(graph)
+    assert not found, "\n".join(_described(graph, component) for component in found)
+
+
+def test_kernels_import_nothing_above_them():
+    """tokstream.kernels is the bottom layer (the worker's model builds on it): a kernel or its
+    check that reached up into the worker would make the two packages one knot."""
+    graph = import_graph(ROOT)
+    upward = [f"{module}:{line} -> {target}" for module, edges in graph.items()
+              if module.startswith("tokstream.kernels")
+              for target, line in edges.items()
+              if target != "tokstream" and not target.startswith("tokstream.kernels")]
+    assert not upward, upward
+
+
+def test_the_checker_sees_a_cycle_that_a_local_import_hides(tmp_path):
+    """The mutation: two modules importing each other, one of them inside a function."""
+    for folder in PACKAGE_DIRS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "tokstream" / "a.py").write_text("from tokstream.b import thing\n")
+    (tmp_path / "tokstream" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tokstream import c\n"
+        "def thing():\n    from tokstream.a import thing as other\n    return other\n")
+    (tmp_path / "tokstream" / "c.py").write_text("from . import b\n")
+    graph = import_graph(tmp_path)
+    assert cycles(graph) == [["tokstream.a", "tokstream.b"]]  # c's edge back is type-only
+    assert graph["tokstream.c"] == {"tokstream": 1, "tokstream.b": 1}
