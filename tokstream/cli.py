@@ -31,8 +31,10 @@ WORKLOAD_FLAGS = config_flags("bench", BenchSpec)
 def _setup_logging(verbose: bool) -> None:
     import os
 
+    from tokstream import envs
+
     level = "INFO" if verbose else "WARNING"
-    os.environ.setdefault("TOKSTREAM_LOG", level)
+    os.environ.setdefault(envs.LOG.name, level)  # what the engine core and ranks log
     logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s %(name)s: %(message)s")
 

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from tokstream import envs
 from tokstream.config import EngineConfig
 from tokstream.detokenizer import IncrementalDetokenizer
 from tokstream.engine.block_manager import BlockManager, SwapSpace
@@ -34,9 +35,6 @@ DOWN_RETRY_S = 10.0
 MAX_EVENTS = 64
 """Recent engine events (preemptions, capacity finishes) kept for state snapshots."""
 REF_COUNT_CHARS = "0123456789"
-SELF_CHECK_ENV = "TOKSTREAM_SELF_CHECK"
-"""Set (as tests do) to run the block-manager self-check after every step as well, not only
-after every recovery."""
 
 
 @dataclass
@@ -98,7 +96,7 @@ class EngineCore:
         self._next_retry = 0.0
         self.self_check_failures = 0
         """Self-checks of the block bookkeeping that found something (see self_check)."""
-        self._check_every_step = bool(os.environ.get(SELF_CHECK_ENV))
+        self._check_every_step = envs.SELF_CHECK.is_set()
         log.info("%s", self.capacity_summary())
 
     def capacity_summary(self) -> str:

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 
+from tokstream import envs
 from tokstream.config import EngineConfig
 from tokstream.engine.child_process import become_child
 from tokstream.engine.messages import RequestDelta
@@ -34,7 +35,7 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
     the gateway's time.monotonic() as it started this process."""
     entered = time.monotonic()
     become_child(parent_pid)
-    logging.basicConfig(level=os.environ.get("TOKSTREAM_LOG", "WARNING"),
+    logging.basicConfig(level=envs.LOG.get(),
                         format="%(asctime)s %(name)s: %(message)s")
     from tokstream.engine.rank_start import rank_context
 

@@ -15,6 +15,7 @@ import signal
 import tempfile
 import time
 
+from tokstream import envs
 from tokstream.config import EngineConfig
 from tokstream.engine.messages import ScoreRequest, ScoreResult, StepPlan, StepResult
 from tokstream.engine.rank_start import rank_context, rank_main
@@ -22,15 +23,9 @@ from tokstream.errors import ReplicaError, UserInputError
 from tokstream.worker.worker import WorkerFailed, WorkerReady
 
 
-POISON_ENV = "TOKSTREAM_POISON"
-"""Tests and chaos only: 'rank:TOKEN' SIGKILLs rank 0 as a step that prefills a prompt
-starting with TOKEN is sent, 'core:TOKEN' the engine core itself: a request that breaks the
-replica every time (and only it: a sampled TOKEN elsewhere does nothing)."""
-
-
 @dataclasses.dataclass(frozen=True)
 class Poison:
-    """A fault injected by token id (POISON_ENV)."""
+    """A fault injected by token id (TOKSTREAM_POISON, tokstream/envs.py)."""
 
     victim: str
     """rank (rank 0) or core (the engine core process)."""
@@ -38,12 +33,12 @@ class Poison:
 
     @classmethod
     def from_env(cls) -> "Poison | None":
-        value = os.environ.get(POISON_ENV)
+        value = envs.POISON.get()
         if not value:
             return None
         victim, _, token = value.partition(":")
         if victim not in ("rank", "core") or not token.isdigit():
-            raise UserInputError(f"{POISON_ENV} must be rank:TOKEN or core:TOKEN, not {value!r}")
+            raise UserInputError(f"{envs.POISON.name} must be rank:TOKEN or core:TOKEN, not {value!r}")
         return cls(victim, int(token))
 
     def strike(self, plan: StepPlan, group: "RankGroup") -> None:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokstream import envs
 from tokstream.config import ModelConfig
 from tokstream.errors import CorruptModelError
 from tokstream.model.gguf_file import load_gguf_tensors
@@ -36,7 +37,7 @@ INDEX_FILE = "index.json"
 
 def cache_dir() -> Path:
     """$XDG_CACHE_HOME/tokstream, default ~/.cache/tokstream."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokstream"
+    return envs.cache_root() / "tokstream"
 
 
 def gguf_sha256(gguf_path: str | Path) -> str:

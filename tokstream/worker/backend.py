@@ -8,15 +8,12 @@ wiring without a GPU).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from tokstream import envs
 from tokstream.kernels import cpu_small_ops
 from tokstream.kernels.torch_ops import apply_rotary, rms_norm, silu_mul
 from tokstream.worker import attention
-
-BACKEND_ENV = "TOKSTREAM_KERNELS"
 
 
 class TorchBackend:
@@ -72,9 +69,9 @@ class TorchBackend:
 
 def choose_backend(device: torch.device):
     """TorchBackend or TritonBackend for this device (see the module docstring)."""
-    wanted = os.environ.get(BACKEND_ENV, "auto")
+    wanted = envs.KERNELS.get()
     if wanted not in ("auto", "torch", "triton"):
-        raise ValueError(f"{BACKEND_ENV} must be auto, torch or triton, not {wanted!r}")
+        raise ValueError(f"{envs.KERNELS.name} must be auto, torch or triton, not {wanted!r}")
     if wanted == "torch" or (wanted == "auto" and device.type != "cuda"):
         return TorchBackend()
     from tokstream.kernels.triton_backend import TritonBackend

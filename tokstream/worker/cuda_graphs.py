@@ -18,19 +18,18 @@ largest graph and TOKSTREAM_CUDA_GRAPHS=0 run eagerly, on the same kernels.
 from __future__ import annotations
 
 import bisect
-import os
 
 import torch
 
+from tokstream import envs
 from tokstream.worker.attention import AttentionMetadata
 
-GRAPHS_ENV = "TOKSTREAM_CUDA_GRAPHS"
 MAX_GRAPH_BATCH = 256
 """Largest batch captured: bigger decode batches are compute-bound and gain little."""
 
 
 def graphs_enabled() -> bool:
-    return os.environ.get(GRAPHS_ENV, "1") != "0"
+    return envs.CUDA_GRAPHS.get() != "0"
 
 
 def batch_sizes(max_num_seqs: int) -> list[int]:

@@ -17,6 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from tokstream import envs
 from tokstream.config import ModelConfig
 from tokstream.kernels import cpu_build
 from tokstream.worker import probe_cache
@@ -25,8 +26,6 @@ log = logging.getLogger("tokstream.worker")
 
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 PROBE_ROWS = (1, 32)
-PROBE_ENV = "TOKSTREAM_DTYPE_PROBE"
-"""'always' runs the timed probe even without native bfloat16 flags (tests, curiosity)."""
 
 
 def has_native_bf16(flags: list[str] | None = None) -> bool:
@@ -55,7 +54,7 @@ def measure_linear_rates(model_config: ModelConfig) -> dict[str, dict[int, float
 
 def choose_cpu_dtype(model_config: ModelConfig) -> str:
     """float32 or bfloat16 for this CPU and model (see the module docstring)."""
-    if not has_native_bf16() and os.environ.get(PROBE_ENV) != "always":
+    if not has_native_bf16() and envs.DTYPE_PROBE.get() != "always":
         log.info("dtype auto: float32 (this CPU has no native bfloat16: none of %s)",
                  ", ".join(NATIVE_BF16_FLAGS))
         return "float32"

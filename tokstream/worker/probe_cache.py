@@ -12,13 +12,14 @@ from pathlib import Path
 
 import torch
 
+from tokstream import envs
 from tokstream.kernels import cpu_build
 
 
 def path(kind: str, *parts: str) -> Path:
     key = hashlib.sha256(" ".join([cpu_build.cpu_signature(), torch.__version__, *parts])
                          .encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    root = envs.cache_root()
     return root / "tokstream" / "probes" / f"{kind}-{key}.json"
 
 

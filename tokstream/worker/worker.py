@@ -9,6 +9,7 @@ import pickle
 import time
 from dataclasses import dataclass
 
+from tokstream import envs
 from tokstream.config import EngineConfig
 from tokstream.engine.messages import ScoreRequest
 
@@ -60,7 +61,7 @@ def set_threads(config: EngineConfig) -> int:
 def worker_main(conn, config: EngineConfig, rank: int, rendezvous: str | None = None) -> None:
     """One rank. Plans arrive pickled once by the core and sent to every rank (send_bytes);
     only rank 0 answers. rendezvous: a file path unique to this rank group (tp > 1)."""
-    logging.basicConfig(level=os.environ.get("TOKSTREAM_LOG", "WARNING"),
+    logging.basicConfig(level=envs.LOG.get(),
                         format="%(asctime)s %(name)s: %(message)s")
     try:
         runner, ready = _load(config, rank, rendezvous)

@@ -1,0 +1,60 @@
+"""Every environment variable tokstream reads, declared and read here (as vLLM's envs.py does):
+its name, its default and what it is for. Options a user sets belong in tokstream/config.py;
+these are switches for kernels, diagnostics and test hooks, read when asked (never cached), so
+a test may set one and a child process inherits it. No imports beyond os: workers, the
+forkserver and `tokstream --help` all import this."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Switch:
+    name: str
+    default: str
+    help: str
+
+    def get(self) -> str:
+        return os.environ.get(self.name, self.default)
+
+    def is_set(self) -> bool:
+        """Set to anything but the empty string."""
+        return bool(os.environ.get(self.name))
+
+
+LOG = Switch("TOKSTREAM_LOG", "WARNING",
+             "Log level of the engine core and rank processes (`-v` sets INFO).")
+KERNELS = Switch("TOKSTREAM_KERNELS", "auto",
+                 "auto, torch or triton: which attention and decode kernels a worker runs "
+                 "(torch on a GPU is the reference, to bisect a kernel bug).")
+CUDA_GRAPHS = Switch("TOKSTREAM_CUDA_GRAPHS", "1", "0 runs every GPU step eagerly (no graphs).")
+CPU_KERNELS = Switch("TOKSTREAM_CPU_KERNELS", "1",
+                     "0 never builds or loads the C kernels: the torch reference runs. Read by "
+                     "kernels/cpu_build.py itself (the bottom layer imports nothing above it).")
+DTYPE_PROBE = Switch("TOKSTREAM_DTYPE_PROBE", "",
+                     "always: measure the bfloat16/float32 choice even on a CPU without native "
+                     "bfloat16.")
+SELF_CHECK = Switch("TOKSTREAM_SELF_CHECK", "",
+                    "Set (as tests do): the engine core runs the block-manager self-check after "
+                    "every step as well, not only after every recovery (/v1/state reports it).")
+POISON = Switch("TOKSTREAM_POISON", "",
+                "Tests and chaos only: rank:TOKEN SIGKILLs rank 0 as a step that prefills a "
+                "prompt starting with TOKEN is sent, core:TOKEN the engine core itself: a "
+                "request that breaks the replica every time (and only it: a sampled TOKEN "
+                "elsewhere does nothing).")
+CC = Switch("CC", "", "The C compiler of the CPU kernels (default: cc or gcc on the PATH); read "
+            "by kernels/cpu_build.py, as is XDG_CACHE_HOME there.")
+XDG_CACHE_HOME = Switch("XDG_CACHE_HOME", "",
+                        "Root of tokstream's caches (weights, dtype probes, compiled kernels); "
+                        "default ~/.cache.")
+
+SWITCHES = (LOG, KERNELS, CUDA_GRAPHS, CPU_KERNELS, DTYPE_PROBE, SELF_CHECK, POISON, CC,
+            XDG_CACHE_HOME)
+
+
+def cache_root() -> Path:
+    """$XDG_CACHE_HOME, or ~/.cache: tokstream's caches live under it."""
+    return Path(XDG_CACHE_HOME.get() or Path.home() / ".cache")
