@@ -1,7 +1,8 @@
 # make setup  - .venv with every package and the embedded model (idempotent)
 # make serve  - setup, then start the server (ARGS="--profile cpu-smollm2 --port 8080" etc.)
 # make serve-bench - setup, then bench/serve_bench.py (serve vs bench at 64 streams; JSON)
-# make test   - setup, then the whole test suite
+# make test   - setup, then the whole test suite (what CI runs)
+# make test-fast - setup, then the tests that start no server, engine or model (under 2 minutes)
 # make lock   - re-resolve deploy/lock (pinned versions with hashes) from pyproject.toml
 
 PYTHON ?= python3
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.tokstream-setup
 LOCK := deploy/lock
 ARGS ?=
 
-.PHONY: setup serve serve-bench test bench lock clean
+.PHONY: setup serve serve-bench test test-fast bench lock clean
 
 setup: $(STAMP)
 
@@ -36,6 +37,9 @@ serve: setup
 
 test: setup
 	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not startup and not slow and not gpu" $(ARGS)
 
 serve-bench: setup
 	$(BIN)/python bench/serve_bench.py $(ARGS)

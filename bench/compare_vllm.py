@@ -56,6 +56,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tokstream.serve_process import ServeProcess  # noqa: E402
 from tokstream.stats import percentile  # noqa: E402
 PEER_DIR = os.environ.get("VLLM_PEER_DIR", "/work/peers")
 DEFAULT_VENV = os.environ.get("VLLM_PEER_VENV", os.path.join(PEER_DIR, "vllm-venv"))
@@ -200,56 +201,32 @@ def parse_args() -> argparse.Namespace:
 # -- processes -------------------------------------------------------------------------------
 
 class Server:
-    """A server in its own process group (start_new_session), stopped group-wide."""
+    """A contender's server (vLLM, llama-server or tokstream serve) through the one serve
+    harness (tokstream.serve_process): its own process group, ready when /health answers 200,
+    stopped with SIGTERM, SIGKILL after 30 s, then the whole group swept."""
 
     def __init__(self, name: str, cmd: list[str], env: dict, log_path: str, port: int):
         self.name, self.cmd, self.port, self.log_path = name, cmd, port, log_path
-        self.started = time.perf_counter()
-        self.log_file = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log_file,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, cwd=ROOT)
-        log(f"{name}: started pid {self.proc.pid} on 127.0.0.1:{port} (log {log_path})")
+        self.process = ServeProcess(command=cmd, env=env, log_path=log_path, new_session=True,
+                                    reap=True, stop_timeout_s=30, keep_lines=200,
+                                    ready_url=f"http://127.0.0.1:{port}/health")
 
     def wait_healthy(self, timeout: float) -> float:
-        """Seconds from start until /health answered 200; raises on exit or timeout."""
-        deadline = self.started + timeout
-        url = f"http://127.0.0.1:{self.port}/health"
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during "
-                                   f"start-up; last log lines:\n{tail(self.log_path)}")
-            try:
-                with urllib.request.urlopen(url, timeout=5) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - self.started
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s; last log lines:\n"
-                           f"{tail(self.log_path)}")
+        """Start it; seconds from start until /health answered 200; raises on exit or
+        timeout (with the last log lines)."""
+        self.process.start_timeout_s = timeout
+        log(f"{self.name}: starting on 127.0.0.1:{self.port} (log {self.log_path})")
+        self.process.start()
+        log(f"{self.name}: pid {self.process.pid}")
+        return self.process.startup_s
 
     def stop(self) -> dict:
-        """SIGTERM to the group, SIGKILL after 30 s; reports what it took."""
-        info = {"exit_status": self.proc.poll(), "stopped_by": None}
-        if info["exit_status"] is None:
-            info["stopped_by"] = "SIGTERM"
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                info["stopped_by"] = "SIGKILL"
-                _signal_group(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-            info["exit_status"] = self.proc.returncode
-        # Children (vLLM's engine core, tokstream's workers) share the group: sweep it.
-        for _ in range(20):
-            if not _group_alive(self.proc.pid):
-                break
-            _signal_group(self.proc.pid, signal.SIGKILL)
-            time.sleep(0.5)
-        info["group_left_running"] = _group_alive(self.proc.pid)
-        self.log_file.close()
+        """Reports what stopping took."""
+        if self.process.process is None:
+            return {"exit_status": None, "stopped_by": None, "group_left_running": False}
+        exit_status = self.process.stop()
+        info = {"exit_status": exit_status, "stopped_by": self.process.stopped_by,
+                "group_left_running": self.process.group_alive()}
         log(f"{self.name}: stopped ({info})")
         return info
 
@@ -259,16 +236,6 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except ProcessLookupError:
         pass
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def run_bounded(cmd: list[str], log_path: str, timeout: float, env: dict | None = None) -> int:

@@ -31,7 +31,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 import httpx  # noqa: E402
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 
-from serving import ServerProcess, anthropic_body, record  # noqa: E402
+from helpers.serving import ServerProcess, anthropic_body, record  # noqa: E402
 from test_server_fuzz import REQUESTS, gateway_resources, send  # noqa: E402
 from tokstream.checker import check_streams  # noqa: E402
 

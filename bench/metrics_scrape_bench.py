@@ -18,9 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -28,26 +25,16 @@ import time
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-READY = re.compile(r"ready on (http://\S+)")
+sys.path.insert(0, ROOT)
+
+from tokstream.serve_process import ServeProcess  # noqa: E402
+from tokstream.stats import percentile  # noqa: E402
 
 
-def start_server(root: str) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": root}
-    process = subprocess.Popen([sys.executable, "-m", "tokstream", "serve", "--profile", "ci",
-                                "--port", "0"], cwd=root, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
-    for line in process.stderr:
-        match = READY.search(line)
-        if match:
-            return process, match.group(1)
-    raise RuntimeError(f"server in {root} did not start")
-
-
-def quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+def start_server(root: str) -> ServeProcess:
+    """`tokstream serve --profile ci` of the tree at root (its code, its profiles)."""
+    return ServeProcess(["--profile", "ci", "--port", "0"], cwd=root, env={"PYTHONPATH": root},
+                        stop_timeout_s=30, reap=True).start()
 
 
 async def one_stream(url: str, tokens: int) -> dict:
@@ -62,8 +49,8 @@ async def one_stream(url: str, tokens: int) -> dict:
                     times.append(time.perf_counter())
     gaps = [b - a for a, b in zip(times, times[1:])]
     return {"seconds": round(times[-1] - started, 3), "token_events": len(times),
-            "gap_ms_p50": round(statistics.median(gaps) * 1000, 2),
-            "gap_ms_p99": round(quantile(gaps, 0.99) * 1000, 2)}
+            "gap_ms_p50": round(percentile(gaps, 50) * 1000, 2),
+            "gap_ms_p99": round(percentile(gaps, 99) * 1000, 2)}
 
 
 SCRAPER = """
@@ -97,12 +84,13 @@ def scraped_stream(url: str, tokens: int, scrapers: int, seconds: float) -> dict
     latencies = json.loads(scraper.communicate(timeout=seconds + 120)[0])
     return {**stream, "scrapes": len(latencies),
             "scrapes_per_s": round(len(latencies) / seconds, 1),
-            "metrics_ms_p50": round(quantile(latencies, 0.5) * 1000, 1),
-            "metrics_ms_p99": round(quantile(latencies, 0.99) * 1000, 1)}
+            "metrics_ms_p50": round(percentile(latencies, 50) * 1000, 1),
+            "metrics_ms_p99": round(percentile(latencies, 99) * 1000, 1)}
 
 
 def measure(root: str, tokens: int, scrapers: int) -> dict:
-    process, url = start_server(root)
+    server = start_server(root)
+    url = server.url
     try:
         asyncio.run(one_stream(url, 8))  # warm-up
         alone = asyncio.run(one_stream(url, tokens))
@@ -110,8 +98,7 @@ def measure(root: str, tokens: int, scrapers: int) -> dict:
         # alone; at the issue's 10x slowdown it would still fit).
         loaded = scraped_stream(url, tokens, scrapers, max(10.0, 12 * alone["seconds"]))
     finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(30)
+        server.stop()
     commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
     return {"root": root, "commit": commit, "alone": alone, "with_scrapers": loaded,

@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,8 +30,7 @@ sys.path.insert(0, ROOT)
 from tokstream.bench import BenchSpec, random_prompts  # noqa: E402
 from tokstream.stats import percentiles  # noqa: E402
 from tokstream.kernels import cpu_build  # noqa: E402
-
-READY = re.compile(r"ready on http://([\d.]+):(\d+)")
+from tokstream.serve_process import ServeProcess  # noqa: E402
 
 
 def run_offline_bench(args) -> dict:
@@ -51,31 +48,12 @@ def run_offline_bench(args) -> dict:
             return json.load(f)
 
 
-class Server:
-    def __init__(self, args):
-        self.args = args
-
-    def __enter__(self):
-        a = self.args
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "tokstream", "serve", "--model", a.model, "--dtype", a.dtype,
-             "--port", "0", "--max-num-seqs", str(max(64, a.concurrency)),
-             "--max-waiting-requests", str(max(256, a.num_requests))],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
-        for line in self.process.stderr:
-            match = READY.search(line)
-            if match:
-                self.host, self.port = match.group(1), int(match.group(2))
-                return self
-        raise RuntimeError("server did not start")
-
-    def __exit__(self, *exc):
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
+def start_server(args) -> ServeProcess:
+    """`tokstream serve` on a free port, in its own process group, stopped whole."""
+    return ServeProcess(["--model", args.model, "--dtype", args.dtype, "--port", "0",
+                         "--max-num-seqs", str(max(64, args.concurrency)),
+                         "--max-waiting-requests", str(max(256, args.num_requests))],
+                        new_session=True, reap=True, stop_timeout_s=30)
 
 
 async def stream_one(host: str, port: int, body: dict) -> tuple[float, list[tuple[float, int]]]:
@@ -166,8 +144,8 @@ def main() -> None:
 
     load_before = os.getloadavg()
     offline = run_offline_bench(args)
-    with Server(args) as server:
-        served = asyncio.run(drive_server(server.host, server.port, prompts, args))
+    with start_server(args) as server:
+        served = asyncio.run(drive_server(*server.host_port, prompts, args))
     ratio = served["output_tokens_per_s"] / offline["output_tokens_per_s"]
     result = {
         "workload": {"model": args.model, "dtype": offline["dtype"],

@@ -13,38 +13,22 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tokstream.serve_process import ServeProcess  # noqa: E402
+
 PEERS = Path(os.environ.get("VLLM_PEER_DIR", "/work/peers"))
 VLLM = PEERS / "vllm-venv" / "bin" / "vllm-peer"
 GUIDELLM = PEERS / "guidellm-venv" / "bin" / "guidellm"
 TOKENIZER = PEERS / "smollm2-hf"  # written by bench/compare_vllm.py (a Hugging Face folder)
 MODEL = "smollm2"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError("tokstream serve did not come up")
 
 
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
@@ -86,23 +70,16 @@ def guidellm(url: str, work: Path) -> dict:
 
 
 def main() -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([str(ROOT / ".venv" / "bin" / "tokstream"), "serve", "--host",
-                               "127.0.0.1", "--port", str(port), "--served-model-name", MODEL],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
-    try:
-        wait_healthy(url)
+    with ServeProcess(command=[str(ROOT / ".venv" / "bin" / "tokstream"), "serve", "--host",
+                               "127.0.0.1", "--port", "0", "--served-model-name", MODEL],
+                      new_session=True, reap=True, stop_timeout_s=60) as server:
+        url = server.url
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                       "server": "tokstream serve at its defaults (no --stream-integrity)",
                       "vllm_bench_serve_unmodified": vllm_bench(url, work),
                       "guidellm": guidellm(url, work)}
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(60)
     path = ROOT / "bench" / "results" / "stock_clients.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

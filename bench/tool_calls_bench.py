@@ -37,9 +37,9 @@ def cpu_model() -> str:
 
 
 def main() -> None:
-    from serving import ServerProcess
+    from helpers.serving import ServerProcess
     from tokstream.checker import check_streams
-    from tool_workload import jobs, problems, record_all
+    from helpers.tool_workload import jobs, problems, record_all
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="dummy:tiny")
@@ -125,7 +125,7 @@ def auto_probe(url: str, model: str, count: int) -> dict:
     """count streamed tool_choice=auto requests (the model free): calls made, calls whose
     arguments validate, texts that hold tool-call markup."""
     from tokstream.checker import SSERecorder
-    from tool_workload import NAMES, SCHEMAS, Job, streamed
+    from helpers.tool_workload import NAMES, SCHEMAS, Job, streamed
     import httpx
     import jsonschema
 

@@ -3,30 +3,19 @@
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
-import os
-import re
 import secrets
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
-import psutil
-
 from tokstream.errors import UserInputError
+from tokstream.serve_process import ServeProcess
 
-READY = re.compile(r"ready on (http://\S+)")
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 20.0
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -72,13 +61,13 @@ def default_tp(model: str) -> int:
 class OwnServer:
     """`with OwnServer(args) as target:` a `tokstream serve` child process, in its own session
     (Ctrl-C reaches only chaos, which then tears the server down in order), that also gets
-    SIGTERM if chaos itself dies."""
+    SIGTERM if chaos itself dies; stopped with SIGTERM, then whatever of its tree is left is
+    SIGKILLed (tokstream.serve_process, the harness tests and benchmarks use too)."""
 
     def __init__(self, serve_args: list[str], env: dict[str, str] | None = None):
         self.serve_args = serve_args
-        self.env = {**os.environ, **(env or {})}
-        self.log: list[str] = []
-        self.process: subprocess.Popen | None = None
+        self.env = env
+        self.server: ServeProcess | None = None
         self._tmp = tempfile.TemporaryDirectory(prefix="tokstream-chaos-")
 
     def __enter__(self) -> Target:
@@ -96,73 +85,23 @@ class OwnServer:
         tenants = Path(self._tmp.name) / "tenants.toml"
         tenants.write_text(f'admin_key_sha256 = "{_sha256(admin_key)}"\n\n[[tenant]]\n'
                            f'name = "chaos"\nkey_sha256 = "{_sha256(client_key)}"\n')
-        command = [sys.executable, "-m", "tokstream", "serve", "--host", "127.0.0.1",
-                   "--port", "0", "--tenants", str(tenants), *self.serve_args]
-        self.process = subprocess.Popen(
-            command, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, text=True, start_new_session=True,
-            preexec_fn=_die_with_parent)
-        found: list[str] = []
-        ready = threading.Event()
-
-        def drain() -> None:
-            for line in self.process.stderr:
-                self.log.append(line.rstrip("\n"))
-                del self.log[:-200]
-                match = READY.search(line)
-                if match and not found:
-                    found.append(match.group(1))
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not ready.wait(0.2):
-            if time.monotonic() > deadline:
-                break
-        if not found:
-            raise RuntimeError("the server did not start:\n" + "\n".join(self.log[-30:]))
-        return Target(found[0], admin_key, client_key, own=True,
-                      description={"command": " ".join(command[2:]), "pid": self.process.pid})
+        self.server = ServeProcess(["--host", "127.0.0.1", "--port", "0", "--tenants",
+                                    str(tenants), *self.serve_args], env=self.env,
+                                   start_timeout_s=START_TIMEOUT_S, stop_timeout_s=STOP_TIMEOUT_S,
+                                   new_session=True, keep_lines=200, reap=True)
+        self.server.start()
+        return Target(self.server.url, admin_key, client_key, own=True,
+                      description={"command": " ".join(self.server.command[2:]),
+                                   "pid": self.server.pid})
 
     def stop(self) -> None:
         """SIGTERM the gateway (it stops its engine core, which stops its ranks), then
         SIGKILL whatever of the tree is still there."""
-        process, self.process = self.process, None
-        if process is not None:
-            try:  # psutil checks each process's identity, so a reused pid is never signalled
-                tree = [psutil.Process(process.pid)]
-                tree += tree[0].children(recursive=True)
-            except psutil.Error:
-                tree = []
-            _each(tree, "resume")  # a stopped process ignores SIGTERM until it is continued
-            process.terminate()
-            try:
-                process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
-            _each(tree, "kill")
-            try:
-                process.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
         self._tmp.cleanup()
 
 
 def _sha256(key: str) -> str:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-def _each(processes: list[psutil.Process], action: str) -> None:
-    for process in processes:
-        try:
-            getattr(process, action)()
-        except psutil.Error:
-            pass
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass

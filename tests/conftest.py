@@ -30,3 +30,41 @@ def _import_triton_for_the_interpreter() -> None:
 
 
 _import_triton_for_the_interpreter()
+
+
+# `make test-fast` (-m "not startup") runs only tests that start no server, engine core, rank
+# group or model. A test that does so without the `startup` mark fails there at once, instead of
+# quietly making the fast run slow: the mark stays true by itself.
+STARTING_COMMANDS = {"serve", "generate", "bench", "chaos"}
+
+
+def _starts_model(*_args, **_kwargs):
+    import pytest
+
+    pytest.fail("this test starts a server, an engine or a model: mark it "
+                "@pytest.mark.startup (make test-fast leaves such tests out)", pytrace=False)
+
+
+def pytest_configure(config):
+    if "not startup" not in (config.getoption("markexpr", "") or ""):
+        return
+    import subprocess
+
+    from tokstream.engine.async_engine import AsyncEngine
+    from tokstream.engine.executor import RankGroup
+    from tokstream.serve_process import ServeProcess
+
+    ServeProcess.start = _starts_model
+    RankGroup.__init__ = _starts_model
+    AsyncEngine.start = _starts_model
+    popen_init = subprocess.Popen.__init__
+
+    def guarded_popen(self, args, *rest, **kwargs):
+        words = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+        tail = words[words.index("tokstream") + 1:] if "tokstream" in words else [
+            w for i, w in enumerate(words[1:]) if words[i].endswith("/tokstream")][:1]
+        if tail and tail[0] in STARTING_COMMANDS and "--help" not in words:
+            _starts_model()
+        popen_init(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = guarded_popen

@@ -13,10 +13,10 @@ import time
 import psutil
 import pytest
 
-from serving import ROOT, ServerProcess
+from helpers.serving import ROOT, ServerProcess
 from tokstream.server.tenants import hash_key
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(400)]
 
 CHAOS = [sys.executable, "-m", "tokstream", "chaos"]
 TINY = ["--model", "dummy:tiny"]

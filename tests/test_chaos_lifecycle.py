@@ -9,7 +9,7 @@ import pytest
 
 from test_chaos import TINY, assert_clean, chaos
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
 
 def test_drain_lets_every_stream_finish_and_the_server_exit(tmp_path):

@@ -9,9 +9,9 @@ import sys
 import psutil
 import pytest
 
-from serving import ROOT
+from helpers.serving import ROOT
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.startup, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_kill_rank_1_on_smollm2(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving import ROOT
+from helpers.serving import ROOT
 
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 IGNORE = ROOT / "deploy" / "Dockerfile.dockerignore"

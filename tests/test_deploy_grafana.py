@@ -10,8 +10,8 @@ import subprocess
 import pytest
 import yaml
 
-from metrics_series import exported_series, series_in
-from serving import ROOT
+from helpers.metrics_series import exported_series, series_in
+from helpers.serving import ROOT
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "tokstream-dashboard.json"
 

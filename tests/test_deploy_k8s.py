@@ -16,8 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from metrics_series import exported_series
-from serving import ROOT, ServerProcess
+from helpers.metrics_series import exported_series
+from helpers.serving import ROOT, ServerProcess
 
 K8S = ROOT / "deploy" / "k8s"
 # The oldest Kubernetes still commonly run (grpc probes and policy/v1 need >= 1.24) and the

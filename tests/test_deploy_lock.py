@@ -10,7 +10,7 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from serving import ROOT
+from helpers.serving import ROOT
 
 LOCK = ROOT / "deploy" / "lock"
 # Installed outside requirements.txt on purpose: torch by the Makefile (the CPU/CUDA split),

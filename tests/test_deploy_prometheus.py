@@ -16,8 +16,8 @@ import httpx
 import pytest
 import yaml
 
-from metrics_series import exported_series, series_in
-from serving import ROOT, ServerProcess, _die_with_parent
+from helpers.metrics_series import exported_series, series_in
+from helpers.serving import ROOT, ServerProcess, die_with_parent
 
 PROMETHEUS_DIR = ROOT / "deploy" / "prometheus"
 RULES = PROMETHEUS_DIR / "tokstream-rules.yml"
@@ -102,7 +102,7 @@ def test_live_prometheus_scrapes_a_server(tmp_path):
              f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address={address}",
              "--log.level=warn"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            preexec_fn=_die_with_parent)
+            preexec_fn=die_with_parent)
         api = f"http://{address}"
         try:
             def up() -> bool:

@@ -14,6 +14,8 @@ from tokstream.model.source import resolve_model
 from tokstream.sampling_params import SamplingParams
 from tokstream.worker.dtype_choice import resolve_kv_cache_dtype
 
+pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
+
 PROMPTS = [[5 + i, 17, 99, 3 + i] * (i + 1) for i in range(8)]
 
 

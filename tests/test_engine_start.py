@@ -15,7 +15,7 @@ from tokstream.engine import async_engine
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.errors import ReplicaError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(120)]
 
 PID_FILE_ENV = "TEST_HUNG_CORE_CHILD_PID_FILE"
 

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from serving import ServerProcess, anthropic_body, record
+from helpers.serving import ServerProcess, anthropic_body, record
 from tokstream.config import CacheConfig, EngineConfig
 from tokstream.server.supervisor import replacement_config
 

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from serving import ROOT, ServerProcess
+from helpers.serving import ROOT, ServerProcess
+
+pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
 
 MIX = """
 kind = "mix"

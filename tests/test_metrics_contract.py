@@ -8,10 +8,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from metrics_series import exported_series
-from serving import ServerProcess
+from helpers.metrics_series import exported_series
+from helpers.serving import ServerProcess
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(120)]
 
 # family name (as the parser reports it: counters without _total) -> (type, labels it must carry)
 CONTRACT = {

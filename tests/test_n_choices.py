@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from serving import ServerProcess, record
+from helpers.serving import ServerProcess, record
 from tokstream.checker import (OPT_IN, RecordedStream, SSEEvent, SSERecorder, check_streams,
                                choice_request_id)
 from tokstream.config import SchedulerConfig
@@ -23,6 +23,8 @@ from tokstream.engine.messages import token_digest
 from tokstream.engine.request import Request
 from tokstream.engine.scheduler import Scheduler
 from tokstream.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
 
 _clock = itertools.count()
 PROMPT = list(range(100, 140))

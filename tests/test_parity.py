@@ -17,7 +17,7 @@ from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import allocate_kv_caches
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")]
+pytestmark = [pytest.mark.startup, pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")]
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

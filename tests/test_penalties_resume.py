@@ -16,7 +16,7 @@ from tokstream.engine.llm import LLM
 from tokstream.engine.messages import EngineRequest
 from tokstream.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
 PROMPTS = [[5 + i, 17, 99, 3 + i] * (i + 2) for i in range(4)]
 PENALTIES = dict(max_tokens=24, ignore_eos=True, repetition_penalty=1.3,

@@ -9,13 +9,13 @@ import time
 import httpx
 import pytest
 
-from serving import ServerProcess, anthropic_body, record
+from helpers.serving import ServerProcess, anthropic_body, record
 from tokstream.checker import check_streams
 from tokstream.engine.llm import LLM
 from tokstream.engine.messages import EngineRequest
 from test_recovery import GREEDY, PROMPTS, config
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(240)]
 
 POISON_TOKEN = 77
 POISON = [POISON_TOKEN, 5, 17, 9, 9]

@@ -15,6 +15,8 @@ from tokstream.engine.messages import EngineRequest
 from tokstream.errors import OverloadedError
 from tokstream.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
+
 PROMPTS = [[5 + i, 17, 99, 3 + i] * (i + 2) for i in range(6)]
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=3, ignore_eos=True)

@@ -15,10 +15,10 @@ import httpx
 import psutil
 import pytest
 
-from serving import ServerProcess
+from helpers.serving import ServerProcess
 from tokstream.checker import RecordedStream, SSERecorder, check_streams
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
 MODEL = "dummy:tiny"
 LONG_PROMPT = [3 + (i * 7) % 500 for i in range(1200)]

@@ -7,11 +7,11 @@ import json
 import httpx
 import pytest
 
-from serving import INTEGRITY, ServerProcess, anthropic_body, openai_body, record
+from helpers.serving import INTEGRITY, ServerProcess, anthropic_body, openai_body, record
 from tokstream.checker import check_streams
 from tokstream.engine.messages import token_digest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

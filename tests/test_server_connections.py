@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from serving import ServerProcess, anthropic_body, raw_request
+from helpers.serving import ServerProcess, anthropic_body, raw_request
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
 MAX_CONNECTIONS = 24
 

@@ -7,10 +7,10 @@ import asyncio
 import httpx
 import pytest
 
-from serving import ServerProcess, arecord
+from helpers.serving import ServerProcess, arecord
 from tokstream.checker import check_streams
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(600)]
 
 NUM_STREAMS = 64
 MAX_TOKENS = 24

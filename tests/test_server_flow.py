@@ -10,11 +10,11 @@ import time
 import httpx
 import pytest
 
-from serving import (INTEGRITY, ServerProcess, anthropic_body, arecord, dechunk, raw_request, read_all,
+from helpers.serving import (INTEGRITY, ServerProcess, anthropic_body, arecord, dechunk, raw_request, read_all,
                      record)
 from tokstream.checker import check_streams, parse_sse
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serving import ServerProcess, anthropic_body, record
+from helpers.serving import ServerProcess, anthropic_body, record
 from tokstream.checker import check_streams, parse_sse
 
 pytestmark = pytest.mark.timeout(600)

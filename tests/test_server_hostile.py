@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from serving import ServerProcess, anthropic_body, openai_body
+from helpers.serving import ServerProcess, anthropic_body, openai_body
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,7 +9,9 @@ import jsonschema
 import openai
 import pytest
 
-from serving import ServerProcess
+from helpers.serving import ServerProcess
+
+pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},

@@ -7,10 +7,10 @@ import httpx
 import openai
 import pytest
 
-from serving import ServerProcess, record
+from helpers.serving import ServerProcess, record
 from tokstream.checker import check_streams
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.startup, pytest.mark.slow, pytest.mark.timeout(600)]
 
 QUESTION = "What is the capital of France?"
 ANSWER = "The capital of France is Paris."

@@ -9,11 +9,11 @@ import sys
 import httpx
 import pytest
 
-from serving import ROOT, ServerProcess, anthropic_body, arecord, openai_body
+from helpers.serving import ROOT, ServerProcess, anthropic_body, arecord, openai_body
 from tokstream.checker import check_streams
 from tokstream.server.tenants import hash_key, load_tenants
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
 ALICE, BOB, ADMIN = "sk-alice-0123456789", "sk-bob-9876543210", "sk-admin-secret"
 METRICS = "sk-prometheus-scraper"

@@ -6,10 +6,12 @@ round trip, and typed 400s."""
 import httpx
 import pytest
 
-from serving import ServerProcess
+from helpers.serving import ServerProcess
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
 from tokstream.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
 
 
 @pytest.fixture(scope="module")

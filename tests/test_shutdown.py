@@ -12,10 +12,10 @@ import httpx
 import psutil
 import pytest
 
-from serving import ServerProcess, anthropic_body, openai_body, record
+from helpers.serving import ServerProcess, anthropic_body, openai_body, record
 from tokstream.checker import check_streams
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(240)]
 
 # Long enough that the streams are still running well after the signal (dummy:tiny with the
 # ci profile's 32-token budget streams a few hundred tokens a second on 2 loaded cores).

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from serving import ServerProcess, anthropic_body, record
+from helpers.serving import ServerProcess, anthropic_body, record
 from test_recovery import GREEDY, PROMPTS, config
 from tokstream.checker import check_streams
 from tokstream.engine.llm import LLM

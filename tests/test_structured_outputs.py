@@ -15,6 +15,8 @@ from tokstream.errors import UserInputError
 from tokstream.sampling_params import SamplingParams
 from tokstream.structured import StructuredOutput
 
+pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
+
 SCHEMAS = [
     {"type": "object", "properties": {"ok": {"type": "boolean"},
                                       "n": {"type": "integer", "minimum": 0, "maximum": 9}},

@@ -9,7 +9,7 @@ from tokstream.engine.llm import LLM
 from tokstream.errors import UserInputError
 from tokstream.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.startup, pytest.mark.slow]
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
            "List three primary colors."]

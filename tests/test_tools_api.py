@@ -20,11 +20,11 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from serving import ServerProcess
+from helpers.serving import ServerProcess
 from tokstream.checker import check_streams
-from tool_workload import NAMES, SCHEMAS, jobs, problems, record_all
+from helpers.tool_workload import NAMES, SCHEMAS, jobs, problems, record_all
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
 MODEL = "dummy:tiny"
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]

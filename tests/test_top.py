@@ -12,7 +12,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from top_replay import FRAMES, Replay, first_poll, replay_app
+from helpers.top_replay import FRAMES, Replay, first_poll, replay_app
 from tokstream.cli import app as cli
 from tokstream.top.detail import DetailScreen
 from tokstream.top.help import HelpScreen

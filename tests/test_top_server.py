@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from serving import ServerProcess, anthropic_body
+from helpers.serving import ServerProcess, anthropic_body
 from tokstream.server.tenants import hash_key
 from tokstream.top.app import TopApp
 from tokstream.top.detail import DetailScreen
@@ -22,7 +22,7 @@ from tokstream.top.kv_map import blocks
 from tokstream.top.source import HttpSource
 from tokstream.top.tables import RequestsTable
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(240)]
 
 ALICE, ADMIN = "sk-alice-top-test", "sk-admin-top-test"
 SYSTEM = "Shared instructions that fill several KV blocks for every request. " * 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from top_replay import Replay, first_poll, replay_app
+from helpers.top_replay import Replay, first_poll, replay_app
 
 pytestmark = pytest.mark.timeout(120)
 

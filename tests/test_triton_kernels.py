@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from triton_interpreter import interpreted_kernels  # noqa: F401 (a fixture)
+from helpers.triton_interpreter import interpreted_kernels  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 

@@ -19,7 +19,7 @@ from tokstream.tokenizer import dummy_tokenizer
 from tokstream.worker.cuda_graphs import DecodeGraphs, batch_sizes
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import ModelRunner, allocate_kv_caches
-from triton_interpreter import interpreted_kernels  # noqa: F401 (a fixture)
+from helpers.triton_interpreter import interpreted_kernels  # noqa: F401 (a fixture)
 
 BLOCK = 4
 POOL = 48

@@ -14,7 +14,7 @@ import httpx
 from tokstream.top.app import TopApp
 from tokstream.top.source import HttpSource
 
-FRAMES = json.loads((Path(__file__).parent / "data" / "top" / "frames.json").read_text())
+FRAMES = json.loads((Path(__file__).parents[1] / "data" / "top" / "frames.json").read_text())
 URL = "http://replay.test:8000"
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import httpx
 import jsonschema
 
-from serving import INTEGRITY
+from helpers.serving import INTEGRITY
 from tokstream.checker import RecordedStream, SSERecorder
 
 SCHEMAS = [

@@ -1,101 +1,35 @@
-"""Helpers for tests that run a real `tokstream serve` process on a free port.
-
-The server is a child of the test process: it dies with it (PR_SET_PDEATHSIG), its engine
-core exits when the gateway's pipe closes, and the worker when the core's does, so a killed
-test run leaves no orphans.
-"""
+"""Helpers for tests that run a real `tokstream serve` process on a free port: the server
+harness is tokstream.serve_process (the same one chaos and the benchmarks use), with what tests
+add (the integrity framing, the engine's self-check, /v1/state polling)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
-import re
-import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import httpx
 
 from tokstream.checker import OPT_IN, RecordedStream, SSERecorder
+from tokstream.serve_process import ROOT, ServeProcess, die_with_parent  # noqa: F401
 
-ROOT = Path(__file__).resolve().parents[1]
-TOKSTREAM = [sys.executable, "-m", "tokstream"]
-READY = re.compile(r"ready on (http://\S+)")
-PR_SET_PDEATHSIG = 1
 INTEGRITY = OPT_IN
 """The checker reads the integrity framing, which a request asks for (stock framing is the
 default)."""
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-class ServerProcess:
+class ServerProcess(ServeProcess):
     """`with ServerProcess("--profile", "ci") as server: httpx.get(server.url + "/health")`"""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, start_timeout: float = 180,
                  new_session: bool = False):
-        self.new_session = new_session
-        """Start it in a process group of its own (to signal the whole group)."""
         # Tests read the integrity framing (id: lines): every test server frames every stream
         # with it unless a test asks for the stock framing (--no-stream-integrity).
         integrity = () if "--no-stream-integrity" in args else ("--stream-integrity",)
-        self.args = ["serve", "--port", "0", *integrity, *args]
         # The engine checks its block bookkeeping after every step (wait_idle reads the verdict).
-        self.env = {**os.environ, "TOKSTREAM_SELF_CHECK": "1", **(env or {})}
-        self.start_timeout = start_timeout
-        self.url: str | None = None
-        self.log: list[str] = []
-
-    def __enter__(self) -> "ServerProcess":
-        self.process = subprocess.Popen(
-            TOKSTREAM + self.args, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            preexec_fn=_die_with_parent, start_new_session=self.new_session)
-        ready = threading.Event()
-
-        def drain():
-            for line in self.process.stderr:
-                self.log.append(line)
-                match = READY.search(line)
-                if match and self.url is None:
-                    self.url = match.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=drain, daemon=True).start()
-        ready.wait(self.start_timeout)
-        if self.url is None:
-            self.stop()
-            raise RuntimeError("server did not start:\n" + "".join(self.log[-40:]))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> int | None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
-        return self.process.returncode
-
-    @property
-    def host_port(self) -> tuple[str, int]:
-        host, port = self.url.removeprefix("http://").rsplit(":", 1)
-        return host, int(port)
+        super().__init__(["--port", "0", *integrity, *args], start_timeout_s=start_timeout,
+                         env={"TOKSTREAM_SELF_CHECK": "1", **(env or {})},
+                         new_session=new_session)
 
     def state(self, **headers) -> dict:
         response = httpx.get(self.url + "/v1/state", headers=headers, timeout=30)
