@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 
 from tokstream.bench import BenchSpec, random_prompts  # noqa: E402
 from tokstream.stats import percentiles  # noqa: E402
+from tokstream.config import AdmissionConfig, SchedulerConfig  # noqa: E402
 from tokstream.kernels import cpu_build  # noqa: E402
 from tokstream.serve_process import ServeProcess  # noqa: E402
 
@@ -51,8 +52,10 @@ def run_offline_bench(args) -> dict:
 def start_server(args) -> ServeProcess:
     """`tokstream serve` on a free port, in its own process group, stopped whole."""
     return ServeProcess(["--model", args.model, "--dtype", args.dtype, "--port", "0",
-                         "--max-num-seqs", str(max(64, args.concurrency)),
-                         "--max-waiting-requests", str(max(256, args.num_requests))],
+                         "--max-num-seqs", str(max(SchedulerConfig.max_num_seqs,
+                                                   args.concurrency)),
+                         "--max-waiting-requests", str(max(AdmissionConfig.max_waiting_requests,
+                                                           args.num_requests))],
                         new_session=True, reap=True, stop_timeout_s=30)
 
 

@@ -13,12 +13,14 @@ def run(*args, timeout=240):
 
 
 @pytest.mark.slow
+@pytest.mark.startup
 def test_generate_answers_on_stdout():
     result = run("generate", "What is the capital of France?", "--dtype", "float32")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "The capital of France is Paris."
 
 
+@pytest.mark.startup
 def test_generate_raw_prompt_on_dummy_model_with_logs_on_stderr():
     result = run("generate", "--no-chat", "hello", "--model", "dummy:tiny", "--max-tokens", "5",
                  "-v")
@@ -35,6 +37,7 @@ def test_generate_raw_prompt_on_dummy_model_with_logs_on_stderr():
     (["--model", "no-such-model"], "no-such-model"),
     (["--model", "dummy:nope"], "dummy:nope"),
 ])
+@pytest.mark.startup
 def test_bad_input_is_one_line_and_exit_2(args, message):
     result = run("generate", "hi", *args)
     assert result.returncode == 2
@@ -43,6 +46,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert len(lines) == 1 and message in lines[0]
 
 
+@pytest.mark.startup
 def test_corrupt_gguf_and_too_long_prompt(tmp_path):
     from tokstream.model.source import embedded_gguf_path
 
@@ -75,6 +79,7 @@ def test_plan_json_has_the_contract_keys():
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
 
 
+@pytest.mark.startup
 def test_bench_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     result = run("bench", "--model", "dummy:tiny", "--num-requests", "6", "--input-len", "20",
@@ -89,6 +94,7 @@ def test_bench_writes_json(tmp_path):
         assert data[key]["p50"] <= data[key]["p99"]
 
 
+@pytest.mark.startup
 def test_bench_sweep_writes_the_curve(tmp_path):
     out = tmp_path / "sweep.json"
     result = run("bench", "--model", "dummy:tiny", "--num-requests", "4", "--input-len", "12",
@@ -107,6 +113,7 @@ def test_bench_sweep_writes_the_curve(tmp_path):
 @pytest.mark.parametrize("args", [["--sweep", "1,x"], ["--sweep", "0"],
                                   ["--sweep", "2", "--sweep-param", "nope"],
                                   ["--no-chunked-prefill", "--max-prefill-chunk", "8"]])
+@pytest.mark.startup
 def test_bench_bad_dials_are_one_line_and_exit_2(args):
     result = run("bench", "--model", "dummy:tiny", *args)
     assert result.returncode == 2 and "Traceback" not in result.stderr

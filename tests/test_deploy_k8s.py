@@ -206,6 +206,7 @@ def test_monitoring_renders_and_validates():
             kubernetes_validate.validate(obj, VERSIONS[-1], strict=True)
 
 
+@pytest.mark.startup
 def test_serve_starts_with_the_deployments_arguments(objects):
     """The container's own flags, profile and tenants file, on dummy:tiny and loopback."""
     (container,) = one(objects, "Deployment", "tokstream")["spec"]["template"]["spec"][

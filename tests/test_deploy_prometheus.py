@@ -86,6 +86,7 @@ def wait_for(condition, what: str, seconds: float = 30) -> None:
         time.sleep(0.5)
 
 
+@pytest.mark.startup
 def test_live_prometheus_scrapes_a_server(tmp_path):
     prometheus = need("prometheus")
     with ServerProcess("--model", "dummy:tiny") as server:

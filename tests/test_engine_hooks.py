@@ -26,6 +26,7 @@ def test_token_digest_is_stable_and_order_sensitive():
     assert token_digest([]).startswith("sha256:")
 
 
+@pytest.mark.startup
 def test_digest_steps_snapshot_and_score():
     async def main():
         engine = await AsyncEngine(tiny()).start()

@@ -34,6 +34,7 @@ def wait_for(predicate, timeout=60):
         time.sleep(0.1)
 
 
+@pytest.mark.startup
 def test_no_rank_folder_or_process_outlives_restarts_and_shutdown(tmp_path):
     with ServerProcess("--profile", "ci", "--tp", "2", env={"TMPDIR": str(tmp_path)}) as server:
         client = httpx.Client(base_url=server.url, timeout=60)

@@ -401,6 +401,7 @@ def test_the_flag_and_the_profile_key_reach_the_scheduler(monkeypatch):
     assert f"[default: ({SchedulerConfig().itl_target_ms:g})]" in help_text
 
 
+@pytest.mark.startup
 def test_the_engine_core_feeds_every_step_to_the_cost_model_and_outputs_do_not_change():
     # dummy:tiny with a real worker: a target far under its step time leaves prefill only the
     # floor, so prompts that arrive while a stream decodes go in small chunks; the tokens are

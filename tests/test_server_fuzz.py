@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from helpers.serving import ServerProcess, anthropic_body, record
 from tokstream.checker import check_streams, parse_sse
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(600)]
 
 FUZZ = settings(max_examples=80, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,

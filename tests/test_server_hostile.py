@@ -14,7 +14,7 @@ import pytest
 
 from helpers.serving import ServerProcess, anthropic_body, openai_body
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
 ORIGIN = "https://app.example"
 

@@ -18,7 +18,7 @@ from tokstream.checker import check_streams
 from tokstream.engine.llm import LLM
 from tokstream.engine.messages import EngineRequest
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(240)]
 
 
 def events(server, kind: str) -> list[dict]:

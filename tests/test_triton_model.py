@@ -146,6 +146,7 @@ def test_triton_tokens_through_padded_graph_buffers_match_the_torch_path(interpr
     assert len(set(sum(expected, []))) > 10, "tokens vary: they depend on attention"
 
 
+@pytest.mark.startup
 def test_engine_selects_triton_kernels_in_the_worker(interpreted_kernels, monkeypatch,
                                                     tmp_path):
     """The worker process picks the Triton backend (TOKSTREAM_KERNELS=triton stands in for
