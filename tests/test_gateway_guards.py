@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+from tokstream.chaos.demux_mutation import install
 from tokstream.errors import UserInputError
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
@@ -56,13 +57,20 @@ def test_smollm2_user_cannot_forge_a_system_turn():
 def test_demux_mutation_is_test_only(monkeypatch):
     monkeypatch.setenv("TOKSTREAM_DEMUX_MUTATION", "drop")
     registry = StreamRegistry(engine=None)
-    assert registry.mutation is None  # a variable left in a shell does nothing
-    assert StreamRegistry(engine=None, mutation="drop").mutation is not None
+    assert registry.reroute is None  # a variable left in a shell does nothing
+    install(registry, "drop")
+    assert registry.reroute is not None
     with pytest.raises(UserInputError, match="test-only"):
         ServerConfig(demux_mutation="drop", tenants_file="tenants.toml")
     with pytest.raises(UserInputError, match="test-only"):
         ServerConfig(demux_mutation="drop", host="0.0.0.0", insecure=True)
     assert ServerConfig(demux_mutation="drop").demux_mutation == "drop"
+    # The mutation lives on the chaos side; the gateway never loads it unless asked.
+    code = ("import sys, tokstream.cli, tokstream.server.app; "
+            "print('tokstream.chaos.demux_mutation' in sys.modules)")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert loaded.stdout.strip() == "False", loaded.stderr
 
 
 def test_one_snapshot_is_shared_by_concurrent_readers():

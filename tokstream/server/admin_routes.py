@@ -8,6 +8,7 @@ import time
 from starlette.responses import JSONResponse, Response
 
 from tokstream.server.anthropic_routes import chat_messages, encode_messages
+from tokstream.server.auth import presented_key
 from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
 from tokstream.server.state import Server
 from tokstream.server.validation import _kind, get_int, parse_off_loop, read_json, shown
@@ -27,9 +28,9 @@ async def metrics(request):
     server: Server = request.app.state.server
     tenants = True
     try:
-        server.authenticate_metrics(request.headers)
+        server.auth.authenticate_metrics(request.headers)
     except ApiError:
-        if not (server.config.public_load_metrics and not server.presented_key(request.headers)):
+        if not (server.config.public_load_metrics and not presented_key(request.headers)):
             raise
         tenants = False  # the load series a router reads, nothing that names a tenant
     await server.core_snapshot()
@@ -41,7 +42,7 @@ async def metrics(request):
 @api_route(OPENAI)
 async def state(request):
     server: Server = request.app.state.server
-    server.authenticate_admin(request.headers)
+    server.auth.authenticate_admin(request.headers)
     started = time.perf_counter()
     snapshot = await server.snapshot()
     snapshot["build_ms"] = (time.perf_counter() - started) * 1000
@@ -51,7 +52,7 @@ async def state(request):
 @api_route(OPENAI)
 async def request_state(request):
     server: Server = request.app.state.server
-    server.authenticate_admin(request.headers)
+    server.auth.authenticate_admin(request.headers)
     request_id = request.path_params["request_id"]
     stream = server.registry.streams.get(request_id)
     if stream is None:
@@ -92,7 +93,7 @@ async def score(request):
     {"messages": [...], "system"?: ..., "output_token_ids": [...]} (the prompt as
     /v1/messages builds it)."""
     server: Server = request.app.state.server
-    server.authenticate_admin(request.headers)
+    server.auth.authenticate_admin(request.headers)
     body = await read_json(request, server.config.max_body_bytes,
                            server.config.body_timeout_s)
     if body.get("model") is not None:

@@ -231,7 +231,7 @@ def message_body(stream: Stream, batch: Batch, model: str, block_size: int,
 @api_route(ANTHROPIC)
 async def create_message(request):
     server: Server = request.app.state.server
-    tenant = server.authenticate(request.headers)
+    tenant = server.auth.authenticate(request.headers)
     body = await read_json(request, server.config.max_body_bytes,
                            server.config.body_timeout_s)
     prompt = await parse_off_loop(request, parse, body, server)
@@ -255,7 +255,7 @@ async def create_message(request):
 @api_route(ANTHROPIC)
 async def count_tokens(request):
     server: Server = request.app.state.server
-    tenant = server.authenticate(request.headers)
+    tenant = server.auth.authenticate(request.headers)
     body = await read_json(request, server.config.max_body_bytes,
                            server.config.body_timeout_s)
     server.check_model(body.get("model"))

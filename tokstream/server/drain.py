@@ -57,7 +57,7 @@ async def drain(server, timeout_s: float) -> None:
     server.draining = True
     log.warning("shutting down: draining %d open streams (at most %g s)", len(registry),
                 timeout_s)
-    server.event("draining", open_streams=len(registry), timeout_s=timeout_s)
+    server.events.record("draining", open_streams=len(registry), timeout_s=timeout_s)
     if not await _until_empty(registry, timeout_s):
         failed = registry.fail_live(f"server shutting down: the stream did not end within "
                                     f"the shutdown timeout ({timeout_s:g} s)")

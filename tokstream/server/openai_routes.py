@@ -272,7 +272,7 @@ def response_body(stream: Stream, batch: Batch, model: str, chat: bool, tokenize
 
 async def _complete(request, chat: bool):
     server: Server = request.app.state.server
-    tenant = server.authenticate(request.headers)
+    tenant = server.auth.authenticate(request.headers)
     body = await read_json(request, server.config.max_body_bytes,
                            server.config.body_timeout_s)
     prompt = await parse_off_loop(request, parse, body, server, chat)
@@ -310,7 +310,7 @@ async def completions(request):
 @api_route(OPENAI)
 async def models(request):
     server: Server = request.app.state.server
-    server.authenticate(request.headers)
+    server.auth.authenticate(request.headers)
     return JSONResponse({"object": "list", "data": [{
         "id": server.model_id, "object": "model", "created": int(server.started),
         "owned_by": "tokstream", "max_model_len": server.max_model_len}]})

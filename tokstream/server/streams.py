@@ -18,6 +18,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.messages import EngineRequest, RequestDelta, TokenLogprobs
@@ -29,7 +30,6 @@ RECENT_TEXT_CHARS = 2000
 """Tail of each stream's text kept for /v1/state/requests/{id}."""
 MUTATION_ENV = "TOKSTREAM_DEMUX_MUTATION"
 """No longer read: a variable left set in a shell must not corrupt a real server's streams."""
-MUTATIONS = ("drop", "repeat", "swap", "misroute")
 
 
 @dataclass
@@ -172,76 +172,13 @@ class Stream:
         }
 
 
-class DemuxMutation:
-    """TEST ONLY: corrupts one token on its way from the engine to the channels, downstream of
-    the engine's stamping, so tests can show the checker catches it. Enabled only by the hidden
-    serve flag --demux-mutation (refused with tenants or a public bind): drop, repeat, swap or
-    misroute (or a comma-separated sequence of them: each fires once,
-    in turn); a mutation fires on a token at output index `at_index`."""
-
-    def __init__(self, kinds: str, at_index: int = 2):
-        self.kinds = [k.strip() for k in kinds.split(",") if k.strip()]
-        for kind in self.kinds:
-            if kind not in MUTATIONS:
-                raise ValueError(f"demux_mutation must name mutations among "
-                                 f"{', '.join(MUTATIONS)}, not {kind!r}")
-        self.at_index = at_index
-        self._held: RequestDelta | None = None
-        self._spent: set[str] = set()
-        """Requests live when a mutation fired: the next one waits for newer requests, so
-        each run of a test sees one mutation."""
-        self._streams: dict[str, Stream] = {}
-
-    @property
-    def kind(self) -> str | None:
-        return self.kinds[0] if self.kinds else None
-
-    @property
-    def done(self) -> bool:
-        return not self.kinds
-
-    @done.setter
-    def done(self, value: bool) -> None:
-        if value:
-            self.kinds.pop(0)  # this one fired; the next (if any) waits for its turn
-            self._spent = set(self._streams)
-
-    def route(self, delta: RequestDelta, streams: dict[str, Stream]):
-        """[(stream, delta)] to deliver instead of delta to its own stream."""
-        own = streams[delta.request_id]
-        self._streams = streams
-        if delta.request_id in self._spent:
-            return [(own, delta)]
-        held = self._held
-        if held is not None and held.request_id == delta.request_id:
-            self._held = None
-            if delta.finished:  # nothing to swap with: deliver in order, try again later
-                return [(own, held), (own, delta)]
-            self.done = True
-            return [(own, delta), (own, held)]  # swapped
-        if delta.finished or delta.first_index != self.at_index or len(delta.token_ids) != 1:
-            return [(own, delta)]
-        if self.kind == "drop":
-            self.done = True
-            return []
-        if self.kind == "repeat":
-            self.done = True
-            return [(own, delta), (own, delta)]
-        if self.kind == "swap":
-            if held is None:
-                self._held = delta
-                return []
-            return [(own, delta)]
-        others = [s for s in streams.values() if s is not own and s.final is None]
-        if not others:
-            return [(own, delta)]
-        self.done = True
-        return [(others[0], delta)]  # misrouted: the other caller gets this token
+Reroute = Callable[[RequestDelta, dict[str, Stream]], list[tuple[Stream, RequestDelta]]]
+"""A demux hook: (delta, live streams) -> the (stream, delta) pairs to deliver instead."""
 
 
 class StreamRegistry:
     def __init__(self, engine: AsyncEngine, metrics=None, max_pending_tokens: int = 4096,
-                 slow_client_grace_s: float = 30.0, mutation: str | None = None):
+                 slow_client_grace_s: float = 30.0):
         self.engine = engine
         self.metrics = metrics
         self.max_pending_tokens = max_pending_tokens
@@ -256,13 +193,13 @@ class StreamRegistry:
         self.paused = False
         """True while the engine core is being replaced: new streams are registered, and
         submitted with the live ones once a new core is up (resubmit)."""
+        self.reroute: Reroute | None = None
+        """TEST ONLY, None in production: the chaos side's demux mutation
+        (tokstream.chaos.demux_mutation, installed by serve's hidden --demux-mutation flag)
+        routes deltas here to prove the integrity checker catches a corrupt demux."""
         if os.environ.get(MUTATION_ENV):
             log.warning("%s is set but ignored (the test-only switch is serve's hidden "
                         "--demux-mutation flag)", MUTATION_ENV)
-        self.mutation = DemuxMutation(mutation) if mutation else None
-        if self.mutation:
-            log.warning("DEMUX MUTATION %r ENABLED: streams will be corrupted (tests only)",
-                        mutation)
 
     def __len__(self) -> int:
         return len(self.streams)
@@ -334,11 +271,11 @@ class StreamRegistry:
         stream = self.streams.get(delta.request_id)
         if stream is None:
             return
-        if self.mutation is not None and not self.mutation.done:
-            for target, routed in self.mutation.route(delta, self.streams):
-                self._put(target, routed)
-        else:
+        if self.reroute is None:
             self._put(stream, delta)
+            return
+        for target, routed in self.reroute(delta, self.streams):
+            self._put(target, routed)
 
     def _put(self, stream: Stream, delta: RequestDelta) -> None:
         if stream.channel.closed:

@@ -54,7 +54,7 @@ def _with_bos(server: Server, ids: list[int]) -> list[int]:
 @api_route(OPENAI)
 async def tokenize(request):
     server: Server = request.app.state.server
-    tenant = server.authenticate(request.headers)
+    tenant = server.auth.authenticate(request.headers)
     body = await read_json(request, server.config.max_body_bytes, server.config.body_timeout_s)
     if "model" in body:  # optional here, as in vLLM
         server.check_model(body["model"])
@@ -68,7 +68,7 @@ async def tokenize(request):
 @api_route(OPENAI)
 async def detokenize(request):
     server: Server = request.app.state.server
-    server.authenticate(request.headers)
+    server.auth.authenticate(request.headers)
     body = await read_json(request, server.config.max_body_bytes, server.config.body_timeout_s)
     if "model" in body:
         server.check_model(body["model"])

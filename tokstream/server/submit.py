@@ -1,0 +1,128 @@
+"""Submitting a validated request: admission (queue bounds, tenant reservations), a seed for
+an unseeded request, one stream per choice, and settling the reservations once each ends."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from tokstream.checker import choice_request_id
+from tokstream.errors import ReplicaError, UserInputError
+from tokstream.sampling_params import SamplingParams
+from tokstream.server.admission import Admission
+from tokstream.server.choices import TenantShare, choice_params
+from tokstream.server.errors import ApiError
+from tokstream.server.events import EventLog
+from tokstream.server.metrics import Metrics
+from tokstream.server.streams import Stream, StreamRegistry
+from tokstream.server.tenants import Tenant
+from tokstream.server.tools import ToolRequest
+
+
+@dataclass
+class Prompt:
+    """A validated request, ready for admission."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    tools: ToolRequest | None = None
+    """The functions the model may call (its output is then parsed for calls)."""
+    n: int = 1
+    """Choices to generate from the prompt (OpenAI's `n`)."""
+
+
+class Submitter:
+    def __init__(self, registry: StreamRegistry, admission: Admission, metrics: Metrics,
+                 events: EventLog, on_change: Callable[[], None]):
+        self.registry = registry
+        self.admission = admission
+        self.metrics = metrics
+        self.events = events
+        self.on_change = on_change
+        """Called when the set of requests changes (the shared core snapshot is then stale)."""
+        self._tenant_of: dict[str, TenantShare] = {}
+        """Each live stream's share of its tenant's reservation (one per request)."""
+        self._seeds = random.SystemRandom()
+        registry.on_finish = self._on_finish
+        registry.on_cancel = self._on_cancel
+        registry.on_first_token = self._leave_admission
+
+    def submit_choices(self, request_id: str, prompt: Prompt, tenant: Tenant | None,
+                       api: str) -> list[Stream]:
+        """Admit a request once and start its prompt.n choices, one stream each (see
+        server/choices.py); raises ApiError (429/529/503) when refused."""
+        n = len(prompt.token_ids)
+        reserved = prompt.n * prompt.params.max_tokens
+        try:
+            self.admission.check(n, tenant.name if tenant else None)
+            if tenant is not None:
+                tenant.admit(n, reserved)
+        except ApiError as error:
+            self.metrics.errors.labels(error.error_type).inc()
+            self.events.record("refused", request_id, reason=error.message,
+                               tenant=tenant.name if tenant else None)
+            raise
+        params = prompt.params
+        if params.seed is None:
+            # Drawn here, not by the core, so that a request resumed on a new core after the
+            # old one died samples exactly as it would have on the old one.
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+        # Tenants share the engine fairly by weight, in priority tiers, and never share
+        # prefix-cache blocks (a cache hit would tell one tenant about another's prompts).
+        fields = ({"tenant": tenant.name, "priority": tenant.priority,
+                   "weight": tenant.weight, "cache_salt": tenant.name} if tenant else {})
+        if prompt.n > 1:
+            fields["prompt_group"] = request_id
+        streams: list[Stream] = []
+        try:
+            for index in range(prompt.n):
+                streams.append(self.registry.open(
+                    choice_request_id(request_id, index), prompt.token_ids,
+                    choice_params(params, index), tenant.name if tenant else None, api,
+                    bounded=prompt.stream, engine_fields=fields))
+        except (ReplicaError, UserInputError) as error:
+            for stream in streams:
+                self.registry.close(stream, "refused")
+            if tenant is not None:
+                tenant.settle(reserved, 0)
+            raise ApiError("overloaded_error", str(error), retry_after=5) from error
+        # The prompt waits (and is counted) once, until the first choice's first token.
+        self.admission.enter(n, tenant.name if tenant else None)
+        streams[0].in_admission = True
+        if tenant is not None:
+            share = TenantShare(tenant, reserved, prompt.n)
+            for stream in streams:
+                self._tenant_of[stream.request_id] = share
+        self.metrics.on_admit(streams[0])
+        self.on_change()
+        return streams
+
+    def _leave_admission(self, stream: Stream) -> None:
+        if stream.in_admission:
+            stream.in_admission = False
+            waited = (stream.first_token_time - stream.arrival
+                      if stream.first_token_time is not None else None)
+            self.admission.leave(stream.num_prompt_tokens, waited, stream.tenant)
+
+    def _on_finish(self, stream: Stream, delta) -> None:
+        self._settle(stream, delta.num_output_tokens)
+        self.metrics.on_finish(stream, delta, time.monotonic() - stream.arrival)
+        if delta.finish_reason == "error":
+            self.events.record("request_failed", stream.request_id, reason=delta.error)
+
+    def _on_cancel(self, stream: Stream, reason: str) -> None:
+        self._settle(stream, len(stream.delivered))
+        self.metrics.cancels.labels(reason).inc()
+        self.events.record("cancelled", stream.request_id, reason=reason)
+
+    def _settle(self, stream: Stream, num_output_tokens: int) -> None:
+        """Release a request's admission slot and tenant share, once."""
+        self.on_change()
+        self._leave_admission(stream)
+        share = self._tenant_of.pop(stream.request_id, None)
+        if share is not None:
+            share.settle(num_output_tokens)
