@@ -8,6 +8,7 @@ import time
 import httpx
 
 from tokstream.chaos.target import Target
+from tokstream.state_snapshot import StateSnapshot
 
 REQUEST_TIMEOUT_S = 120.0
 
@@ -26,16 +27,16 @@ class ServerAPI:
         except httpx.HTTPError:
             return 0
 
-    async def state(self) -> dict:
+    async def state(self) -> StateSnapshot:
         response = await self.client.get("/v1/state", headers=self.target.headers(admin=True))
         if response.status_code in (401, 403):
             raise PermissionError(f"/v1/state answered {response.status_code}: "
                                   f"{response.text[:200]} (is --admin-key right?)")
         response.raise_for_status()
-        return response.json()
+        return StateSnapshot.from_wire(response.json())
 
     async def state_until(self, predicate, timeout_s: float, interval_s: float = 0.05
-                          ) -> tuple[dict, bool]:
+                          ) -> tuple[StateSnapshot, bool]:
         """(the first snapshot for which predicate holds, True), or (the last one, False)."""
         deadline = time.monotonic() + timeout_s
         while True:

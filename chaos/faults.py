@@ -13,24 +13,25 @@ from tokstream.errors import UserInputError
 
 from tokstream.chaos.api import ServerAPI
 from tokstream.chaos.workload import Recorder
+from tokstream.state_snapshot import RequestRow, StateSnapshot
 
 TRIGGER_TIMEOUT_S = 300.0
 LONG_PROMPT_TRIES = 3
 
 
-def victim(state: dict, fault: str, rank: int | None, url: str) -> tuple[str, int]:
+def victim(state: StateSnapshot, fault: str, rank: int | None, url: str) -> tuple[str, int]:
     """(what, pid) the fault hits, checked to be a process of the server listening on url (a
     descendant of its gateway), so a stale pid, or one a fake server names, is never
     signalled."""
     if fault == "kill-engine":
-        what, pid = "engine core", state["engine"]["pid"]
+        what, pid = "engine core", state.engine.pid
     else:
-        ranks = state["ranks"]
+        ranks = state.ranks
         if rank is None or not 0 <= rank < len(ranks):
             raise UserInputError(f"rank {rank}: the server has ranks 0..{len(ranks) - 1} "
                                  f"(--tp {len(ranks)})")
-        what, pid = f"rank {rank}", ranks[rank]["pid"]
-    gateway = check_gateway(url, state["gateway"]["pid"])
+        what, pid = f"rank {rank}", ranks[rank].pid
+    gateway = check_gateway(url, state.gateway.pid)
     try:
         process = psutil.Process(pid)
         if gateway.pid not in {parent.pid for parent in process.parents()}:
@@ -73,23 +74,21 @@ def _is_tokstream_serve(cmdline: list[str]) -> bool:
                                           for a, b in zip(cmdline, cmdline[1:])))
 
 
-def prefilling(state: dict, request_id: str | None) -> dict | None:
+def prefilling(state: StateSnapshot, request_id: str | None) -> RequestRow | None:
     """The request's /v1/state row while its prompt is part-way through prefill."""
-    for row in state["requests"]:
-        computed = row.get("computed_tokens") or 0
-        if row["id"] == request_id and row["state"] == "running" \
-                and 0 < computed < row["prompt_tokens"]:
+    for row in state.requests:
+        computed = row.computed_tokens or 0
+        if row.id == request_id and row.state == "running" and 0 < computed < row.prompt_tokens:
             return row
     return None
 
 
-def decoding(state: dict) -> list[dict]:
-    return [r for r in state["requests"] if r["state"] == "running"
-            and (r.get("output_tokens") or 0) > 0]
+def decoding(state: StateSnapshot) -> list[RequestRow]:
+    return [r for r in state.requests if r.state == "running" and r.output_tokens > 0]
 
 
 async def await_trigger(api: ServerAPI, recorder: Recorder, fault: str, j: int, k: int,
-                        long_prompt) -> tuple[dict | None, str]:
+                        long_prompt) -> tuple[StateSnapshot | None, str]:
     """Wait for the moment; returns (the /v1/state snapshot taken at it, a description), or
     (None, why not) if the workload never got there. The long prompt (long_prompt(attempt)
     makes one) goes out with the decoding streams, so its prefill overlaps their decoding;
@@ -103,7 +102,7 @@ async def await_trigger(api: ServerAPI, recorder: Recorder, fault: str, j: int, 
     if fault != "kill-rank":
         return await api.state(), first
     for attempt in range(1, LONG_PROMPT_TRIES + 1):
-        def mid_batch(state: dict) -> bool:
+        def mid_batch(state: StateSnapshot) -> bool:
             return (prefilling(state, long.request_id) is not None
                     and len(decoding(state)) >= 2)
 
@@ -113,7 +112,7 @@ async def await_trigger(api: ServerAPI, recorder: Recorder, fault: str, j: int, 
         if mid_batch(state):
             row = prefilling(state, long.request_id)
             return state, (f"{first}; the long prompt was mid-prefill "
-                           f"({row['computed_tokens']}/{row['prompt_tokens']} tokens) while "
+                           f"({row.computed_tokens}/{row.prompt_tokens} tokens) while "
                            f"{len(decoding(state))} streams were decoding")
         if attempt < LONG_PROMPT_TRIES:
             recorder.start(long_prompt(attempt))

@@ -17,6 +17,7 @@ import psutil
 from tokstream.chaos import faults
 from tokstream.chaos.history import Violations
 from tokstream.chaos.workload import Recorder, StreamSpec
+from tokstream.state_snapshot import StateSnapshot
 
 POISON_TOKEN = 7
 """The token whose prefill kills rank 0 on the poison-request server (TOKSTREAM_POISON); the
@@ -60,15 +61,15 @@ async def run(ctx, recorder: Recorder, specs: list[StreamSpec], rng: random.Rand
     return None
 
 
-def _mark(ctx, recorder: Recorder, fault: dict, state: dict) -> None:
+def _mark(ctx, recorder: Recorder, fault: dict, state: StateSnapshot) -> None:
     """The fault's moment, for the timeline (who was in flight, when each resumed)."""
     fault.update({"at_s": recorder.now(), "wall_time": time.time(),
-                  "state_at_fault": {r["id"]: r for r in state["requests"]}})
+                  "state_at_fault": state.rows_by_id()})
     _check_now(state, "at the fault", violations=fault.setdefault("_violations", []))
 
 
-def _check_now(state: dict, when: str, violations: list) -> None:
-    problems = state["kv"].get("self_check") or []
+def _check_now(state: StateSnapshot, when: str, violations: list) -> None:
+    problems = state.kv.self_check
     if problems:
         violations.append(f"{when}: {problems[:5]}")
 
@@ -78,10 +79,10 @@ async def _drain(ctx, fault: dict, violations: Violations) -> None:
     while every open stream still runs to its end; then the server exits by itself."""
     state = await ctx.api.state()
     _check_now(state, "at the SIGTERM", fault.setdefault("_violations", []))
-    gateway = psutil.Process(state["gateway"]["pid"])
+    gateway = psutil.Process(state.gateway.pid)
     tree = [gateway, *gateway.children(recursive=True)]
     fault.update({"signal": "SIGTERM", "target": "gateway", "pid": gateway.pid,
-                  "events_before": len(state["events"])})
+                  "events_before": len(state.events)})
     gateway.send_signal(signal.SIGTERM)
     async with httpx.AsyncClient(base_url=ctx.target.url, timeout=10) as client:
         ready = await _poll(lambda: client.get("/health/ready"),
@@ -129,7 +130,7 @@ async def _hang_on_start(ctx, recorder: Recorder, fault: dict,
     state = await ctx.api.state()
     _mark(ctx, recorder, fault, state)
     what, pid = faults.victim(state, "kill-engine", None, ctx.target.url)
-    gateway = psutil.Process(state["gateway"]["pid"])
+    gateway = psutil.Process(state.gateway.pid)
     old = {p.pid for p in gateway.children()}
     faults.inject("kill-engine", pid)
     fault.update({"signal": "SIGKILL, then SIGSTOP", "target": what, "pid": pid,
@@ -166,11 +167,11 @@ async def _stale_prefix(ctx, recorder: Recorder, specs: list[StreamSpec], fault:
     sharer = next(h for h in recorder.histories if h.spec.role == "prefix-sharer")
     longs = [h for h in recorder.histories if h.spec.role == "long-prompt"]
 
-    def waiting_behind_long(state: dict) -> bool:
-        rows = {r["id"]: r for r in state["requests"]}
+    def waiting_behind_long(state: StateSnapshot) -> bool:
+        rows = state.rows_by_id()
         row = rows.get(sharer.request_id or "")
-        return (row is not None and row["state"] in ("waiting", "preempted")
-                and any(rows.get(h.request_id or "", {}).get("state") in ("running", "waiting")
+        return (row is not None and row.state in ("waiting", "preempted")
+                and any(h.request_id in rows and rows[h.request_id].state in ("running", "waiting")
                         for h in longs))
 
     state, hit = await ctx.api.state_until(
@@ -181,7 +182,7 @@ async def _stale_prefix(ctx, recorder: Recorder, specs: list[StreamSpec], fault:
                         "running (the kill still lands mid-batch)")
     _mark(ctx, recorder, fault, state)
     what, pid = faults.victim(state, "kill-rank", 0, ctx.target.url)
-    fault["old_processes"] = [psutil.Process(r["pid"]) for r in state["ranks"]]
+    fault["old_processes"] = [psutil.Process(r.pid) for r in state.ranks]
     faults.inject("kill-rank", pid)
     fault.update({"signal": "SIGKILL", "target": what, "pid": pid})
 

@@ -20,6 +20,7 @@ from tokstream.chaos.history import Violations, check_history
 from tokstream.chaos.target import Target
 from tokstream.chaos.timeline import around_fault
 from tokstream.chaos.workload import Recorder, StreamHistory, StreamSpec
+from tokstream.state_snapshot import ReplicaStatus, StateSnapshot
 
 SAMPLE_INTERVAL_S = 0.25
 DRAIN_TIMEOUT_S = 180.0
@@ -78,15 +79,15 @@ class Sampler:
                 pass
             await asyncio.sleep(SAMPLE_INTERVAL_S)
 
-    def take(self, state: dict) -> None:
-        self.preemptions.append(state["batch"].get("num_preemptions", 0))
-        for row in state["requests"]:
-            seen = self.requests.setdefault(row["id"], {"preemptions": 0, "resumes": 0,
-                                                        "cancelled": None,
-                                                        "prompt_tokens": row["prompt_tokens"]})
-            seen["preemptions"] = max(seen["preemptions"], row.get("preemptions") or 0)
-            seen["resumes"] = max(seen["resumes"], row.get("resumes") or 0)
-            seen["cancelled"] = row.get("cancelled") or seen["cancelled"]
+    def take(self, state: StateSnapshot) -> None:
+        self.preemptions.append(state.batch.num_preemptions)
+        for row in state.requests:
+            seen = self.requests.setdefault(row.id, {"preemptions": 0, "resumes": 0,
+                                                     "cancelled": None,
+                                                     "prompt_tokens": row.prompt_tokens})
+            seen["preemptions"] = max(seen["preemptions"], row.preemptions)
+            seen["resumes"] = max(seen["resumes"], row.resumes)
+            seen["cancelled"] = row.cancelled or seen["cancelled"]
 
 
 async def run_round(ctx: Context, index: int) -> dict:
@@ -137,17 +138,18 @@ async def run_round(ctx: Context, index: int) -> dict:
     content = await audit(ctx.api, rows, messages, ctx.reference, interrupted, violations)
     fault["server_recovery_s"] = _new_recoveries(before, drained)
     fault["engine_events"] = [
-        {k: v for k, v in e.items() if k in ("time", "kind", "reason", "resumed", "source")}
-        for e in drained.get("events", []) if e["time"] >= fault.get("wall_time", time.time())
-        and e["kind"] in ("rank_failure", "restarted", "restart_failed", "engine_dead",
+        {k: v for k, v in e.to_wire().items()
+         if k in ("time", "kind", "reason", "resumed", "source")}
+        for e in drained.events if e.time >= fault.get("wall_time", time.time())
+        and e.kind in ("rank_failure", "restarted", "restart_failed", "engine_dead",
                           "engine_restarted", "engine_restart_failed", "request_failed")]
     if ctx.exp.name in lifecycle_faults.EXPERIMENTS:
         lifecycle_faults.check_outcome(ctx, fault, rows, violations)
         lifecycle_faults.check_events(ctx, fault, fault["engine_events"], violations)
     return {"round": index, "fault": fault, "streams": rows, "content": content,
-            "drain": {"kv": {k: v for k, v in drained["kv"].items() if k != "block_map"},
-                      "batch": drained["batch"], "requests": len(drained["requests"]),
-                      "status": drained["replica"]["status"]},
+            "drain": {"kv": {k: v for k, v in drained.kv.to_wire().items() if k != "block_map"},
+                      "batch": drained.batch.to_wire(), "requests": len(drained.requests),
+                      "status": drained.replica.status},
             "violations": violations}
 
 
@@ -173,16 +175,15 @@ async def _signal_fault(ctx: Context, recorder: Recorder, rng: random.Random,
     ctx.say(f"{SIGNALS[ctx.exp.fault]} {what} (pid {pid})")
     fault.update({"signal": SIGNALS[ctx.exp.fault], "target": what, "pid": pid,
                   "at_s": at_s, "wall_time": wall_time,
-                  "state_at_fault": {r["id"]: r for r in state["requests"]},
+                  "state_at_fault": state.rows_by_id(),
                   "old_processes": group})
     return process if ctx.exp.fault == "stall-rank" else None
 
 
-def _group(state: dict, fault: str) -> list[psutil.Process]:
+def _group(state: StateSnapshot, fault: str) -> list[psutil.Process]:
     """The processes the fault's recovery must replace: the rank group, or the engine core
     with everything under it."""
-    pids = ([state["engine"]["pid"]] if fault == "kill-engine" else
-            [r["pid"] for r in state["ranks"]])
+    pids = [state.engine.pid] if fault == "kill-engine" else [r.pid for r in state.ranks]
     group = []
     for pid in pids:
         try:
@@ -209,10 +210,10 @@ async def _slow_phase(ctx: Context, recorder: Recorder, sampler: Sampler,
         violations.add("stalled", f"{sum(h.ended_at is None for h in fast)} streams did not "
                                   f"finish while {len(slow)} clients were not reading")
 
-    def settled(state: dict) -> bool:
-        rows = {r["id"]: r for r in state["requests"]}
-        return all(h.request_id not in rows or rows[h.request_id].get("cancelled")
-                   or rows[h.request_id]["state"] == "finishing" for h in slow)
+    def settled(state: StateSnapshot) -> bool:
+        rows = state.rows_by_id()
+        return all(h.request_id not in rows or rows[h.request_id].cancelled
+                   or rows[h.request_id].state == "finishing" for h in slow)
 
     await ctx.api.state_until(settled, SLOW_PHASE_TIMEOUT_S, interval_s=0.2)
     recorder.released.set()
@@ -228,38 +229,37 @@ async def _finish(recorder: Recorder, timeout_s: float) -> None:
         await asyncio.gather(*still, return_exceptions=True)
 
 
-async def _drain(ctx: Context, violations: Violations) -> dict:
+async def _drain(ctx: Context, violations: Violations) -> StateSnapshot:
     """Wait until the server is idle and ready again; what is left then has leaked."""
-    def idle(state: dict) -> bool:
-        return (not state["requests"] and state["batch"]["running"] == 0
-                and state["batch"]["waiting"] == 0 and state["replica"]["status"] == "ready")
+    def idle(state: StateSnapshot) -> bool:
+        return (not state.requests and state.batch.running == 0 and state.batch.waiting == 0
+                and state.replica.status == ReplicaStatus.READY)
 
     state, ok = await ctx.api.state_until(idle, DRAIN_TIMEOUT_S, interval_s=0.2)
-    leaked = state["kv"]["used_blocks"] - ctx.baseline_used_blocks
+    leaked = state.kv.used_blocks - ctx.baseline_used_blocks
     if leaked > 0:
         violations.add("leaked_blocks", f"{leaked} KV blocks still used after the drain "
                                         f"(baseline {ctx.baseline_used_blocks})", leaked)
-    engine = state["batch"]["running"] + state["batch"]["waiting"]
-    gateway = len(state["requests"])
+    engine = state.batch.running + state.batch.waiting
+    gateway = len(state.requests)
     if engine or gateway:
         violations.add("leaked_requests", f"after {DRAIN_TIMEOUT_S:.0f} s: {gateway} requests "
                                           f"in the gateway, {engine} in the engine",
                        max(engine, gateway))
-    if state["replica"]["status"] != "ready" or await ctx.api.health() != 200:
-        violations.add("not_recovered", f"replica {state['replica']['status']} after the drain")
+    if state.replica.status != ReplicaStatus.READY or await ctx.api.health() != 200:
+        violations.add("not_recovered", f"replica {state.replica.status} after the drain")
     check_block_bookkeeping(ctx, state, violations)
     return state
 
 
-def check_block_bookkeeping(ctx: Context, state: dict, violations: Violations) -> None:
+def check_block_bookkeeping(ctx: Context, state: StateSnapshot, violations: Violations) -> None:
     """The engine's block self-check: run for this snapshot (kv.self_check), and after every
     recovery in the round (failures counted since the last round)."""
-    kv = state["kv"]
-    now = kv.get("self_check") or []
-    failures = kv.get("self_check_failures", 0) - ctx.self_check_failures
-    ctx.self_check_failures = kv.get("self_check_failures", 0)
+    now = state.kv.self_check
+    failures = state.kv.self_check_failures - ctx.self_check_failures
+    ctx.self_check_failures = state.kv.self_check_failures
     if now or failures > 0:
-        found = [e for e in state.get("events", []) if e["kind"] == "self_check_failed"]
+        found = [e.to_wire() for e in state.events if e.kind == "self_check_failed"]
         violations.add("block_bookkeeping", f"{failures} failed self-checks this round, now: "
                                             f"{now[:5]}, after: {found[-1:]}",
                        max(1, failures))
@@ -337,9 +337,9 @@ def _running(process: psutil.Process) -> bool:
         return False
 
 
-def _new_recoveries(before: dict, after: dict) -> dict[str, list[float]]:
+def _new_recoveries(before: StateSnapshot, after: StateSnapshot) -> dict[str, list[float]]:
     """The server's own recovery times (per kind) recorded during the round."""
-    old = before["replica"].get("recovery_s") or {}
-    new = after.get("replica", {}).get("recovery_s") or {}
+    old = before.replica.recovery_s
+    new = after.replica.recovery_s
     return {kind: values[len(old.get(kind, [])):] for kind, values in new.items()
             if len(values) > len(old.get(kind, []))}

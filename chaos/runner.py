@@ -16,6 +16,7 @@ from tokstream.chaos.history import Violations, check_history
 from tokstream.chaos.rounds import Context, run_round
 from tokstream.chaos.target import OwnServer, Target, check_local, default_tp
 from tokstream.chaos.workload import Recorder, StreamSpec
+from tokstream.state_snapshot import StateSnapshot
 
 STEADY_TIMEOUT_S = 120.0
 UNREACHABLE_TIMEOUT_S = 5.0
@@ -92,13 +93,12 @@ async def _main(options: Options, target: Target) -> dict:
         steady = await _steady_state(api, target, clock, violations)
         report["steady_state"] = steady
         facts = await _facts(api, steady["state"])
-        report["server"] = {"model": facts.model, "tp": len(steady["state"]["ranks"]),
+        replica = steady["state"].replica
+        report["server"] = {"model": facts.model, "tp": len(steady["state"].ranks),
                             "token_budget": facts.token_budget, "num_blocks": facts.num_blocks,
-                            "block_size": facts.block_size,
-                            "device": steady["state"]["replica"].get("device"),
-                            "dtype": steady["state"]["replica"].get("dtype"),
-                            "spare": steady["state"]["replica"].get("spare")}
-        failed_checks = steady["state"]["kv"].get("self_check_failures", 0)
+                            "block_size": facts.block_size, "device": replica.device,
+                            "dtype": replica.dtype, "spare": replica.spare}
+        failed_checks = steady["state"].kv.self_check_failures
         del steady["state"]
         ctx = Context(exp, target, api, facts, clock, options.streams or exp.default_streams,
                       options.max_tokens, options.seed, options.rank, options.timeout_s,
@@ -145,21 +145,20 @@ async def _steady_state(api: ServerAPI, target: Target, clock: float,
         "messages": message("Say hello.")}, role="probe"))
     await probe.close()
     rows = check_history(probe.histories, violations)
-    idle, _ = await api.state_until(lambda s: not s["requests"] and s["batch"]["running"] == 0,
-                                    60, 0.1)
-    return {"health": health, "status": state["replica"]["status"], "model": model,
-            "probe": rows[0]["class"], "baseline_used_blocks": idle["kv"]["used_blocks"],
+    idle, _ = await api.state_until(lambda s: not s.requests and s.batch.running == 0, 60, 0.1)
+    return {"health": health, "status": state.replica.status, "model": model,
+            "probe": rows[0]["class"], "baseline_used_blocks": idle.kv.used_blocks,
             "state": idle}
 
 
-async def _facts(api: ServerAPI, state: dict) -> ServerFacts:
+async def _facts(api: ServerAPI, state: StateSnapshot) -> ServerFacts:
     model = await api.model_id()
     base = await api.count_tokens(model, message("x"))
     filled = await api.count_tokens(model, message("x " + FILLER * 10))
-    budget = state["batch"].get("token_budget") or 1024
-    return ServerFacts(model, budget, state["batch"].get("max_prefill_chunk") or budget,
-                       state["replica"]["max_model_len"], state["kv"]["num_blocks"],
-                       state["kv"]["block_size"], max(1.0, (filled - base) / 10))
+    budget = state.batch.token_budget or 1024
+    return ServerFacts(model, budget, state.batch.max_prefill_chunk or budget,
+                       state.replica.max_model_len, state.kv.num_blocks, state.kv.block_size,
+                       max(1.0, (filled - base) / 10))
 
 
 async def _reference(ctx: Context, violations: Violations) -> dict:

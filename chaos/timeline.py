@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from tokstream.chaos.history import Violations
 from tokstream.chaos.workload import StreamHistory
+from tokstream.state_snapshot import RequestRow
 
 
-def around_fault(histories: list[StreamHistory], fault_s: float, state_rows: dict[str, dict],
+def around_fault(histories: list[StreamHistory], fault_s: float,
+                 state_rows: dict[str, RequestRow],
                  violations: Violations) -> tuple[list[dict], float | None]:
     """Per stream live at the fault: its state then, tokens before and after, the pause its
     caller saw; and the recovery time (fault -> every one of them has its next token)."""
@@ -20,7 +22,7 @@ def around_fault(histories: list[StreamHistory], fault_s: float, state_rows: dic
         times = history.times()
         before = [t for t in times if t <= fault_s]
         after = [t for t in times if t > fault_s]
-        engine = state_rows.get(history.request_id or "", {})
+        engine = state_rows.get(history.request_id or "")
         row = {"stream": history.spec.name, "role": history.spec.role,
                "sampling": history.spec.sampling, "request_id": history.request_id,
                "state_at_fault": _state(engine), "tokens_before": len(before),
@@ -36,12 +38,12 @@ def around_fault(histories: list[StreamHistory], fault_s: float, state_rows: dic
     return rows, recovery
 
 
-def _state(row: dict) -> str:
-    if not row:
+def _state(row: RequestRow | None) -> str:
+    if row is None:
         return "not yet in the engine"
-    computed, prompt = row.get("computed_tokens") or 0, row.get("prompt_tokens") or 0
-    if row.get("state") == "running" and computed < prompt:
+    computed, prompt = row.computed_tokens or 0, row.prompt_tokens
+    if row.state == "running" and computed < prompt:
         return f"prefilling {computed}/{prompt}"
-    if row.get("state") == "running":
-        return f"decoding (token {row.get('output_tokens')})"
-    return row.get("state") or "?"
+    if row.state == "running":
+        return f"decoding (token {row.output_tokens})"
+    return row.state or "?"

@@ -9,6 +9,7 @@ import pytest
 
 from tokstream.chaos.history import Violations, check_history
 from tokstream.chaos.timeline import around_fault
+from tokstream.state_snapshot import RequestRow
 from tokstream.chaos.workload import StreamHistory, StreamSpec
 from tokstream.checker import SSEEvent
 from tokstream.engine.messages import token_digest
@@ -101,9 +102,9 @@ def test_around_fault_measures_the_pause_and_flags_a_stream_that_never_came_back
     finished_before.ended_at = 1.0
     violations = Violations()
     rows, recovery = around_fault([resumed, stuck, finished_before], fault_s=2.5,
-                                  state_rows={"msg_1": {"state": "running", "prompt_tokens": 9,
-                                                        "computed_tokens": 11,
-                                                        "output_tokens": 2}},
+                                  state_rows={"msg_1": RequestRow.from_wire({
+                                      "state": "running", "prompt_tokens": 9,
+                                      "computed_tokens": 11, "output_tokens": 2})},
                                   violations=violations)
     assert [r["request_id"] for r in rows] == ["msg_1", "msg_2"]
     assert rows[0]["tokens_before"] == 2 and rows[0]["tokens_after"] == 1

@@ -21,6 +21,7 @@ from tokstream.config import ServerConfig
 from tokstream.server.errors import ApiError
 from tokstream.server.streams import StreamRegistry
 from tokstream.server.tenants import Tenant
+from tokstream.state_snapshot import StateSnapshot
 from tokstream.tokenizer import dummy_tokenizer, load_tokenizer
 
 CHATML = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n"
@@ -180,7 +181,8 @@ def test_chaos_signals_only_the_server_listening_on_url():
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         # A fake server names this test's own child as the engine, and itself as the gateway:
         # the process listening on the URL is not a tokstream server, so nothing is signalled.
-        state = {"engine": {"pid": child.pid}, "gateway": {"pid": os.getpid()}, "ranks": []}
+        state = StateSnapshot.from_wire({"engine": {"pid": child.pid},
+                                         "gateway": {"pid": os.getpid()}, "ranks": []})
         with pytest.raises(UserInputError, match="tokstream"):
             victim(state, "kill-engine", None, url)
         # Nobody listening there at all.

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from helpers.top_replay import FRAMES, Replay, first_poll, replay_app
 from tokstream.cli import app as cli
+from tokstream.state_snapshot import Event, Kv, StateSnapshot
 from tokstream.top.detail import DetailScreen
 from tokstream.top.help import HelpScreen
 from tokstream.top.kv_map import CACHED, FREE, SHARED, blocks, cells
@@ -270,7 +271,7 @@ async def test_views_help_pause_and_quit():
 @pytest.mark.parametrize("frame", [0, 3])  # a pool filling up, and a full one
 def test_kv_map_cells_per_block_and_scaled(frame):
     kv = FRAMES[frame]["state"]["kv"]
-    pool = blocks(kv)
+    pool = blocks(Kv.from_wire(kv))
     assert len(pool) == kv["num_blocks"]
     assert sum(1 for b in pool if b.ref_count) == kv["used_blocks"]
     kinds = {b.kind for b in pool}
@@ -295,7 +296,7 @@ def test_kv_map_cells_per_block_and_scaled(frame):
 
 def test_tenant_shares_and_counts():
     state = FRAMES[3]["state"]
-    rows = {r["tenant"]: r for r in tenant_rows(state)}
+    rows = {r["tenant"]: r for r in tenant_rows(StateSnapshot.from_wire(state))}
     assert set(rows) == {"alice", "bob"}
     assert abs(sum(r["share"] for r in rows.values()) - 1) < 1e-9
     assert sum(r["running"] + r["waiting"] for r in rows.values()) == len(state["requests"])
@@ -304,11 +305,11 @@ def test_tenant_shares_and_counts():
 
 def test_history_rates_and_a_restarted_server():
     history = History()
-    history.add(Frame(FRAMES[0]["state"], parse_counters(FRAMES[0]["metrics"])))
+    history.add(Frame(StateSnapshot.from_wire(FRAMES[0]["state"]), parse_counters(FRAMES[0]["metrics"])))
     assert history.rate("output_tokens") is None
-    history.add(Frame(FRAMES[1]["state"], parse_counters(FRAMES[1]["metrics"])))
+    history.add(Frame(StateSnapshot.from_wire(FRAMES[1]["state"]), parse_counters(FRAMES[1]["metrics"])))
     assert history.rate("output_tokens") > 0
-    history.add(Frame(FRAMES[0]["state"], parse_counters(FRAMES[0]["metrics"])))  # uptime fell
+    history.add(Frame(StateSnapshot.from_wire(FRAMES[0]["state"]), parse_counters(FRAMES[0]["metrics"])))  # uptime fell
     assert history.rate("output_tokens") is None and len(history.series("running")) == 1
 
 
@@ -329,13 +330,13 @@ def test_cli_rejects_bad_options_with_exit_2(args, message):
 
 
 def test_event_log_keeps_what_left_the_servers_window_once_each():
-    events = FRAMES[9]["state"]["events"]
+    events = [Event.from_wire(e) for e in FRAMES[9]["state"]["events"]]
     app = replay_app(Replay())
     app._log_events(events[:10])
     app._log_events(events[5:])  # the next poll: the oldest have left the server's window
-    assert app.event_log() == sorted(events, key=lambda e: e["time"])
-    later = max(e["time"] for e in events) + 1
-    many = [{"time": later + t, "kind": "preempted", "request_id": "r"} for t in range(600)]
+    assert app.event_log() == sorted(events, key=lambda e: e.time)
+    later = max(e.time for e in events) + 1
+    many = [Event(later + t, "preempted", "r") for t in range(600)]
     app._log_events(many)  # bounded: the newest 500 stay
     assert app.event_log() == many[100:]
 

@@ -16,6 +16,7 @@ import pytest
 
 from helpers.serving import ServerProcess, anthropic_body
 from tokstream.server.tenants import hash_key
+from tokstream.state_snapshot import Kv
 from tokstream.top.app import TopApp
 from tokstream.top.detail import DetailScreen
 from tokstream.top.kv_map import blocks
@@ -95,7 +96,7 @@ def test_state_carries_cached_runs_phases_and_process_usage(server):
             for first, count in runs:
                 for block_id in range(first, first + count):
                     holders[block_id] += 1
-        pool = blocks(kv)
+        pool = blocks(Kv.from_wire(kv))
         assert holders == [b.ref_count for b in pool]
         assert sum(1 for b in pool if b.ref_count == 3) >= 2  # the shared system prompt
         batch = state["batch"]

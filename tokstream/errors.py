@@ -3,7 +3,23 @@
 - `UserInputError` and its children: one request (or one CLI call) is wrong; nothing else is
   harmed. The CLI prints the message on one line and exits 2; the server answers 4xx.
 - `ReplicaError`: the serving replica itself is unusable; every open stream gets an error.
+
+`ErrorKind` names the same three for a failure that crosses a process boundary as data (a
+request's final delta): set where the exception is caught, read by whoever answers the caller.
 """
+
+from tokstream.wire import WireEnum
+
+
+class ErrorKind(WireEnum):
+    """Who is at fault when a request ends in an error."""
+
+    USER = "user"
+    """This request alone (its input, or it kept breaking the model's processes): api_error."""
+    OVERLOADED = "overloaded"
+    """No room for it now (or the server is shutting down): retry later or elsewhere."""
+    REPLICA = "replica"
+    """The replica is unusable: retry on another one or later."""
 
 
 class TokstreamError(Exception):
@@ -32,3 +48,14 @@ class OverloadedError(TokstreamError):
 
 class ReplicaError(TokstreamError, RuntimeError):
     """The engine or one of its ranks failed; the replica cannot serve until it recovers."""
+
+
+def error_kind(error: Exception) -> ErrorKind | None:
+    """The kind of a caught tokstream error (None for anything else)."""
+    if isinstance(error, UserInputError):
+        return ErrorKind.USER
+    if isinstance(error, OverloadedError):
+        return ErrorKind.OVERLOADED
+    if isinstance(error, ReplicaError):
+        return ErrorKind.REPLICA
+    return None

@@ -11,7 +11,9 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+from tokstream.errors import ErrorKind
 from tokstream.sampling_params import SamplingParams
+from tokstream.wire import WireEnum
 
 
 def token_digest(token_ids: list[int]) -> str:
@@ -113,6 +115,19 @@ class StepResult:
     others); empty when none did."""
 
 
+class FinishReason(WireEnum):
+    """Why a request ended (on its last delta)."""
+
+    STOP = "stop"
+    """A stop token or stop string."""
+    LENGTH = "length"
+    """max_tokens, or the model's context."""
+    ABORT = "abort"
+    """Cancelled by the gateway or the server."""
+    ERROR = "error"
+    """Failed: see the delta's error and error_kind."""
+
+
 @dataclass
 class RequestDelta:
     """What one request gained in one step; what the gateway streams to its caller."""
@@ -133,6 +148,9 @@ class RequestDelta:
     """Output tokens counted so far, including this delta."""
     error: str | None = None
     """Why the request failed, when finish_reason is 'error'."""
+    error_kind: ErrorKind | None = None
+    """Who is at fault, set where the failure was caught (None from a producer that does not
+    say yet: the gateway then reads it from the message, see server/sse.py)."""
     step_id: int = 0
     """The engine step that produced token_ids (0 for a delta no step produced)."""
     output_digest: str | None = None

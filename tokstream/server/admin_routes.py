@@ -12,13 +12,14 @@ from tokstream.server.auth import presented_key
 from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
 from tokstream.server.state import Server
 from tokstream.server.validation import _kind, get_int, parse_off_loop, read_json, shown
+from tokstream.state_snapshot import CoreSnapshot, ReplicaStatus, RequestDetail, RequestParams
 
 MAX_SCORE_TOKENS = 65536
 
 
 async def health(request):
     server: Server = request.app.state.server
-    ready = server.status == "ready"
+    ready = server.status == ReplicaStatus.READY
     return JSONResponse({"status": server.status}, status_code=200 if ready else 503,
                         headers=None if ready else {"retry-after": "5"})
 
@@ -45,8 +46,8 @@ async def state(request):
     server.auth.authenticate_admin(request.headers)
     started = time.perf_counter()
     snapshot = await server.snapshot()
-    snapshot["build_ms"] = (time.perf_counter() - started) * 1000
-    return JSONResponse(snapshot)
+    snapshot.build_ms = (time.perf_counter() - started) * 1000
+    return JSONResponse(snapshot.to_wire())
 
 
 @api_route(OPENAI)
@@ -58,18 +59,17 @@ async def request_state(request):
     if stream is None:
         raise ApiError("not_found_error", f"request_id: no live request {shown(request_id)}",
                        param="request_id")
-    core = await server.core_snapshot() or {}
-    row = stream.row(time.monotonic())
-    engine_row = next((r for r in core.get("requests", []) if r["id"] == request_id), {})
-    row.update({"engine": engine_row or None,
-                "state": engine_row.get("state", "finishing" if stream.final else "submitted"),
-                "params": {"max_tokens": stream.params.max_tokens,
-                           "temperature": stream.params.temperature,
-                           "top_p": stream.params.top_p, "top_k": stream.params.top_k,
-                           "seed": stream.params.seed, "stop": stream.params.stop},
-                "delivered_token_ids": stream.delivered[-64:],
-                "recent_text": server.registry.recent_text(stream)})
-    return JSONResponse(row)
+    core = CoreSnapshot.from_wire(await server.core_snapshot() or {})
+    engine_row = next((r for r in core.requests if r.id == request_id), None)
+    params = stream.params
+    detail = RequestDetail(
+        **vars(stream.row(time.monotonic())), engine=engine_row,
+        state=engine_row.state if engine_row else "finishing" if stream.final else "submitted",
+        params=RequestParams(params.max_tokens, params.temperature, params.top_p, params.top_k,
+                             params.seed, params.stop),
+        delivered_token_ids=stream.delivered[-64:],
+        recent_text=server.registry.recent_text(stream))
+    return JSONResponse(detail.to_wire())
 
 
 def _token_ids(body: dict, name: str, required: bool) -> list[int] | None:

@@ -6,6 +6,7 @@ import uuid
 
 from starlette.responses import JSONResponse
 
+from tokstream.engine.messages import FinishReason
 from tokstream.errors import UserInputError
 from tokstream.server.anthropic_tools import (ToolBlocks, content_blocks, history_messages,
                                               tool_request, tool_stop_reason)
@@ -119,7 +120,7 @@ def parse(body: dict, server: Server) -> Prompt:
 def stop_reason(stream: Stream) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) for a finished stream."""
     final = stream.final
-    if final.finish_reason == "stop":
+    if final.finish_reason == FinishReason.STOP:
         if isinstance(final.stop_reason, str):
             return "stop_sequence", final.stop_reason
         return "end_turn", None

@@ -15,6 +15,8 @@ import logging
 
 import uvicorn
 
+from tokstream.errors import ErrorKind
+
 log = logging.getLogger("tokstream.server")
 
 POLL_S = 0.05
@@ -60,7 +62,8 @@ async def drain(server, timeout_s: float) -> None:
     server.events.record("draining", open_streams=len(registry), timeout_s=timeout_s)
     if not await _until_empty(registry, timeout_s):
         failed = registry.fail_live(f"server shutting down: the stream did not end within "
-                                    f"the shutdown timeout ({timeout_s:g} s)")
+                                    f"the shutdown timeout ({timeout_s:g} s)",
+                                    ErrorKind.OVERLOADED)
         log.warning("shutdown timeout: %d streams ended with an error event", failed)
         await _until_empty(registry, FLUSH_TIMEOUT_S)
     server.supervisor.stop_restarting()

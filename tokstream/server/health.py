@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from tokstream.state_snapshot import ReplicaStatus
+
 
 async def live(request):
     server = request.app.state.server
@@ -16,6 +18,6 @@ async def live(request):
 async def ready(request):
     server = request.app.state.server
     status = "draining" if server.draining else server.status
-    ok = status == "ready"
+    ok = status == ReplicaStatus.READY
     return JSONResponse({"status": status}, status_code=200 if ok else 503,
                         headers=None if ok else {"retry-after": "5"})

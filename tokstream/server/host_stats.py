@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import psutil
 
+from tokstream.state_snapshot import DeviceMemory, HostMemory, Memory, ProcessRow
+
 
 class ProcessUsage:
     """Memory and CPU of the gateway, engine core and ranks, measured per snapshot."""
@@ -47,15 +49,16 @@ def alive(pid: int | None) -> bool:
         return False
 
 
-def memory(processes: list[tuple[str, int | None]], usage: dict, device: str) -> dict:
+def memory(processes: list[tuple[str, int | None]], usage: dict, device: str) -> Memory:
+    """The host's memory, each (role, pid)'s usage (as ProcessUsage.measure gave it), and
+    CUDA devices' memory."""
     host = psutil.virtual_memory()
-    rows = [{"role": role, "pid": pid, **usage[pid]} for role, pid in processes]
-    return {"host": {"total_bytes": host.total, "available_bytes": host.available,
-                     "cpu_count": psutil.cpu_count()},
-            "processes": rows, "devices": device_memory() if device == "cuda" else []}
+    return Memory(HostMemory(host.total, host.available, psutil.cpu_count()),
+                  [ProcessRow(role, pid, **usage[pid]) for role, pid in processes],
+                  device_memory() if device == "cuda" else [])
 
 
-def device_memory() -> list[dict]:
+def device_memory() -> list[DeviceMemory]:
     try:
         import pynvml
     except ImportError:
@@ -66,8 +69,8 @@ def device_memory() -> list[dict]:
         for index in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             info = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            out.append({"index": index, "total_bytes": info.total, "used_bytes": info.used,
-                        "utilization_percent": pynvml.nvmlDeviceGetUtilizationRates(handle).gpu})
+            out.append(DeviceMemory(index, info.total, info.used,
+                                    pynvml.nvmlDeviceGetUtilizationRates(handle).gpu))
         return out
     except pynvml.NVMLError:
         return []

@@ -12,6 +12,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tokstream.state_snapshot import CoreSnapshot, Kv, LastStep, ReplicaStatus
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -34,8 +36,8 @@ class EngineCollector:
 
     def collect(self):
         labels = ["model_name"]
-        snap = self.snapshot or {}
-        kv = snap.get("kv", {})
+        snap = CoreSnapshot.from_wire(self.snapshot or {})
+        kv = snap.kv or Kv()
 
         def gauge(name, doc, value):
             family = GaugeMetricFamily(name, doc, labels=labels)
@@ -48,36 +50,35 @@ class EngineCollector:
             return family
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.",
-                    snap.get("running", 0))
-        yield gauge("vllm:num_requests_waiting", "Requests waiting in the engine.",
-                    snap.get("waiting", 0))
-        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", kv.get("usage", 0.0))
-        yield counter("vllm:num_preemptions", "Preemptions (recompute).",
-                      snap.get("num_preemptions", 0))
+                    snap.running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting in the engine.", snap.waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", kv.usage)
+        yield counter("vllm:num_preemptions", "Preemptions (recompute).", snap.num_preemptions)
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries (tokens).",
-                      kv.get("prefix_cache_queries", 0))
+                      kv.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits (tokens).",
-                      kv.get("prefix_cache_hits", 0))
+                      kv.prefix_cache_hits)
         blocks = GaugeMetricFamily("tokstream_kv_blocks", "KV blocks by state.",
                                    labels=["model_name", "state"])
-        for state in ("used", "free", "cached"):
-            blocks.add_metric([self.model, state], kv.get(f"{state}_blocks", 0))
+        for state, count in (("used", kv.used_blocks), ("free", kv.free_blocks),
+                             ("cached", kv.cached_blocks)):
+            blocks.add_metric([self.model, state], count)
         yield blocks
-        if "block_size" in kv:
+        if kv.block_size:
             # The endpoint picker's prefix scorer reads the pool's geometry from these labels
             # (the Gateway API inference extension's model-server protocol); value always 1.
             info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
                                      labels=["model_name", "block_size", "num_gpu_blocks"])
-            info.add_metric([self.model, str(kv["block_size"]), str(kv.get("num_blocks", 0))], 1)
+            info.add_metric([self.model, str(kv.block_size), str(kv.num_blocks)], 1)
             yield info
-        yield gauge("tokstream_kv_blocks_total", "KV blocks in the pool.", kv.get("num_blocks", 0))
-        last = snap.get("last_step") or {}
+        yield gauge("tokstream_kv_blocks_total", "KV blocks in the pool.", kv.num_blocks)
+        last = snap.last_step or LastStep()
         yield gauge("tokstream_last_step_seconds", "Duration of the latest engine step.",
-                    last.get("step_ms", 0.0) / 1000)
-        yield counter("tokstream_engine_steps", "Engine steps run.", snap.get("step_id", 0))
+                    (last.step_ms or 0.0) / 1000)
+        yield counter("tokstream_engine_steps", "Engine steps run.", snap.step_id)
         status = GaugeMetricFamily("tokstream_replica_status", "1 for the replica's status.",
                                    labels=["model_name", "status"])
-        for name in ("starting", "ready", "recovering", "down"):
+        for name in ("starting", *(status.value for status in ReplicaStatus)):
             status.add_metric([self.model, name], 1.0 if self.status == name else 0.0)
         yield status
 

@@ -7,6 +7,7 @@ import uuid
 
 from starlette.responses import JSONResponse
 
+from tokstream.engine.messages import FinishReason
 from tokstream.errors import UserInputError
 from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
 from tokstream.server.logprobs_format import chat_logprobs, completion_logprobs
@@ -130,7 +131,7 @@ def parse(body: dict, server: Server, chat: bool) -> Prompt:
 
 
 def finish_reason(stream: Stream) -> str:
-    return "stop" if stream.final.finish_reason == "stop" else "length"
+    return "stop" if stream.final.finish_reason == FinishReason.STOP else "length"
 
 
 def usage(stream: Stream) -> dict:

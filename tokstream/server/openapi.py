@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import functools
 
+from tokstream.state_snapshot import RequestDetail, StateSnapshot
+from tokstream.wire import json_schema
+
 TEXT_BLOCKS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {
     "type": "object", "required": ["type", "text"],
     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}
@@ -156,8 +159,11 @@ def _post(summary: str, body: dict, error: dict, streams: bool, overload: int) -
                      "responses": {"200": {"description": "OK", "content": content}, **errors}}}
 
 
-def _get(summary: str, description: str = "OK") -> dict:
-    return {"get": {"summary": summary, "responses": {"200": {"description": description}}}}
+def _get(summary: str, description: str = "OK", schema: dict | None = None) -> dict:
+    ok = {"description": description}
+    if schema is not None:
+        ok["content"] = {"application/json": {"schema": schema}}
+    return {"get": {"summary": summary, "responses": {"200": ok}}}
 
 
 @functools.cache
@@ -185,9 +191,10 @@ def openapi_schema() -> dict:
             "/v1/models": _get("Served models"),
             "/health": _get("200 ready; 503 recovering or down"),
             "/metrics": _get("Prometheus metrics"),
-            "/v1/state": _get("State snapshot (admin)"),
+            "/v1/state": _get("State snapshot (admin)", schema=json_schema(StateSnapshot)),
             "/v1/state/requests/{request_id}": {
-                **_get("One live request with its recent text (admin)"),
+                **_get("One live request with its recent text (admin)",
+                       schema=json_schema(RequestDetail)),
                 "parameters": [{"name": "request_id", "in": "path", "required": True,
                                 "schema": {"type": "string"}}]},
             "/openapi.json": _get("This schema"),

@@ -16,6 +16,8 @@ import logging
 from typing import Protocol
 
 from tokstream.checker import INTEGRITY_HEADER
+from tokstream.engine.messages import FinishReason
+from tokstream.errors import ErrorKind
 from tokstream.server.streams import Batch, Stream, StreamRegistry
 
 log = logging.getLogger("tokstream.server")
@@ -61,17 +63,25 @@ def integrity(batch: Batch) -> dict:
 
 
 OVERLOAD_WORDS = ("engine", "replica", "down")
+"""Only for a failure whose producer does not set error_kind yet (the engine core's, whose
+files are being reworked): its message names the replica when the replica is at fault."""
+
+
+def _guessed_kind(message: str) -> ErrorKind:
+    return (ErrorKind.REPLICA if any(word in message for word in OVERLOAD_WORDS)
+            else ErrorKind.USER)
 
 
 def stream_failure(stream: Stream) -> tuple[str, str] | None:
     """(error type, message) when a finished stream ended in failure, else None. A replica
-    failure is an overload (retry elsewhere or later); anything else an api_error."""
+    failure or an overload is overloaded_error (retry elsewhere or later); the request's own
+    failure an api_error."""
     final = stream.final
-    if final.finish_reason == "error":
+    if final.finish_reason == FinishReason.ERROR:
         message = final.error or "request failed"
-        overloaded = any(word in message for word in OVERLOAD_WORDS)
-        return ("overloaded_error" if overloaded else "api_error"), message
-    if final.finish_reason == "abort":
+        kind = final.error_kind or _guessed_kind(message)
+        return ("api_error" if kind == ErrorKind.USER else "overloaded_error"), message
+    if final.finish_reason == FinishReason.ABORT:
         return "api_error", "request aborted by the server"
     return None
 

@@ -22,6 +22,7 @@ from tokstream.server.submit import Prompt, Submitter
 from tokstream.server.supervisor import EngineSupervisor
 from tokstream.server.tenants import Tenant, Tenants, load_tenants
 from tokstream.server.validation import shown
+from tokstream.state_snapshot import ReplicaStatus, StateSnapshot
 from tokstream.tokenizer import Tokenizer
 
 log = logging.getLogger("tokstream.server")
@@ -63,7 +64,7 @@ class Server:
         self.submitter = Submitter(self.registry, self.admission, self.metrics, self.events,
                                    on_change=self.core_state.invalidate)
         self.state_view = GatewaySnapshot()
-        self.metrics.engine.status = "ready"
+        self.metrics.engine.status = ReplicaStatus.READY
         self.supervisor = EngineSupervisor(engine, self.registry, config.down_retry_s)
         self.supervisor.on_status = self._on_status
         self.supervisor.on_event = self.events.record
@@ -77,7 +78,7 @@ class Server:
         return self.supervisor.engine
 
     @property
-    def status(self) -> str:
+    def status(self) -> ReplicaStatus:
         """ready | recovering | down (see EngineSupervisor)."""
         return self.supervisor.status
 
@@ -100,7 +101,7 @@ class Server:
         if self.draining:
             raise ApiError("overloaded_error", "server is shutting down; retry on another "
                            "replica or later", retry_after=5)
-        if self.status == "down":
+        if self.status == ReplicaStatus.DOWN:
             raise ApiError("overloaded_error", f"replica is {self.status}; retry later",
                            retry_after=max(1, self.config.down_retry_s))
 
@@ -131,6 +132,6 @@ class Server:
         self.metrics.engine.snapshot = self.core_state.value
         return self.core_state.value
 
-    async def snapshot(self) -> dict:
+    async def snapshot(self) -> StateSnapshot:
         """/v1/state (see gateway_snapshot.py)."""
         return await self.state_view.build(self)

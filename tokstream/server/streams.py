@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.messages import EngineRequest, RequestDelta, TokenLogprobs
+from tokstream.engine.messages import EngineRequest, FinishReason, RequestDelta, TokenLogprobs
+from tokstream.errors import ErrorKind
 from tokstream.sampling_params import SamplingParams
+from tokstream.state_snapshot import StreamRow
 
 log = logging.getLogger("tokstream.server")
 
@@ -152,24 +154,21 @@ class Stream:
         """No output yet: still queued or in prefill (what admission bounds)."""
         return self.first_token_time is None and self.final is None
 
-    def row(self, now: float) -> dict:
-        """Gateway-side view for /v1/state."""
+    def row(self, now: float) -> StreamRow:
+        """Gateway-side view for /v1/state (the core's state and blocks are joined later)."""
         ttft = (self.first_token_time - self.arrival) if self.first_token_time else None
         decode_s = ((self.last_token_time or now) - self.first_token_time
                     if self.first_token_time else None)
         n = len(self.delivered)
-        return {
-            "id": self.request_id, "tenant": self.tenant, "api": self.api,
-            "prompt_tokens": self.num_prompt_tokens, "output_tokens": n,
-            "max_tokens": self.params.max_tokens,
-            "ttft_ms": ttft * 1000 if ttft is not None else None,
-            "itl_ms": self.itl_sum / self.itl_count * 1000 if self.itl_count else None,
-            "tokens_per_s": (n - 1) / decode_s if decode_s and n > 1 else None,
-            "age_s": now - self.arrival,
-            "pending_tokens": self.channel.num_pending_tokens,
-            "cancelled": self.cancelled,
-            "resumes": max(self.submissions - 1, 0),
-        }
+        return StreamRow(
+            id=self.request_id, tenant=self.tenant, api=self.api,
+            prompt_tokens=self.num_prompt_tokens, output_tokens=n,
+            max_tokens=self.params.max_tokens,
+            ttft_ms=ttft * 1000 if ttft is not None else None,
+            itl_ms=self.itl_sum / self.itl_count * 1000 if self.itl_count else None,
+            tokens_per_s=(n - 1) / decode_s if decode_s and n > 1 else None,
+            age_s=now - self.arrival, pending_tokens=self.channel.num_pending_tokens,
+            cancelled=self.cancelled, resumes=max(self.submissions - 1, 0))
 
 
 Reroute = Callable[[RequestDelta, dict[str, Stream]], list[tuple[Stream, RequestDelta]]]
@@ -244,13 +243,15 @@ class StreamRegistry:
             self._submit(stream)
         return resumed
 
-    def fail_live(self, message: str) -> int:
-        """End every live stream with an error (the replica is down); returns how many."""
+    def fail_live(self, message: str, kind: ErrorKind = ErrorKind.REPLICA) -> int:
+        """End every live stream with an error (the replica is down, or the server is
+        shutting down); returns how many."""
         live = [s for s in self.streams.values() if s.live]
         for stream in live:
             n = len(stream.delivered)
-            self._put(stream, RequestDelta(stream.request_id, [], n, "", finish_reason="error",
-                                           error=message, num_output_tokens=n,
+            self._put(stream, RequestDelta(stream.request_id, [], n, "",
+                                           finish_reason=FinishReason.ERROR, error=message,
+                                           error_kind=kind, num_output_tokens=n,
                                            num_prompt_tokens=stream.num_prompt_tokens))
         return len(live)
 

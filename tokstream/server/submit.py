@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tokstream.checker import choice_request_id
+from tokstream.engine.messages import FinishReason
 from tokstream.errors import ReplicaError, UserInputError
 from tokstream.sampling_params import SamplingParams
 from tokstream.server.admission import Admission
@@ -111,7 +112,7 @@ class Submitter:
     def _on_finish(self, stream: Stream, delta) -> None:
         self._settle(stream, delta.num_output_tokens)
         self.metrics.on_finish(stream, delta, time.monotonic() - stream.arrival)
-        if delta.finish_reason == "error":
+        if delta.finish_reason == FinishReason.ERROR:
             self.events.record("request_failed", stream.request_id, reason=delta.error)
 
     def _on_cancel(self, stream: Stream, reason: str) -> None:

@@ -37,9 +37,11 @@ import psutil
 
 from tokstream.config import EngineConfig
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.messages import RequestDelta, poison_message
+from tokstream.engine.messages import FinishReason, RequestDelta, poison_message
+from tokstream.errors import ErrorKind
 from tokstream.server.spare_core import SpareCore
 from tokstream.server.streams import StreamRegistry
+from tokstream.state_snapshot import ReplicaStatus
 
 log = logging.getLogger("tokstream.server")
 
@@ -59,9 +61,8 @@ class EngineSupervisor:
         self.registry = registry
         self.config = replacement_config(engine.config, engine.info)
         self.retry_interval_s = retry_interval_s
-        self.status = "ready"
-        """ready | recovering | down: the core's own status, or the supervisor's while it
-        replaces the core."""
+        self.status = ReplicaStatus.READY
+        """The core's own status, or the supervisor's while it replaces the core."""
         self.restarts = {kind: 0 for kind in KINDS}
         self.resumed_requests = {kind: 0 for kind in KINDS}
         self.recovery_seconds: dict[str, list[float]] = {kind: [] for kind in KINDS}
@@ -112,8 +113,8 @@ class EngineSupervisor:
         self._delivered_at_attach = {rid: len(s.delivered)
                                      for rid, s in self.registry.streams.items()}
 
-    def _set_status(self, status: str, reason: str | None) -> None:
-        self.status = status
+    def _set_status(self, status: ReplicaStatus | str, reason: str | None) -> None:
+        self.status = status = ReplicaStatus(status)  # the core's arrive as strings
         if self.on_status is not None:
             self.on_status(status, reason)
 
@@ -156,7 +157,7 @@ class EngineSupervisor:
             self._failed_starts += 1
         self.registry.paused = True
         self._event("engine_dead", reason=reason, pid=self.engine.pid)
-        self._set_status("recovering", f"engine core died: {reason}")
+        self._set_status(ReplicaStatus.RECOVERING, f"engine core died: {reason}")
         self._task = asyncio.get_running_loop().create_task(self._replace())
 
     def _progressed(self) -> bool:
@@ -184,8 +185,8 @@ class EngineSupervisor:
                 self._event("request_failed", request_id=stream.request_id, failures=failures)
                 n = len(stream.delivered)
                 self.registry._deliver(RequestDelta(
-                    stream.request_id, [], n, "", finish_reason="error",
-                    error=poison_message(failures, "its process died"),
+                    stream.request_id, [], n, "", finish_reason=FinishReason.ERROR,
+                    error=poison_message(failures, "its process died"), error_kind=ErrorKind.USER,
                     num_prompt_tokens=stream.num_prompt_tokens, num_output_tokens=n))
         self._deaths = counts
         return ended
@@ -200,7 +201,7 @@ class EngineSupervisor:
         swapped = engine = await self.spare.take() if self.spare is not None else None
         while engine is None:
             if self._failed_starts >= attempts:
-                if self.status != "down":
+                if self.status != ReplicaStatus.DOWN:
                     self._go_down(last_error)
                 await asyncio.sleep(self.retry_interval_s)
             engine, error = await self._start()
@@ -209,7 +210,7 @@ class EngineSupervisor:
             self._failed_starts += 1
             last_error = error
             self._event("engine_restart_failed", reason=error, attempt=self._failed_starts)
-        was_down = self.status == "down"
+        was_down = self.status == ReplicaStatus.DOWN
         self.engine = engine
         self._attach(engine)
         resumed = self.registry.resubmit(engine)
@@ -254,7 +255,7 @@ class EngineSupervisor:
     def _go_down(self, error: str) -> None:
         attempts = self.config.max_recovery_attempts
         message = f"replica down: the engine core failed to start {attempts} times: {error}"
-        self._set_status("down", message)
+        self._set_status(ReplicaStatus.DOWN, message)
         failed = self.registry.fail_live(message)
         log.error("%s; %d live requests ended; retrying every %g s", message, failed,
                   self.retry_interval_s)

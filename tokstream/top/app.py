@@ -7,6 +7,7 @@ from __future__ import annotations
 from textual.app import App
 from textual.binding import Binding
 
+from tokstream.state_snapshot import Event
 from tokstream.top.help import HelpScreen
 from tokstream.top.main_screen import MainScreen
 from tokstream.top.source import Frame, HttpSource, SourceError
@@ -29,7 +30,7 @@ class TopApp(App):
         self.interval_s = interval_s
         self.frame: Frame | None = None
         self.history = History()
-        self.events: dict[tuple, dict] = {}
+        self.events: dict[tuple, Event] = {}
         """Every event seen, by (time, kind, request id): the server keeps only its latest
         ones."""
         self.failures = 0
@@ -66,20 +67,20 @@ class TopApp(App):
             else:
                 self.failures, self.error, self.frame = 0, None, frame
                 self.history.add(frame)
-                self._log_events(frame.state.get("events", []))
+                self._log_events(frame.state.events)
             self.main.redraw()
         finally:
             self.polling = False
 
-    def _log_events(self, events: list[dict]) -> None:
+    def _log_events(self, events: list[Event]) -> None:
         for event in events:
-            self.events[(event.get("time"), event.get("kind"), event.get("request_id"))] = event
+            self.events[(event.time, event.kind, event.request_id)] = event
         for key in sorted(self.events, key=lambda k: k[0] or 0)[:-MAX_EVENTS]:
             del self.events[key]
 
-    def event_log(self) -> list[dict]:
+    def event_log(self) -> list[Event]:
         """The events seen so far, oldest first."""
-        return sorted(self.events.values(), key=lambda e: e.get("time") or 0)
+        return sorted(self.events.values(), key=lambda e: e.time or 0)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

@@ -7,6 +7,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
+from tokstream.state_snapshot import StateSnapshot
 from tokstream.top import format as fmt
 from tokstream.top.view import History
 
@@ -34,18 +35,18 @@ class BatchPanel(Vertical):
         yield from (self.seqs, self.seqs_line, self.tokens, self.tokens_line, self.queue,
                     self.queue_line)
 
-    def show(self, state: dict, history: History) -> None:
-        batch = state.get("batch", {})
-        running, max_seqs = batch.get("running", 0), batch.get("max_num_seqs")
-        tokens, budget = batch.get("last_step_tokens", 0), batch.get("token_budget")
+    def show(self, state: StateSnapshot, history: History) -> None:
+        batch = state.batch
+        running, max_seqs = batch.running, batch.max_num_seqs
+        tokens, budget = batch.last_step_tokens, batch.token_budget
         self.seqs.update(
             f"{bar(running, max_seqs, 12)} [b]running[/b] {running}/{fmt.number(max_seqs)} seqs")
         self.tokens.update(
             f"{bar(tokens, budget, 12)} [b]step[/b] {tokens}/{fmt.number(budget)} tokens "
-            f"{fmt.ms(batch.get('last_step_ms'))}")
+            f"{fmt.ms(batch.last_step_ms)}")
         self.queue.update(
-            f"[b]waiting[/b] {batch.get('waiting', 0)}  [b]preemptions[/b] "
-            f"{batch.get('num_preemptions', 0)}  [b]step[/b] #{batch.get('step_id', 0)}")
+            f"[b]waiting[/b] {batch.waiting}  [b]preemptions[/b] "
+            f"{batch.num_preemptions}  [b]step[/b] #{batch.step_id}")
         self.seqs_line.data = history.series("running")
         self.tokens_line.data = history.series("step_tokens")
         self.queue_line.data = history.series("waiting")

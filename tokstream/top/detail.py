@@ -11,27 +11,26 @@ from textual.containers import VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
+from tokstream.state_snapshot import RequestDetail
 from tokstream.top import format as fmt
 from tokstream.top.source import SourceError
 from tokstream.top.view import owner_colour
 
 
-def describe(row: dict) -> Text:
-    engine = row.get("engine") or {}
-    params = row.get("params") or {}
+def describe(row: RequestDetail) -> Text:
+    engine, params = row.engine, row.params
     text = Text()
-    text.append(row["id"], style="bold " + owner_colour(row["id"]))
-    text.append(f"  tenant {row.get('tenant') or '-'}  api {row.get('api', '-')}  state "
-                f"{engine.get('phase') or row.get('state')}  resumes {row.get('resumes', 0)}"
-                f"  preemptions {engine.get('preemptions', 0)}\n")
-    text.append(f"prompt {row.get('prompt_tokens')} tokens  output {row.get('output_tokens')}"
-                f"/{row.get('max_tokens')}  blocks {engine.get('blocks', '-')}  TTFT "
-                f"{fmt.ms(row.get('ttft_ms'))}  ITL {fmt.ms(row.get('itl_ms'))}  "
-                f"{fmt.number(row.get('tokens_per_s'), 1)} tok/s  age "
-                f"{fmt.seconds(row.get('age_s'))}  pending {row.get('pending_tokens', 0)}\n")
-    text.append(f"temperature {params.get('temperature')}  top_p {params.get('top_p')}  top_k "
-                f"{params.get('top_k')}  seed {params.get('seed')}  stop {params.get('stop')}",
-                style="dim")
+    text.append(row.id, style="bold " + owner_colour(row.id))
+    text.append(f"  tenant {row.tenant or '-'}  api {row.api or '-'}  state "
+                f"{(engine.phase if engine else None) or row.state}  resumes {row.resumes}"
+                f"  preemptions {engine.preemptions if engine else 0}\n")
+    text.append(f"prompt {row.prompt_tokens} tokens  output {row.output_tokens}"
+                f"/{row.max_tokens}  blocks {engine.blocks if engine else '-'}  TTFT "
+                f"{fmt.ms(row.ttft_ms)}  ITL {fmt.ms(row.itl_ms)}  "
+                f"{fmt.number(row.tokens_per_s, 1)} tok/s  age "
+                f"{fmt.seconds(row.age_s)}  pending {row.pending_tokens}\n")
+    text.append(f"temperature {params.temperature}  top_p {params.top_p}  top_k "
+                f"{params.top_k}  seed {params.seed}  stop {params.stop}", style="dim")
     return text
 
 
@@ -85,8 +84,8 @@ class DetailScreen(Screen):
             self.notice.update(Text("finished: the server no longer has this request "
                                     "(its last text is below)", style="bold #e5c07b"))
             return
-        self.notice.update(Text(f"text so far (last {len(row.get('recent_text', ''))} "
+        self.notice.update(Text(f"text so far (last {len(row.recent_text)} "
                                 "characters, live)", style="dim"))
         self.fields.update(describe(row))
-        self.text.update(Text(row.get("recent_text", "")))
+        self.text.update(Text(row.recent_text))
         self.scroll.scroll_end(animate=False)

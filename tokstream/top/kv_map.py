@@ -11,6 +11,7 @@ from rich.cells import cell_len
 from rich.text import Text
 from textual.widget import Widget
 
+from tokstream.state_snapshot import Kv
 from tokstream.top.view import PALETTE, owner_colour
 
 FREE, CACHED, SHARED = "free", "cached", "shared"
@@ -37,17 +38,17 @@ class Block:
         return SHARED if self.ref_count > 1 else (self.owner or SHARED)
 
 
-def blocks(kv: dict) -> list[Block]:
+def blocks(kv: Kv) -> list[Block]:
     """Per block, from /v1/state's kv.block_map (ref-count characters, owner and cached runs)."""
-    block_map = kv.get("block_map") or {}
-    ref_counts = block_map.get("ref_counts", "")
+    block_map = kv.block_map
+    ref_counts = block_map.ref_counts
     owner: list[str | None] = [None] * len(ref_counts)
-    for request_id, runs in (block_map.get("owners") or {}).items():
+    for request_id, runs in block_map.owners.items():
         for first, count in runs:
             for block_id in range(first, min(first + count, len(owner))):
                 owner[block_id] = owner[block_id] or request_id
     cached = [False] * len(ref_counts)
-    for first, count in block_map.get("cached") or []:
+    for first, count in block_map.cached:
         for block_id in range(first, min(first + count, len(cached))):
             cached[block_id] = True
     return [Block(10 if c == "+" else int(c), o, k)
@@ -78,15 +79,15 @@ def cells(pool: list[Block], capacity: int) -> tuple[int, list[tuple[str, str]]]
     return per_cell, out
 
 
-def legend_and_gauge(kv: dict, pool: list[Block], width: int) -> Text:
-    num_blocks = kv.get("num_blocks", len(pool)) or 0
-    used = kv.get("used_blocks", 0)
+def legend_and_gauge(kv: Kv, pool: list[Block], width: int) -> Text:
+    num_blocks = kv.num_blocks or len(pool)
+    used = kv.used_blocks
     shared = sum(1 for b in pool if b.ref_count > 1)
     usage = used / num_blocks if num_blocks else 0.0
     text = Text()
     evictable = sum(1 for b in pool if b.kind == CACHED)
-    text.append(f"KV {used}/{num_blocks} used  {kv.get('free_blocks', 0)} free ({evictable} "
-                f"keep a cached prefix)  {kv.get('cached_blocks', 0)} cached  {shared} shared  ",
+    text.append(f"KV {used}/{num_blocks} used  {kv.free_blocks} free ({evictable} "
+                f"keep a cached prefix)  {kv.cached_blocks} cached  {shared} shared  ",
                 style="bold")
     gauge_width = max(4, width - len(text) - 7)
     filled = round(usage * gauge_width)
@@ -103,9 +104,9 @@ class KvMap(Widget):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.kv: dict = {}
+        self.kv = Kv()
 
-    def show(self, kv: dict) -> None:
+    def show(self, kv: Kv) -> None:
         self.kv = kv
         self.refresh()
 

@@ -97,7 +97,7 @@ class MainScreen(Screen):
 
     def redraw(self) -> None:
         app = self.app
-        state = app.frame.state if app.frame else {}
+        state = app.frame.state if app.frame else None
         self.header.show(state, app.source.url, app.history.rate("prompt_tokens"),
                          app.history.rate("output_tokens"), self.notice())
         if app.frame is None:
@@ -109,7 +109,7 @@ class MainScreen(Screen):
                              self.sort_column, self.reverse)
             self.requests_tables[view == "requests"].show(rows, self.sort_column, self.reverse)
         if view in ("overview", "cache"):
-            self.kv_maps[view == "cache"].show(state.get("kv", {}))
+            self.kv_maps[view == "cache"].show(state.kv)
         if view == "overview":
             self.batch.show(state, app.history)
         elif view == "tenants":

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from tokstream.state_snapshot import RequestDetail, StateSnapshot
+
 COUNTERS = {"vllm:generation_tokens_total": "output_tokens"}
 """Prometheus samples top reads (summed over labels) -> its own names."""
 
@@ -20,7 +22,7 @@ class SourceError(Exception):
 class Frame:
     """One poll: the /v1/state snapshot and the counters read from /metrics."""
 
-    state: dict
+    state: StateSnapshot
     counters: dict[str, float]
 
 
@@ -35,18 +37,18 @@ class HttpSource:
     async def poll(self) -> Frame:
         state, metrics = await asyncio.gather(self._get("/v1/state"), self._get("/metrics"))
         try:
-            return Frame(state.json(), parse_counters(metrics.text))
-        except ValueError as error:
+            return Frame(StateSnapshot.from_wire(state.json()), parse_counters(metrics.text))
+        except (ValueError, TypeError, AttributeError) as error:
             raise SourceError(f"unreadable reply: {error}") from error
 
-    async def request(self, request_id: str) -> dict | None:
+    async def request(self, request_id: str) -> RequestDetail | None:
         """One live request with its recent text; None once the server no longer has it."""
         response = await self._get(f"/v1/state/requests/{request_id}", missing_ok=True)
         if response.status_code == 404:
             return None
         try:
-            return response.json()
-        except ValueError as error:
+            return RequestDetail.from_wire(response.json())
+        except (ValueError, TypeError, AttributeError) as error:
             raise SourceError(f"unreadable reply: {error}") from error
 
     async def aclose(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import DataTable
 
+from tokstream.state_snapshot import Event, RequestRow
 from tokstream.top import format as fmt
 from tokstream.top.view import COLUMNS, owner_colour
 
@@ -24,8 +25,8 @@ EVENT_COLOUR = {"preempted": "#e5c07b", "rank_failure": "bold #e06c75",
                 "request_failed": "#e06c75", "cancelled": "#d19a66"}
 
 
-def _cell(row: dict, column: str) -> Text | str:
-    value = row.get(column)
+def _cell(row: RequestRow, column: str) -> Text | str:
+    value = getattr(row, column)
     if column == "id":
         return Text(value, style=owner_colour(value))
     if column == "state":
@@ -48,14 +49,14 @@ class RequestsTable(DataTable):
         self.cursor_type = "row"
         self.zebra_stripes = True
 
-    def show(self, rows: list[dict], sort_column: str, reverse: bool) -> None:
+    def show(self, rows: list[RequestRow], sort_column: str, reverse: bool) -> None:
         selected = self.selected_id
         self.clear(columns=True)
         for column in COLUMNS:
             arrow = (" ▼" if reverse else " ▲") if column == sort_column else ""
             self.add_column(HEADINGS[column] + arrow, key=column, width=WIDTHS[column])
         for row in rows:
-            self.add_row(*(_cell(row, c) for c in COLUMNS), key=row["id"])
+            self.add_row(*(_cell(row, c) for c in COLUMNS), key=row.id)
         if selected is not None and selected in self.rows:
             self.move_cursor(row=self.get_row_index(selected), animate=False)
 
@@ -93,14 +94,12 @@ class EventsTable(DataTable):
         for label in ("TIME (UTC)", "EVENT", "REQUEST", "DETAIL"):
             self.add_column(label)
 
-    def show(self, events: list[dict]) -> None:
+    def show(self, events: list[Event]) -> None:
         self.clear()
         for event in events:
-            detail = "  ".join(f"{k}={v}" for k, v in event.items()
-                               if k not in ("time", "kind", "request_id", "source")
-                               and v not in (None, ""))
-            kind = event.get("kind", "?")
-            self.add_row(fmt.clock(event.get("time")),
-                         Text(kind, style=EVENT_COLOUR.get(kind, "")),
-                         event.get("request_id") or "", detail)
+            detail = "  ".join(f"{k}={v}" for k, v in event.extra.items()
+                               if k != "source" and v not in (None, ""))
+            kind = event.kind or "?"
+            self.add_row(fmt.clock(event.time), Text(kind, style=EVENT_COLOUR.get(kind, "")),
+                         event.request_id or "", detail)
         self.scroll_end(animate=False)

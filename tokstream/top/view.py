@@ -3,10 +3,12 @@ sort and filter, tenant rows, and the history behind the rates and sparklines. N
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
+from tokstream.state_snapshot import RequestRow, StateSnapshot
 from tokstream.top.source import Frame
 
 COLUMNS = ["id", "tenant", "state", "prompt_tokens", "output_tokens", "blocks", "ttft_ms",
@@ -25,55 +27,57 @@ def owner_colour(request_id: str) -> str:
     return PALETTE[zlib.crc32(request_id.encode()) % len(PALETTE)]
 
 
-def request_rows(state: dict) -> list[dict]:
+def request_rows(state: StateSnapshot) -> list[RequestRow]:
     """The /v1/state request rows with `state` as top shows it: waiting, prefill, decode,
     preempted, recovering (paused by a replica restart, or re-prefilling what it had after
     one), finishing (delivered, closing) or submitted (not yet in the engine)."""
-    recovering = state.get("replica", {}).get("status") in ("recovering", "down")
     rows = []
-    for row in state.get("requests", []):
-        phase = row.get("phase") or row.get("state")
-        resumed_refill = row.get("resumes", 0) > 0 and phase in ("waiting", "prefill")
-        if phase != "finishing" and (recovering or resumed_refill):
+    for row in state.requests:
+        phase = row.phase or row.state
+        resumed_refill = row.resumes > 0 and phase in ("waiting", "prefill")
+        if phase != "finishing" and (state.recovering or resumed_refill):
             phase = "recovering"
-        rows.append({**row, "state": phase, "tenant": row.get("tenant") or "-"})
+        rows.append(dataclasses.replace(row, state=phase, tenant=row.tenant or "-"))
     return rows
 
 
-def sort_rows(rows: list[dict], column: str, reverse: bool) -> list[dict]:
+def sort_rows(rows: list[RequestRow], column: str, reverse: bool) -> list[RequestRow]:
     """Sorted by column; rows without a value (None) always go last; ties by id."""
-    present = sorted((r for r in rows if r.get(column) is not None),
-                     key=lambda r: (r[column], r["id"]), reverse=reverse)
-    return present + sorted((r for r in rows if r.get(column) is None), key=lambda r: r["id"])
+    present = sorted((r for r in rows if getattr(r, column) is not None),
+                     key=lambda r: (getattr(r, column), r.id), reverse=reverse)
+    return present + sorted((r for r in rows if getattr(r, column) is None), key=lambda r: r.id)
 
 
-def filter_rows(rows: list[dict], text: str) -> list[dict]:
+def filter_rows(rows: list[RequestRow], text: str) -> list[RequestRow]:
     """Rows whose id, tenant or state contains every word of text (case-insensitive)."""
     words = text.lower().split()
     return [r for r in rows if all(
-        any(w in str(r.get(k) or "").lower() for k in ("id", "tenant", "state")) for w in words)]
+        any(w in str(getattr(r, k) or "").lower() for k in ("id", "tenant", "state"))
+        for w in words)]
 
 
-def tenant_rows(state: dict) -> list[dict]:
+def tenant_rows(state: StateSnapshot) -> list[dict]:
     """Per tenant: share of the tokens served, running and waiting requests, the fairness
     counter, and its configured limits when the server has a tenants file."""
-    fairness = {row["tenant"]: row for row in state.get("fairness") or []}
-    configured = {row["name"]: row for row in state.get("tenants") or []}
+    fairness = {row.tenant: row for row in state.fairness or []}
+    configured = {row.name: row for row in state.tenants}
     counts: dict[str, dict[str, int]] = {}
     for row in request_rows(state):
-        running = row["state"] in ("prefill", "decode", "finishing")
-        tally = counts.setdefault(row["tenant"], {"running": 0, "waiting": 0})
+        running = row.state in ("prefill", "decode", "finishing")
+        tally = counts.setdefault(row.tenant, {"running": 0, "waiting": 0})
         tally["running" if running else "waiting"] += 1
     names = sorted(set(fairness) | set(configured) | set(counts))
-    total = sum(row.get("served_tokens", 0) for row in fairness.values())
+    total = sum(row.served_tokens for row in fairness.values())
     rows = []
     for name in names:
-        ledger, config = fairness.get(name, {}), configured.get(name, {})
-        served = ledger.get("served_tokens", 0)
+        ledger, config = fairness.get(name), configured.get(name)
+        served = ledger.served_tokens if ledger else 0
         rows.append({"tenant": name, "share": served / total if total else None,
                      "served_tokens": served, **counts.get(name, {"running": 0, "waiting": 0}),
-                     "counter": ledger.get("counter"), "weight": config.get("weight"),
-                     "priority": config.get("priority"), "refusals": config.get("refusals")})
+                     "counter": ledger.counter if ledger else None,
+                     "weight": config.weight if config else None,
+                     "priority": config.priority if config else None,
+                     "refusals": config.refusals if config else None})
     return rows
 
 
@@ -95,17 +99,15 @@ class History:
     samples: deque = field(default_factory=deque)
 
     def add(self, frame: Frame) -> None:
-        state = frame.state
-        batch = state.get("batch", {})
-        uptime = state.get("replica", {}).get("uptime_s", 0.0)
+        batch = frame.state.batch
+        uptime = frame.state.replica.uptime_s
         if self.samples and uptime <= self.samples[-1].uptime_s:
             self.samples.clear()  # a new server (or the same snapshot twice): start over
         # Prompt tokens: prefilled by the engine (its own counter); output tokens: delivered
         # to callers (/metrics).
-        self.samples.append(Sample(uptime, batch.get("prefill_tokens_total", 0),
+        self.samples.append(Sample(uptime, batch.prefill_tokens_total or 0,
                                    frame.counters.get("output_tokens", 0.0),
-                                   batch.get("running", 0), batch.get("last_step_tokens", 0),
-                                   batch.get("waiting", 0)))
+                                   batch.running, batch.last_step_tokens, batch.waiting))
         while uptime - self.samples[0].uptime_s > HISTORY_S:
             self.samples.popleft()
 
