@@ -159,11 +159,10 @@ def test_engine_selects_triton_kernels_in_the_worker(interpreted_kernels, monkey
     prompts = [[5, 17, 99, 3], list(range(10, 19))]
     expected, _ = Driver(prompts, max_new=[4, 4]).run(runner_for(tiny_model()))
     monkeypatch.setenv("TOKSTREAM_KERNELS", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the spawned worker imports triton afresh
-    # Ranks fork from this process's forkserver, which keeps the environment it started
-    # with (an earlier engine in the session may have started it): start a fresh one.
-    import multiprocessing.forkserver as forkserver
-    forkserver._forkserver._stop()
+    # The rank imports triton afresh (under the interpreter). Ranks fork from this process's
+    # forkserver, which an earlier engine may have started: rank_start gives them this
+    # environment all the same (TRITON_ variables by a new forkserver).
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     with LLM(EngineConfig(model=str(folder), dtype="float32", device="cpu")) as llm:
         assert llm.core.executor.ready.kernels == "triton"

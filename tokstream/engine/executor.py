@@ -58,7 +58,7 @@ class RankGroup:
 
     def __init__(self, config: EngineConfig, run_dir: str | None = None):
         self.config = config
-        context = rank_context(config)
+        context, environment = rank_context(config)
         # A rendezvous file unique to this group: two servers (or a group and its spare)
         # never meet by accident, and no port is claimed. Under run_dir, which the gateway
         # removes even when this core could not (it was killed).
@@ -72,7 +72,7 @@ class RankGroup:
         for rank in range(config.tp):
             parent_conn, child_conn = context.Pipe()
             process = context.Process(target=rank_main,
-                                      args=(child_conn, config, rank, rendezvous),
+                                      args=(environment, child_conn, config, rank, rendezvous),
                                       name=f"tokstream-rank{rank}")
             process.start()
             child_conn.close()

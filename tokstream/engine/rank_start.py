@@ -6,6 +6,12 @@ restart of a rank group. The engine core therefore starts one forkserver (multip
 a clean process started with exec, not a copy of the core) that imports RANK_PRELOAD once;
 every rank of every group of that core is forked from it, ready to load. The forkserver dies
 with the core (forkserver_guard), and its ranks with it (PR_SET_PDEATHSIG, child_process).
+
+A forked rank would inherit the environment the forkserver started with, not the one in force
+when its group starts (a test's TOKSTREAM_KERNELS, a chaos run's TOKSTREAM_POISON, set after
+an earlier engine of the process started the forkserver). So each rank is handed the starting
+process's environment and takes it on before anything reads it; only variables read before
+that, as the forkserver itself starts and preloads (STARTUP_ENV), need a new forkserver.
 """
 
 from __future__ import annotations
@@ -35,15 +41,23 @@ RANK_PRELOAD = ["tokstream.engine.forkserver_guard", "torch", "torch.distributed
 """What the forkserver imports: its guard, then what a rank imports before it loads. A name
 that fails to import is skipped by the forkserver (the rank then imports it itself)."""
 
+STARTUP_ENV = ("OMP_", "KMP_", "GOMP_", "MKL_", "MALLOC_", "THP_", "LD_", "PYTHON", "TRITON_",
+               "TORCH_")
+"""Prefixes of the variables read as the forkserver starts and preloads (glibc's malloc, the
+loader, Python, OpenMP and torch as they load): a rank cannot change them afterwards."""
+
 _forkserver_env: dict[str, str] | None = None
-"""The environment the running forkserver started with (multiprocessing keeps one per
-process): its children inherit it, OpenMP's settings included, read when torch loaded."""
+"""The STARTUP_ENV variables the running forkserver started with (multiprocessing keeps one
+forkserver per process)."""
+
+
+def startup_environment(environment: dict[str, str]) -> dict[str, str]:
+    return {key: value for key, value in environment.items() if key.startswith(STARTUP_ENV)}
 
 
 @contextlib.contextmanager
 def worker_environment(config: EngineConfig):
-    """Set the ranks' environment for the duration of a start; the user's values win. Yields
-    the values in force."""
+    """Set the ranks' environment for the duration of a start; the user's values win."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     wanted = dict(WORKER_ENV)
     if config.tp > cores:
@@ -52,7 +66,7 @@ def worker_environment(config: EngineConfig):
     for key, value in wanted.items():
         os.environ.setdefault(key, value)
     try:
-        yield {key: os.environ[key] for key in wanted}
+        yield
     finally:
         for key, value in saved.items():
             if value is None:
@@ -62,27 +76,34 @@ def worker_environment(config: EngineConfig):
 
 
 def rank_context(config: EngineConfig):
-    """The multiprocessing context ranks start from, its forkserver running with config's
-    rank environment (started now if it is not: call early, it preloads meanwhile)."""
+    """(the multiprocessing context ranks start from, the environment to hand them): its
+    forkserver runs with config's rank environment (started now if it is not: call early, it
+    preloads meanwhile)."""
     global _forkserver_env
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(RANK_PRELOAD)
-    with worker_environment(config) as env:
-        if _forkserver_env is not None and env != _forkserver_env:
-            # Another tp in this process (tests, offline use): ranks forked now must get
-            # this environment. A group still running from the old forkserver dies with it.
+    with worker_environment(config):
+        environment = dict(os.environ)
+        startup = startup_environment(environment)
+        if _forkserver_env is not None and startup != _forkserver_env:
+            # Another tp, or OpenMP settings changed, in this process (tests, offline use):
+            # ranks forked now must start with these. A group still running from the old
+            # forkserver dies with it.
             forkserver._forkserver._stop()
         os.environ[GUARD_ENV] = str(os.getpid())  # read (and dropped) by a new forkserver
         try:
             forkserver.ensure_running()
         finally:
             os.environ.pop(GUARD_ENV, None)
-        _forkserver_env = env
-    return context
+        _forkserver_env = startup
+    return context, environment
 
 
-def rank_main(*args) -> None:
-    """A rank's process: dies with the forkserver (which exits with the core), leaves SIGTERM
-    to the core (child_process)."""
+def rank_main(environment: dict[str, str], *args) -> None:
+    """A rank's process: takes on the environment its group started with (the forkserver's is
+    older), dies with the forkserver (which exits with the core), leaves SIGTERM to the core
+    (child_process)."""
+    os.environ.clear()
+    os.environ.update(environment)
     become_child()
     worker_main(*args)
