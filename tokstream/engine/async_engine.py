@@ -10,6 +10,7 @@ in a long step and the pipe buffer is full).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -43,6 +44,8 @@ class AsyncEngine:
         self._replies: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count(1)
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._batch: list | None = None
+        """Messages held back to be sent as one (inside batch())."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self.replica_status = "ready"
@@ -182,7 +185,23 @@ class AsyncEngine:
                 self.on_dead(self.dead)
 
     def _send(self, message) -> None:
-        self._outbox.put(message)
+        if self._batch is not None:
+            self._batch.append(message)
+        else:
+            self._outbox.put(message)
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Whatever is sent inside reaches the core as one message, read before its next step:
+        a new core's resumed requests then re-prefill together, where sent one by one the
+        core could start stepping on the first while the others were still in the pipe."""
+        self._batch = []
+        try:
+            yield
+        finally:
+            held, self._batch = self._batch, None
+            if held:
+                self._outbox.put(("batch", held))
 
     def add_request(self, request: EngineRequest, sink: DeltaSink) -> None:
         """Submit request; sink receives every delta of it, the last with finish_reason set.

@@ -3,6 +3,7 @@
 client -> core: ("add", EngineRequest) | ("abort", request_id) | ("shutdown",)
                 | ("state", token) | ("score", token, token_ids, start)
                 | ("arm_spare",): keep a standby rank group from now on
+                | ("batch", [message, ...]): several of these, read together
 core -> client: ("ready", info: model facts, pids, start_times: StartTimes)
                 | ("failed", user_error, message) | ("deltas", [RequestDelta])
                 | ("state", token, snapshot dict) | ("score", token, ScoreResult | None,
@@ -89,40 +90,50 @@ def _start_times(group, spawned_at: float, entered: float, imported: float) -> S
 
 
 def _serve(conn, core) -> None:
-    from tokstream.errors import OverloadedError, UserInputError
-
     while True:
         timeout = 0 if core.has_work else IDLE_POLL_S
         out: list[RequestDelta] = []
         while conn.poll(timeout):
             timeout = 0
-            message = conn.recv()
-            kind = message[0]
-            if kind == "shutdown":
-                return
-            if kind == "add":
-                request = message[1]
-                try:
-                    core.add_request(request)
-                except (UserInputError, OverloadedError) as exc:
-                    out.append(RequestDelta(request.request_id, [], 0, "",
-                                            finish_reason="error", error=str(exc)))
-            elif kind == "arm_spare":
-                core.executor.arm_spare()
-            elif kind == "abort":
-                delta = core.abort(message[1])
-                if delta is not None:
-                    out.append(delta)
-            elif kind == "state":
-                conn.send(("state", message[1], core.snapshot()))
-            elif kind == "score":
-                conn.send(("score", message[1], *_score(core, message[2], message[3])))
+            received = conn.recv()
+            # A batch (AsyncEngine.batch: a new core's resumed requests) is read at once, so
+            # its requests share the next step instead of arriving one pipe read at a time.
+            for message in received[1] if received[0] == "batch" else [received]:
+                if _handle(conn, core, message, out):
+                    return
         if core.has_work or core.status == "down" or core.pending_deltas:
             out.extend(core.step())
         elif core.status == "ready":
             core.executor.reload_spare()  # idle: nothing left to re-prefill (see step)
         if out:
             conn.send(("deltas", out))
+
+
+def _handle(conn, core, message, out: list[RequestDelta]) -> bool:
+    """Act on one message from the client; True when it asks the core to stop."""
+    from tokstream.errors import OverloadedError, UserInputError
+
+    kind = message[0]
+    if kind == "shutdown":
+        return True
+    if kind == "add":
+        request = message[1]
+        try:
+            core.add_request(request)
+        except (UserInputError, OverloadedError) as exc:
+            out.append(RequestDelta(request.request_id, [], 0, "", finish_reason="error",
+                                    error=str(exc)))
+    elif kind == "arm_spare":
+        core.executor.arm_spare()
+    elif kind == "abort":
+        delta = core.abort(message[1])
+        if delta is not None:
+            out.append(delta)
+    elif kind == "state":
+        conn.send(("state", message[1], core.snapshot()))
+    elif kind == "score":
+        conn.send(("score", message[1], *_score(core, message[2], message[3])))
+    return False
 
 
 def _score(core, token_ids, start):

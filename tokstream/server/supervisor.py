@@ -213,7 +213,8 @@ class EngineSupervisor:
         was_down = self.status == ReplicaStatus.DOWN
         self.engine = engine
         self._attach(engine)
-        resumed = self.registry.resubmit(engine)
+        with engine.batch():  # one step re-prefills them all
+            resumed = self.registry.resubmit(engine)
         seconds = None if was_down else time.monotonic() - started
         self._event("engine_restarted", pid=engine.pid, worker_pids=engine.info["worker_pids"],
                     seconds=seconds, resumed=resumed, spare=swapped is not None,
