@@ -174,7 +174,7 @@ def test_recovery_that_keeps_failing_goes_down_then_comes_back(tmp_path, referen
         with pytest.raises(OverloadedError):
             llm.core.add_request(EngineRequest("late", PROMPTS[0], GREEDY))
         hidden.rename(folder)
-        llm.core._next_retry = 0.0  # don't wait out the back-off in a test
+        llm.core.next_retry = 0.0  # don't wait out the back-off in a test
         llm.core.step()
         assert llm.core.status == "ready"
         out, _ = collect(llm, requests("again"))

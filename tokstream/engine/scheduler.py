@@ -22,56 +22,13 @@ from tokstream.config import SchedulerConfig
 from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.fairness import FairnessLedger
 from tokstream.engine.request import Request, RequestStatus
-from tokstream.engine.step_cost import StepCostModel, StepShape, attended_tokens
+from tokstream.engine.scheduled import ScheduledWork, SchedulerOutput, step_shape
+from tokstream.engine.step_cost import StepCostModel, attended_tokens
 from tokstream.engine.waiting_queue import WaitingQueue
-
-
-@dataclass
-class ScheduledWork:
-    """One request's share of a step."""
-
-    request: Request
-    start: int
-    """First position computed this step (== request.num_computed_tokens before the step)."""
-    num_tokens: int
-    new_block_ids: list[int]
-    is_new: bool
-    """The worker has not seen this request (first admission or re-admission after preemption)."""
-    samples: bool = False
-    """This chunk reaches the end of the request's tokens, so a token is sampled after it."""
-
-    def __post_init__(self):
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    work: list[ScheduledWork] = field(default_factory=list)
-    """Decodes (one token) first, then prefill chunks."""
-    preempted: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
-    """Requests ended while scheduling (too big for the whole pool)."""
-    forgotten_ids: list[str] = field(default_factory=list)
-    """Requests the workers should drop: finished, aborted or preempted since the last step."""
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    """(pool block, host block) copies for requests swapped out in this step."""
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    """(host block, pool block) copies for swapped requests re-admitted in this step."""
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(w.num_tokens for w in self.work)
 
 
 def running_order(request: Request) -> tuple:
     return (request.priority, request.arrival)
-
-
-def step_shape(work: list[ScheduledWork]) -> StepShape:
-    """A step's work as the cost model sees it (decodes counted as the scheduler does)."""
-    decodes = sum(1 for w in work if w.num_tokens == 1 and w.samples)
-    return StepShape(decodes, sum(w.num_tokens for w in work) - decodes,
-                     sum(attended_tokens(w.start, w.num_tokens) for w in work))
 
 
 @dataclass
@@ -205,7 +162,7 @@ class Scheduler:
                 prefill_time.take(request.num_computed_tokens, num_new)  # limited or not
             scheduled.add(request.request_id)
             work = ScheduledWork(request, request.num_computed_tokens, num_new, new_blocks, False)
-            (decodes if num_new == 1 and work.samples else prefills).append(work)
+            (decodes if work.is_decode else prefills).append(work)
             budget = max(0, budget - num_new)
 
         if not prefill_time_known:

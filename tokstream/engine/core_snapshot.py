@@ -1,0 +1,114 @@
+"""The engine core's state as plain data for /v1/state: scheduler, KV pool and block map,
+requests, tenants, events, pids. No torch.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+from tokstream.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from tokstream.engine.core import EngineCore
+
+REF_COUNT_CHARS = "0123456789"
+
+
+def snapshot(core: EngineCore) -> dict:
+    """Plain-data state for /v1/state: scheduler, block map, requests, events, pids."""
+    now = time.monotonic()
+    scheduler, blocks = core.scheduler, core.block_manager
+    sched = core.config.scheduler
+    requests = []
+    for request in scheduler.requests.values():
+        requests.append({
+            "id": request.request_id, "state": request.status.name.lower(),
+            "phase": phase(core, request),
+            "tenant": request.tenant, "priority": request.priority,
+            "prompt_tokens": len(request.prompt_token_ids),
+            "output_tokens": request.num_output_tokens,
+            "computed_tokens": request.num_computed_tokens,
+            "blocks": len(request.block_ids), "preemptions": request.num_preemptions,
+            "swapped_blocks": len(request.swapped_block_ids),
+            "age_s": now - request.arrival,
+            "queue_s": (request.first_scheduled - request.arrival
+                        if request.first_scheduled is not None else None)})
+    last = core.last_step
+    return {
+        "pid": os.getpid(),
+        "status": core.status,
+        "restarts": core.restarts,
+        "resumed_requests": core.resumed_requests,
+        "recovery_s": core.recovery_seconds[-1] if core.recovery_seconds else None,
+        "worker_alive": core.executor.alive(),
+        "worker_pids": core.executor.pids,
+        "step_id": core.step_id,
+        "last_step": ({"num_tokens": last.num_tokens, "num_seqs": last.num_seqs,
+                       "step_ms": last.step_s * 1000} if last else None),
+        "running": len(scheduler.running),
+        "waiting": len(scheduler.waiting),
+        "max_num_seqs": core.config.scheduler.max_num_seqs,
+        "token_budget": sched.max_num_batched_tokens,
+        "chunked_prefill": sched.chunked_prefill,
+        # Most prompt tokens of one request per step; None: prompts go whole.
+        "max_prefill_chunk": ((sched.max_prefill_chunk or sched.max_num_batched_tokens)
+                              if sched.chunked_prefill else None),
+        "num_preemptions": scheduler.num_preemptions,
+        "prefill_tokens_total": core.prefill_tokens_total,
+        "decode_tokens_total": core.decode_tokens_total,
+        "preemption_mode": core.config.cache.preemption_mode,
+        "num_swap_preemptions": scheduler.num_swap_outs,
+        "kv": {"block_size": blocks.block_size, "num_blocks": blocks.num_blocks,
+               "free_blocks": blocks.num_free_blocks, "used_blocks": blocks.num_used_blocks,
+               "cached_blocks": blocks.num_cached_blocks, "usage": blocks.usage,
+               "prefix_cache_queries": blocks.prefix_queries,
+               "prefix_cache_hits": blocks.prefix_hits,
+               "swap_blocks": core.swap_space.num_blocks if core.swap_space else 0,
+               "free_swap_blocks": (core.swap_space.num_free_blocks
+                                    if core.swap_space else 0),
+               "block_map": block_map(core),
+               # Problems the bookkeeping has now (none when sound), and how many
+               # self-checks since the start found any.
+               "self_check": core.scheduler.check(rehash=False),
+               "self_check_failures": core.self_check_failures},
+        "requests": requests,
+        "tenants": scheduler.ledger.snapshot(),
+        "policy": core.config.scheduler.policy,
+        "events": list(core.events),
+    }
+
+
+def phase(core: EngineCore, request: Request) -> str:
+    """waiting | prefill | decode | preempted | recovering: where a request is in its life.
+    A running request decodes once every token but the newest sampled one is in the
+    cache; one re-prefilling after a rank-group restart is recovering."""
+    if request.request_id in core.resuming:
+        return "recovering"
+    if request.status != RequestStatus.RUNNING:
+        return request.status.name.lower()
+    return "prefill" if request.num_computed_tokens < request.num_tokens - 1 else "decode"
+
+
+def block_map(core: EngineCore) -> dict:
+    """Compact per-block map: one character per block for its reference count ('0'-'9',
+    '+' past 9); per owner, its block ids as [first, count] runs; and the blocks that hold
+    a cached prefix (held or evictable) as runs."""
+    ref_counts = "".join(REF_COUNT_CHARS[c] if c < 10 else "+"
+                         for c in core.block_manager.ref_counts)
+    owners = {request.request_id: _runs(request.block_ids)
+              for request in core.scheduler.running}
+    return {"ref_counts": ref_counts, "owners": owners,
+            "cached": core.block_manager.cached_runs}
+
+
+def _runs(block_ids: list[int]) -> list[list[int]]:
+    """Block ids as [first, count] runs of consecutive ids, in order."""
+    runs: list[list[int]] = []
+    for block_id in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block_id:
+            runs[-1][1] += 1
+        else:
+            runs.append([block_id, 1])
+    return runs

@@ -1,0 +1,92 @@
+"""A scheduled step: each request's share of it (ScheduledWork), the whole step
+(SchedulerOutput), what the workers receive of it (SchedulerOutput.plan) and what the step cost
+model sees of it (step_shape). Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
+from tokstream.engine.request import Request
+from tokstream.engine.step_cost import StepShape, attended_tokens
+
+
+@dataclass
+class ScheduledWork:
+    """One request's share of a step."""
+
+    request: Request
+    start: int
+    """First position computed this step (== request.num_computed_tokens before the step)."""
+    num_tokens: int
+    new_block_ids: list[int]
+    is_new: bool
+    """The worker has not seen this request (first admission or re-admission after preemption)."""
+    samples: bool = False
+    """This chunk reaches the end of the request's tokens, so a token is sampled after it."""
+
+    def __post_init__(self):
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One token computed and one sampled: the one rule for a decode, everywhere (the
+        worker's chunk says the same: ScheduledChunk.is_decode)."""
+        return self.num_tokens == 1 and self.samples
+
+
+@dataclass
+class SchedulerOutput:
+    work: list[ScheduledWork] = field(default_factory=list)
+    """Decodes (one token) first, then prefill chunks."""
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    """Requests ended while scheduling (too big for the whole pool)."""
+    forgotten_ids: list[str] = field(default_factory=list)
+    """Requests the workers should drop: finished, aborted or preempted since the last step."""
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(pool block, host block) copies for requests swapped out in this step."""
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(host block, pool block) copies for swapped requests re-admitted in this step."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(w.num_tokens for w in self.work)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for w in self.work if w.is_decode)
+
+    def plan(self, step_id: int) -> StepPlan:
+        """What the workers receive for this step: the same work, projected onto the
+        messages a worker reads (a request new to them brings its sampling settings)."""
+        plan = StepPlan(step_id, finished_ids=self.forgotten_ids, swap_out=self.swap_out,
+                        swap_in=self.swap_in)
+        for work in self.work:
+            request = work.request
+            if work.is_new:
+                plan.new_requests.append(new_request_data(request, work.start))
+            end = work.start + work.num_tokens
+            plan.chunks.append(ScheduledChunk(
+                request.request_id, request.token_slice(work.start, end), work.start,
+                work.new_block_ids, request.num_output_tokens if work.samples else None))
+        return plan
+
+
+def step_shape(work: list[ScheduledWork]) -> StepShape:
+    """A step's work as the cost model sees it (decodes counted as the scheduler does)."""
+    decodes = sum(1 for w in work if w.is_decode)
+    return StepShape(decodes, sum(w.num_tokens for w in work) - decodes,
+                     sum(attended_tokens(w.start, w.num_tokens) for w in work))
+
+
+def new_request_data(request: Request, start: int) -> NewRequestData:
+    """A request's sampling settings for the workers, at its (re-)admission from start."""
+    p = request.params
+    return NewRequestData(
+        request.request_id, p.temperature, p.top_p, p.top_k, request.seed, min_p=p.min_p,
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, logprobs=p.logprobs,
+        num_prompt_tokens=len(request.prompt_token_ids), grammar=p.grammar,
+        history=request.token_slice(0, start) if p.needs_history else [])
