@@ -161,7 +161,7 @@ def test_serve_help_shows_the_dataclass_defaults_for_every_field():
     import re
 
     from tokstream.plan import parse_size
-    from tokstream.server.settings import FLAG_NAMES, NESTED, SECTIONS
+    from tokstream.settings import FLAG_NAMES, NESTED, SECTIONS
 
     result = subprocess.run([sys.executable, "-m", "tokstream", "serve", "--help"],
                             capture_output=True, text=True, timeout=60,

@@ -117,6 +117,7 @@ def loadtest(tmp_path, fake, *args):
                           capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.startup
 def test_a_given_capacity_sets_the_rate_without_a_probe(tmp_path):
     out = tmp_path / "out"
     with FakeServer(context=1024) as fake:
@@ -133,6 +134,7 @@ def test_a_given_capacity_sets_the_rate_without_a_probe(tmp_path):
     assert "rate 20 req/s = 0.5 x capacity 40 req/s (given)" in result.stdout
 
 
+@pytest.mark.startup
 def test_without_a_capacity_a_probe_measures_it_first_and_leaves_it_for_the_next_run(tmp_path):
     out = tmp_path / "out"
     with FakeServer(context=1024, token_delay_s=0.01) as fake:

@@ -10,7 +10,7 @@ from tokstream.loadgen.mix import MIX_DIR, available_mixes, load_mix, parse_mix
 from tokstream.loadgen.plan import Limits, main_request
 from tokstream.loadgen.prompts import HEADER, PromptBook
 from tokstream.loadgen.schedule import Schedule
-from tokstream.server.settings import load_profile
+from tokstream.settings import load_profile
 
 MIXES = ["agent-never-stops", "chat", "hot-tenant", "long-prompt-flood", "mixed", "shared-prefix"]
 

@@ -221,6 +221,7 @@ def write_mix_and_keys(tmp_path):
     return str(tmp_path / "mix.toml"), str(tmp_path / "keys.toml")
 
 
+@pytest.mark.startup
 def test_loadtest_reports_every_request(tmp_path):
     mix, keys = write_mix_and_keys(tmp_path)
     out = tmp_path / "out"
@@ -283,6 +284,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.startup
 def test_loadtest_fails_past_the_thresholds_and_shows_locusts_web_ui(tmp_path):
     mix, keys = write_mix_and_keys(tmp_path)
     out = tmp_path / "out"
@@ -324,6 +326,7 @@ def test_loadtest_fails_past_the_thresholds_and_shows_locusts_web_ui(tmp_path):
     assert "FAIL" in stdout
 
 
+@pytest.mark.startup
 def test_requests_past_the_drain_timeout_are_cancelled_and_fail_the_run(tmp_path):
     mix, keys = write_mix_and_keys(tmp_path)
     out = tmp_path / "out"
@@ -340,6 +343,7 @@ def test_requests_past_the_drain_timeout_are_cancelled_and_fail_the_run(tmp_path
     assert all((out / name).stat().st_size > 5000 for name in PLOTS)  # drawn with no data too
 
 
+@pytest.mark.startup
 def test_ctrl_c_stops_the_run_and_still_reports(tmp_path):
     mix, keys = write_mix_and_keys(tmp_path)
     out = tmp_path / "out"

@@ -122,6 +122,7 @@ burst_size = 2
 """
 
 
+@pytest.mark.startup
 def test_sweep_runs_every_stage_and_reports_rates_latency_and_throughput(tmp_path):
     (tmp_path / "mix.toml").write_text(SWEEP_MIX)
     (tmp_path / "keys.toml").write_text('alpha = "sk-a"\nbeta = "sk-b"\n')
@@ -180,6 +181,7 @@ def test_sweep_runs_every_stage_and_reports_rates_latency_and_throughput(tmp_pat
     assert again.stat().st_size > 20000
 
 
+@pytest.mark.startup
 def test_a_sweep_against_a_failing_server_stops_after_the_synchronous_stage(tmp_path):
     (tmp_path / "mix.toml").write_text(SWEEP_MIX)
     out = tmp_path / "out"

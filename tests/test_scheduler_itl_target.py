@@ -382,7 +382,7 @@ def test_the_flag_and_the_profile_key_reach_the_scheduler(monkeypatch):
     import tokstream.server.app
     from tokstream.cli import app
     from tokstream.config import SchedulerConfig
-    from tokstream.server.settings import build_settings
+    from tokstream.settings import build_settings
 
     engine, _ = build_settings({"scheduler": {"itl_target_ms": 150}}, {})
     assert engine.scheduler.itl_target_ms == 150

@@ -8,7 +8,7 @@ from tokstream.engine.messages import RequestDelta
 from tokstream.errors import UserInputError
 from tokstream.server.admission import Admission
 from tokstream.server.errors import ApiError
-from tokstream.server.settings import build_settings, load_profile
+from tokstream.settings import build_settings, load_profile
 from tokstream.server.streams import Channel
 from tokstream.server.tenants import Tenant, hash_key
 
@@ -87,7 +87,7 @@ def test_serving_profiles_set_only_what_differs_from_the_defaults():
     from pathlib import Path
 
     from tokstream.options import field_default
-    from tokstream.server.settings import PROFILE_DIR, SECTIONS
+    from tokstream.settings import PROFILE_DIR, SECTIONS
 
     root = Path(__file__).resolve().parents[1]
     paths = sorted(PROFILE_DIR.glob("*.toml")) + [root / "deploy/k8s/serve.toml"]

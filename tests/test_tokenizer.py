@@ -57,6 +57,7 @@ def test_special_tokens(smollm2):
     assert smollm2.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
 
 
+@pytest.mark.startup
 def test_same_ids_as_transformers(smollm2, reference):
     for text in VARIED:
         assert smollm2.encode(text) == reference(text, add_special_tokens=False).input_ids, text
@@ -80,6 +81,7 @@ def test_round_trip(smollm2):
         assert smollm2.decode(smollm2.encode(text), skip_special_tokens=False) == text
 
 
+@pytest.mark.startup
 def test_chatml_matches_reference(smollm2, reference):
     assert smollm2.apply_chat_template(FRANCE) == CHATML_FRANCE
     ids = smollm2.encode_chat(FRANCE)

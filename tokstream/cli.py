@@ -18,7 +18,7 @@ app = typer.Typer(help="tokstream: paged-KV, continuously batched LLM serving.",
 # docstring as help, its default. This import is light (typer and the dataclasses).
 from tokstream.config import BenchSpec, EngineConfig  # noqa: E402
 from tokstream.options import config_flags, field_help, with_flags  # noqa: E402
-from tokstream.server.settings import SERVE_FLAGS, flags_for  # noqa: E402
+from tokstream.settings import SERVE_FLAGS, flags_for  # noqa: E402
 
 MODEL_FLAGS = flags_for("model", "dtype", "weights", "device")
 """What generate and bench take of the engine's flags."""
@@ -78,7 +78,7 @@ def generate(
     _setup_logging(verbose)
     from tokstream.engine.llm import LLM
     from tokstream.sampling_params import SamplingParams
-    from tokstream.server.settings import build_settings
+    from tokstream.settings import build_settings
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed, stop=list(stop))
@@ -137,7 +137,7 @@ def bench(
     from tokstream.bench import fit_concurrency, run_bench
     from tokstream.config import BenchSpec
     from tokstream.engine.llm import LLM
-    from tokstream.server.settings import build_settings
+    from tokstream.settings import build_settings
 
     workload = {k: v for k, v in flags.pop("bench").items() if v is not None}
     values = _parse_sweep(sweep, sweep_param) if sweep else None
@@ -277,7 +277,7 @@ def serve(
     panels below is also a key of a serving profile, in the section its panel names
     (--step-timeout: step_timeout_s under engine)."""
     _setup_logging(verbose)
-    from tokstream.server.settings import build_settings, load_profile
+    from tokstream.settings import build_settings, load_profile
 
     preset = load_profile(profile) if profile else {}
     engine_config, server_config = build_settings(preset, flags)

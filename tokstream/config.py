@@ -2,7 +2,7 @@
 
 Each option is declared once, here: its field, its default and its docstring. `tokstream
 serve`'s flags, their help text and the serving profiles' keys (profiles/*.toml, one section a
-dataclass) are generated from these fields (tokstream/options.py, tokstream/server/settings.py).
+dataclass) are generated from these fields (tokstream/options.py, tokstream/settings.py).
 A field docstring's first paragraph is the flag's help; what follows a blank line (measurements,
 reasons) stays in the source. A field whose metadata says BYTES also takes sizes such as "4GiB".
 """

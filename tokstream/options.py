@@ -3,7 +3,7 @@ field's name gives the flag, its docstring the help, its default the `[default: 
 (vLLM builds its argument groups from its config classes the same way).
 
 A generated flag defaults to None, "not given": a serving profile's value or the dataclass
-default then applies (tokstream/server/settings.py merges them). Only typer is imported here, so
+default then applies (tokstream/settings.py merges them). Only typer is imported here, so
 `tokstream --help` stays instant."""
 
 from __future__ import annotations

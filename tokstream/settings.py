@@ -14,7 +14,7 @@ from tokstream.errors import UserInputError
 from tokstream.options import Flag, config_flags, is_bytes
 from tokstream.toml_file import read_toml
 
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "profiles"
+PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
 
 SECTIONS: dict[str, type] = {"engine": EngineConfig, "cache": CacheConfig,
                              "scheduler": SchedulerConfig, "server": ServerConfig,
