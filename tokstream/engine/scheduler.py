@@ -14,50 +14,23 @@ unchanged. Pure Python, no torch.
 from __future__ import annotations
 
 import bisect
-import sys
 import time
 from dataclasses import dataclass, field
 
 from tokstream.config import SchedulerConfig
 from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.fairness import FairnessLedger
+from tokstream.engine.prefill_share import (PrefillTime, is_long_prefill, limit_for,
+                                            long_prefill_allowance, prefill_allowance,
+                                            time_share)
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduled import ScheduledWork, SchedulerOutput, step_shape
-from tokstream.engine.step_cost import StepCostModel, attended_tokens
+from tokstream.engine.step_cost import StepCostModel
 from tokstream.engine.waiting_queue import WaitingQueue
 
 
 def running_order(request: Request) -> tuple:
     return (request.priority, request.arrival)
-
-
-@dataclass
-class PrefillTime:
-    """The prefill a step may still take under the ITL target, in predicted seconds."""
-
-    cost: StepCostModel
-    seconds_left: float
-    num_decodes: int = 0
-    """The step's decodes, which cost more in a step that carries prefill."""
-    granted: int = 0
-    """Prefill tokens given so far this step."""
-
-    def tokens(self, start: int, wanted: int, share: float = 1.0) -> int:
-        """Tokens of a chunk from position start that fit in share of the time left (the
-        first chunk gets at least one, so a prompt progresses every step however far the
-        decodes alone are over)."""
-        fits = self.cost.prefill_tokens_within(
-            (self.seconds_left - self._step_cost()) * share, start)
-        return min(wanted, fits if self.granted else max(fits, 1))
-
-    def take(self, start: int, num_tokens: int) -> None:
-        self.seconds_left -= self.cost.prefill_seconds(start, num_tokens) + self._step_cost()
-        self.granted += num_tokens
-
-    def _step_cost(self) -> float:
-        """The step's once-only cost of carrying prefill, until the first chunk has paid it."""
-        return 0.0 if self.granted else self.cost.prefill_switch_seconds(self.num_decodes)
-
 
 
 class Scheduler:
@@ -120,7 +93,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledWork] = []
         prefills: list[ScheduledWork] = []
-        long_left = self._long_prefill_allowance(budget)
+        long_left = long_prefill_allowance(self.config, budget, len(self.running), self.waiting)
         # The ITL allowance needs this step's decodes, so it is set at the first prefill chunk.
         prefill_time: PrefillTime | None = None
         prefill_time_known = False
@@ -143,14 +116,15 @@ class Scheduler:
             limit = None
             if prefilling:
                 if not prefill_time_known:
-                    prefill_time, prefill_time_known = self._prefill_time(decodes), True
-                limit = self._limit_for(request, prefill_time, decodes)
+                    prefill_time = prefill_allowance(self.config, self.step_cost, decodes)
+                    prefill_time_known = True
+                limit = limit_for(self.config, request, prefill_time, decodes)
                 if limit is not None:
                     num_new = limit.tokens(request.num_computed_tokens, num_new,
-                                           self._time_share(request, long_left))
+                                           time_share(self.config, request, long_left))
                     if num_new == 0:
                         continue
-            if self._is_long_prefill(request):
+            if is_long_prefill(self.config, request):
                 num_new = min(num_new, long_left)
                 if num_new == 0:
                     continue
@@ -166,14 +140,15 @@ class Scheduler:
             budget = max(0, budget - num_new)
 
         if not prefill_time_known:
-            prefill_time = self._prefill_time(decodes)
+            prefill_time = prefill_allowance(self.config, self.step_cost, decodes)
         held = self._groups_prefilling()
         # No admissions in a step that had to preempt: the pool is tight.
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting.peek(
-                lambda r: self._may_start(r) and (long_left > 0 or not self._is_long_prefill(r))
+                lambda r: self._may_start(r)
+                and (long_left > 0 or not is_long_prefill(self.config, r))
                 and not (suspect_taken and self._is_suspect(r)) and r.prompt_group not in held)
             if request is None:
                 break
@@ -192,14 +167,14 @@ class Scheduler:
                 self.block_manager.match_prefix(request)  # cached prefix blocks count as computed
             start = request.num_computed_tokens
             num_new = self._num_new_tokens(request, budget)
-            limit = self._limit_for(request, prefill_time, decodes)
+            limit = limit_for(self.config, request, prefill_time, decodes)
             if limit is not None:
-                num_new = limit.tokens(start, num_new, self._time_share(request, long_left))
+                num_new = limit.tokens(start, num_new, time_share(self.config, request, long_left))
                 if num_new == 0:  # deeper into its prompt (a cached prefix) than time allows
                     if not swapped:
                         self.block_manager.free(request)
                     break
-            if self._is_long_prefill(request):
+            if is_long_prefill(self.config, request):
                 num_new = min(num_new, long_left)
                 long_left -= num_new
             if num_new > budget and prefills:
@@ -259,36 +234,6 @@ class Scheduler:
             return remaining
         return min(remaining, budget, self.config.max_prefill_chunk or budget)
 
-    def _prefill_time(self, decodes: list[ScheduledWork]) -> PrefillTime | None:
-        """The step's prefill allowance under the ITL target; None (the budget alone limits)
-        with the target off, chunking off, nothing decoding, or no step measured yet."""
-        target_s = self.config.itl_target_ms / 1000
-        if not (target_s and self.config.chunked_prefill and decodes
-                and self.step_cost.num_observations):
-            return None
-        decode_s = self.step_cost.decode_seconds(
-            len(decodes), sum(attended_tokens(w.start, w.num_tokens) for w in decodes))
-        floor_s = target_s * self.config.itl_min_prefill_share
-        return PrefillTime(self.step_cost, max(target_s - decode_s, floor_s), len(decodes))
-
-    def _limit_for(self, request: Request, prefill_time: PrefillTime | None,
-                   decodes: list[ScheduledWork]) -> PrefillTime | None:
-        """prefill_time where the ITL target holds request's prefill back: for streams whose
-        first token was out before it arrived, and always for a long prompt. Streams that
-        arrived with a short prompt (a burst of prompts) or after it are behind it, first come
-        first served: their next tokens wait for its prefill, as a burst's prompts all going
-        in first gives every one of them its first token soonest. A long prompt's chunks would
-        hold every stream decoding beside it for the many steps of its prefill (measured,
-        long-prompt-flood on SmolLM2: chat ITL p99 7 s behind 8k-token prompts)."""
-        if prefill_time is None:
-            return None
-        if len(request.prompt_token_ids) > self.config.long_prefill_tokens and decodes:
-            return prefill_time
-        if not any(w.request.first_token_at is not None
-                   and w.request.first_token_at < request.arrival for w in decodes):
-            return None
-        return prefill_time
-
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine ran out's work in seconds (schedule to emit): refit the step cost."""
         if out.work:
@@ -300,29 +245,6 @@ class Scheduler:
     @staticmethod
     def _is_prefilling(request: Request) -> bool:
         return request.num_tokens - request.num_computed_tokens > 1
-
-    def _is_long_prefill(self, request: Request) -> bool:
-        return (request.num_tokens - request.num_computed_tokens
-                > self.config.long_prefill_tokens)
-
-    def _time_share(self, request: Request, long_left: int) -> float:
-        """The share of the step's prefill time request's chunk may take: long prefills take
-        long_prefill_share of it while a shorter prompt waits (as of the token budget), or a
-        long prompt mid-prefill would take all of it step after step, and a chat prompt
-        behind it would wait for its whole prefill."""
-        if long_left != sys.maxsize and self._is_long_prefill(request):
-            return self.config.long_prefill_share
-        return 1.0
-
-    def _long_prefill_allowance(self, budget: int) -> int:
-        """Tokens long prefills may take this step: a share of the budget while a shorter
-        prompt waits and could start, else no limit."""
-        share = self.config.long_prefill_share
-        if (share < 1 and self.config.chunked_prefill
-                and len(self.running) < self.config.max_num_seqs
-                and any(not self._is_long_prefill(r) for r in self.waiting)):
-            return max(1, int(budget * share))
-        return sys.maxsize
 
     def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput,
                              scheduled: set[str]) -> list[int] | None:
