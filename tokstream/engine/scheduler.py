@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass, field
 
 from tokstream.config import SchedulerConfig
 from tokstream.engine.block_manager import BlockManager, SwapSpace
