@@ -272,7 +272,9 @@ int i16_matmul(const int16_t *xq, const float *sx, const float *sums, int64_t M,
     const int64_t groups = N / LANES, nb = K / QK, per_group = K / 2 * 2 * LANES;
     const int64_t panels = (groups + NR - 1) / NR;
     int ok = 1;
-    #pragma omp parallel for schedule(static) reduction(&& : ok)
+    /* on demand: a thread the gateway or a client preempts hands its panels to the other
+     * (measured, batch-32 steps: median 50.5 -> 47.5 ms, p99 65-73 -> 60 ms) */
+    #pragma omp parallel for schedule(dynamic, 1) reduction(&& : ok)
     for (int64_t p = 0; p < panels; p++) {
         const int64_t g0 = p * NR;
         const int nr = groups - g0 < NR ? (int)(groups - g0) : NR;

@@ -190,7 +190,8 @@ static int small_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, c
                         int64_t M, float *out) {
     if (M > SMALL_M) return 0;
     const int64_t row_bytes = K / QK * quant_block_bytes(qtype);
-    #pragma omp parallel for schedule(static)
+    /* on demand, as i16_matmul's panels: a preempted thread's rows go to the other */
+    #pragma omp parallel for schedule(dynamic, 16)
     for (int64_t n = 0; n < N; n += 2) {
         /* an odd last row pairs with itself; only its first output is kept */
         const uint8_t *row1 = w + (n + 1 < N ? n + 1 : n) * row_bytes;
@@ -275,7 +276,7 @@ void quant_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const f
     #pragma omp parallel
     {
         float *buf = scratch + (int64_t)omp_get_thread_num() * ROWS * K;
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 1)
         for (int64_t g = 0; g < groups; g++) {
             const int64_t n0 = g * ROWS;
             const int64_t nr = N - n0 < ROWS ? N - n0 : ROWS;
