@@ -1,6 +1,6 @@
 """A failed stream's error type comes from its kind, set where the failure was caught, not
-from words in its message (server/sse.py); a producer that sets no kind yet still gets the old
-reading of its message."""
+from words in its message (server/sse.py); a failure without a kind is taken for the server's
+(retry), never guessed from its words."""
 
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ def _failed(message: str, kind: ErrorKind | None):
     ("the replica's engine is down", ErrorKind.USER, "api_error"),
     ("no room", ErrorKind.OVERLOADED, "overloaded_error"),
     ("lost its processes", ErrorKind.REPLICA, "overloaded_error"),
-    # No kind (the engine core's own failures, for now): read from the message.
+    # No kind: the server's fault, whatever the message says.
     ("replica down: rank 0 died", None, "overloaded_error"),
-    ("bad grammar", None, "api_error"),
+    ("bad grammar", None, "overloaded_error"),
 ])
 def test_the_error_type_follows_the_kind(message, kind, expected):
     assert _failed(message, kind) == (expected, message)

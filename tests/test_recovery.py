@@ -12,7 +12,7 @@ import pytest
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokstream.engine.llm import LLM
 from tokstream.engine.messages import EngineRequest
-from tokstream.errors import OverloadedError
+from tokstream.errors import ErrorKind, OverloadedError
 from tokstream.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
@@ -165,11 +165,12 @@ def test_recovery_that_keeps_failing_goes_down_then_comes_back(tmp_path, referen
         finishes = {}
         for delta in llm.stream(requests("r")):
             if delta.finished:
-                finishes[delta.request_id] = (delta.finish_reason, delta.error)
+                finishes[delta.request_id] = (delta.finish_reason, delta.error, delta.error_kind)
             fault(llm, {"r0": [0] * (delta.first_index + 1)} if delta.request_id == "r0"
                   else {"r0": []})
         assert llm.core.status == "down"
-        assert all(reason == "error" and "down" in error for reason, error in finishes.values())
+        assert all(reason == "error" and "down" in error and kind == ErrorKind.REPLICA
+                   for reason, error, kind in finishes.values())
         assert len(finishes) == len(PROMPTS)
         with pytest.raises(OverloadedError):
             llm.core.add_request(EngineRequest("late", PROMPTS[0], GREEDY))

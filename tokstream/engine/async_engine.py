@@ -27,7 +27,7 @@ import psutil
 from tokstream.config import EngineConfig
 from tokstream.engine.core_process import core_main
 from tokstream.engine.messages import EngineRequest, RequestDelta, ScoreResult
-from tokstream.errors import OverloadedError, ReplicaError, UserInputError
+from tokstream.errors import ErrorKind, OverloadedError, ReplicaError, UserInputError
 
 log = logging.getLogger("tokstream.engine")
 
@@ -176,7 +176,7 @@ class AsyncEngine:
             if not self.keep_requests_on_death:
                 for request_id, sink in sinks.items():
                     sink(RequestDelta(request_id, [], 0, "", finish_reason="error",
-                                      error=self.dead))
+                                      error=self.dead, error_kind=ErrorKind.REPLICA))
             for future in self._replies.values():
                 if not future.done():
                     future.set_exception(ReplicaError(f"engine is down: {self.dead}"))

@@ -42,7 +42,7 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
 
     rank_context(config)  # the ranks' forkserver preloads while this core loads its own
     from tokstream.engine.core import EngineCore
-    from tokstream.errors import ReplicaError, TokstreamError, UserInputError
+    from tokstream.errors import ErrorKind, ReplicaError, TokstreamError, UserInputError
 
     imported = time.monotonic()
     try:
@@ -69,8 +69,8 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
         pass  # the client went away
     except ReplicaError as exc:
         live = list(core.scheduler.requests)
-        deltas = [RequestDelta(rid, [], 0, "", finish_reason="error", error=str(exc))
-                  for rid in live]
+        deltas = [RequestDelta(rid, [], 0, "", finish_reason="error", error=str(exc),
+                               error_kind=ErrorKind.REPLICA) for rid in live]
         try:
             conn.send(("deltas", deltas))
             conn.send(("dead", str(exc)))
@@ -111,7 +111,7 @@ def _serve(conn, core) -> None:
 
 def _handle(conn, core, message, out: list[RequestDelta]) -> bool:
     """Act on one message from the client; True when it asks the core to stop."""
-    from tokstream.errors import OverloadedError, UserInputError
+    from tokstream.errors import OverloadedError, UserInputError, error_kind
 
     kind = message[0]
     if kind == "shutdown":
@@ -122,7 +122,7 @@ def _handle(conn, core, message, out: list[RequestDelta]) -> bool:
             core.add_request(request)
         except (UserInputError, OverloadedError) as exc:
             out.append(RequestDelta(request.request_id, [], 0, "", finish_reason="error",
-                                    error=str(exc)))
+                                    error=str(exc), error_kind=error_kind(exc)))
     elif kind == "arm_spare":
         core.executor.arm_spare()
     elif kind == "abort":

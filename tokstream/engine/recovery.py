@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from tokstream.engine.messages import RequestDelta, poison_message
 from tokstream.engine.request import RequestStatus
 from tokstream.engine.scheduler import SchedulerOutput
-from tokstream.errors import ReplicaError
+from tokstream.errors import ErrorKind, ReplicaError
 
 if TYPE_CHECKING:
     from tokstream.engine.core import EngineCore
@@ -88,7 +88,7 @@ def fail_in_flight(core: EngineCore, scheduled: SchedulerOutput,
                     reason=reason)
         deltas.append(RequestDelta(
             request.request_id, [], request.num_output_tokens, "", finish_reason="error",
-            error=poison_message(limit, reason),
+            error=poison_message(limit, reason), error_kind=ErrorKind.USER,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_output_tokens=request.num_output_tokens))
     return deltas
@@ -104,6 +104,7 @@ def go_down(core: EngineCore, reason: str) -> list[RequestDelta]:
         core.cached_tokens.pop(request.request_id, None)
         deltas.append(RequestDelta(request.request_id, [], request.num_output_tokens, "",
                                    finish_reason="error", error=f"replica down: {reason}",
+                                   error_kind=ErrorKind.REPLICA,
                                    num_prompt_tokens=len(request.prompt_token_ids),
                                    num_output_tokens=request.num_output_tokens))
     return deltas

@@ -62,16 +62,6 @@ def integrity(batch: Batch) -> dict:
     return ext
 
 
-OVERLOAD_WORDS = ("engine", "replica", "down")
-"""Only for a failure whose producer does not set error_kind yet (the engine core's, whose
-files are being reworked): its message names the replica when the replica is at fault."""
-
-
-def _guessed_kind(message: str) -> ErrorKind:
-    return (ErrorKind.REPLICA if any(word in message for word in OVERLOAD_WORDS)
-            else ErrorKind.USER)
-
-
 def stream_failure(stream: Stream) -> tuple[str, str] | None:
     """(error type, message) when a finished stream ended in failure, else None. A replica
     failure or an overload is overloaded_error (retry elsewhere or later); the request's own
@@ -79,7 +69,9 @@ def stream_failure(stream: Stream) -> tuple[str, str] | None:
     final = stream.final
     if final.finish_reason == FinishReason.ERROR:
         message = final.error or "request failed"
-        kind = final.error_kind or _guessed_kind(message)
+        # Every producer sets the kind where it caught the failure; one without is the
+        # server's fault, so the caller is told to retry.
+        kind = final.error_kind or ErrorKind.REPLICA
         return ("api_error" if kind == ErrorKind.USER else "overloaded_error"), message
     if final.finish_reason == FinishReason.ABORT:
         return "api_error", "request aborted by the server"
