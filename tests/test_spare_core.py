@@ -39,6 +39,9 @@ def ranks_under(pid: int) -> list[psutil.Process]:
             if "forkserver" in " ".join(child.cmdline()) for p in child.children()]
 
 
+MAX_TOKENS = 1500
+
+
 def test_an_engine_core_death_swaps_in_the_spare_core():
     with ServerProcess("--profile", "ci", "--spare", "--spare-core") as server:
         spare = wait_for(lambda: events(server, "spare_core_ready"))[0]
@@ -46,9 +49,11 @@ def test_an_engine_core_death_swaps_in_the_spare_core():
         assert spare["pid"] != first
         client = httpx.Client(base_url=server.url, timeout=120)
         result = {}
+        # Long enough to be caught mid-stream: warm (after other tests), dummy:tiny streams
+        # 64 tokens in less time than one /v1/state poll, and the wait below never saw them.
         stream = threading.Thread(target=lambda: result.setdefault("s", record(
-            client, "/v1/messages", anthropic_body("hello", max_tokens=64, temperature=0,
-                                                   ignore_eos=True))))
+            client, "/v1/messages", anthropic_body("hello", max_tokens=MAX_TOKENS,
+                                                   temperature=0, ignore_eos=True))))
         stream.start()
         wait_for(lambda: any(r["output_tokens"] >= 4 for r in server.state()["requests"]))
         os.kill(first, signal.SIGKILL)
@@ -57,7 +62,7 @@ def test_an_engine_core_death_swaps_in_the_spare_core():
         stream.join(120)
         report = check_streams([result["s"][1]]).streams[0]
         assert report.status == "complete" and report.ok, report
-        assert len(report.token_ids) == 64
+        assert len(report.token_ids) == MAX_TOKENS
         # After the resumed stream's next token: the new core arms a standby rank group of
         # its own, and the next spare core loads.
         second = wait_for(lambda: events(server, "spare_core_ready")[1:])[0]
