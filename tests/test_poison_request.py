@@ -24,10 +24,6 @@ LONGER_THAN_A_STEP = "tell me a story about the sea, please"
 """55 prompt tokens on dummy:tiny, against the server test's 32-token step budget."""
 
 
-KINDS = {}
-"""The error kind each request of the last run() ended with."""
-
-
 def run(llm, requests, max_restarts=6):
     tokens = {r.request_id: [] for r in requests}
     ends = {}
@@ -37,8 +33,7 @@ def run(llm, requests, max_restarts=6):
         for delta in llm.core.step():
             tokens[delta.request_id] += delta.token_ids
             if delta.finished:
-                ends[delta.request_id] = (delta.finish_reason, delta.error)
-                KINDS[delta.request_id] = delta.error_kind
+                ends[delta.request_id] = (delta.finish_reason, delta.error, delta.error_kind)
         assert llm.core.restarts <= max_restarts, "the replica keeps restarting"
         assert llm.core.scheduler.check() == []
     return tokens, ends
@@ -57,11 +52,11 @@ def test_a_request_that_breaks_every_step_is_ended_and_the_others_go_on(monkeypa
         assert core.restarts == 3 and core.status == "ready"
         assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
         failed = [e for e in core.events if e["kind"] == "request_failed"]
-    reason, error = ends.pop("poison")
+    reason, error, kind = ends.pop("poison")
     assert reason == "error" and "3 failures in a row" in error, error
-    assert KINDS["poison"] == ErrorKind.USER  # an api_error: this request's own fault
+    assert kind == ErrorKind.USER  # an api_error: this request's own fault
     assert [e["request_id"] for e in failed] == ["poison"]
-    assert all(end == ("length", None) for end in ends.values()), ends
+    assert all(end == ("length", None, None) for end in ends.values()), ends
     assert {rid: t for rid, t in tokens.items() if rid != "poison"} == reference
 
 
