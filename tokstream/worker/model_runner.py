@@ -17,6 +17,7 @@ from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.grammar import Constraint, Grammars
 from tokstream.worker.sampler import SamplingRow, sample, token_logprobs
+from tokstream.worker.zeroed_memory import lazily_zeroed
 
 log = logging.getLogger("tokstream.worker")
 
@@ -261,7 +262,11 @@ def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: i
                        tp: int, dtype: torch.dtype, device: torch.device):
     shape = (model_config.num_kv_heads // tp, num_blocks, block_size, model_config.head_dim)
     # Zeroed, not empty: padded gathers read unused slots, and NaN garbage would leak through
-    # a zero attention weight.
+    # a zero attention weight. On the host, zeros the kernel supplies as pages are first
+    # written, so a start (a restart after a fault too) does not wait on writing the pool.
+    if device.type == "cpu":
+        return [(lazily_zeroed(shape, dtype), lazily_zeroed(shape, dtype))
+                for _ in range(model_config.num_layers)]
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(model_config.num_layers)]
