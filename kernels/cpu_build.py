@@ -19,9 +19,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from tokstream import envs
+
 log = logging.getLogger("tokstream.kernels")
 
-DISABLE_ENV = "TOKSTREAM_CPU_KERNELS"
 # Reassociation lets the compiler vectorise the dot products (sums in a different order,
 # still float32); finite-math stays off because softmax relies on -inf.
 BASE_FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno",
@@ -55,15 +56,14 @@ def library_path(source: Path, flags: tuple[str, ...]) -> Path:
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()
                          + cpu_signature().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "tokstream" / "kernels" / f"{source.stem}-{key}.so"
+    return envs.cache_root() / "tokstream" / "kernels" / f"{source.stem}-{key}.so"
 
 
 def build(source: Path, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     """The compiled library of `source`, built once per machine; None if unavailable."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
+    if envs.CPU_KERNELS.get() == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = envs.CC.get() or shutil.which("cc") or shutil.which("gcc")
     path = library_path(source, flags)
     try:
         if not path.exists():

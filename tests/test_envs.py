@@ -11,8 +11,6 @@ READ = re.compile(r"os\.environ\.get\(|os\.getenv\(|os\.environ\[[^\]]+\](?!\s*=
 NOT_SWITCHES = {
     "tokstream/engine/rank_start.py",  # sets the workers' malloc variables, then restores them
     "tokstream/engine/forkserver_guard.py",  # the forkserver's start handshake
-    "tokstream/server/streams.py",  # the demux mutation's test hook (moving to chaos/)
-    "kernels/cpu_build.py",  # the bottom layer imports nothing above it: reads its own two
 }
 
 

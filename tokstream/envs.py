@@ -2,7 +2,7 @@
 its name, its default and what it is for. Options a user sets belong in tokstream/config.py;
 these are switches for kernels, diagnostics and test hooks, read when asked (never cached), so
 a test may set one and a child process inherits it. No imports beyond os: workers, the
-forkserver and `tokstream --help` all import this."""
+forkserver, `tokstream --help` and the kernels (the bottom layer) all import this."""
 
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ KERNELS = Switch("TOKSTREAM_KERNELS", "auto",
                  "(torch on a GPU is the reference, to bisect a kernel bug).")
 CUDA_GRAPHS = Switch("TOKSTREAM_CUDA_GRAPHS", "1", "0 runs every GPU step eagerly (no graphs).")
 CPU_KERNELS = Switch("TOKSTREAM_CPU_KERNELS", "1",
-                     "0 never builds or loads the C kernels: the torch reference runs. Read by "
-                     "kernels/cpu_build.py itself (the bottom layer imports nothing above it).")
+                     "0 never builds or loads the C kernels: the torch reference runs.")
 DTYPE_PROBE = Switch("TOKSTREAM_DTYPE_PROBE", "",
                      "always: measure the bfloat16/float32 choice even on a CPU without native "
                      "bfloat16.")
@@ -45,14 +44,17 @@ POISON = Switch("TOKSTREAM_POISON", "",
                 "prompt starting with TOKEN is sent, core:TOKEN the engine core itself: a "
                 "request that breaks the replica every time (and only it: a sampled TOKEN "
                 "elsewhere does nothing).")
-CC = Switch("CC", "", "The C compiler of the CPU kernels (default: cc or gcc on the PATH); read "
-            "by kernels/cpu_build.py, as is XDG_CACHE_HOME there.")
+DEMUX_MUTATION = Switch("TOKSTREAM_DEMUX_MUTATION", "",
+                        "No longer obeyed, only warned about: a variable left set in a shell "
+                        "must not corrupt a real server's streams (serve's hidden "
+                        "--demux-mutation flag is the test-only switch).")
+CC = Switch("CC", "", "The C compiler of the CPU kernels (default: cc or gcc on the PATH).")
 XDG_CACHE_HOME = Switch("XDG_CACHE_HOME", "",
                         "Root of tokstream's caches (weights, dtype probes, compiled kernels); "
                         "default ~/.cache.")
 
-SWITCHES = (LOG, KERNELS, CUDA_GRAPHS, CPU_KERNELS, DTYPE_PROBE, SELF_CHECK, POISON, CC,
-            XDG_CACHE_HOME)
+SWITCHES = (LOG, KERNELS, CUDA_GRAPHS, CPU_KERNELS, DTYPE_PROBE, SELF_CHECK, POISON,
+            DEMUX_MUTATION, CC, XDG_CACHE_HOME)
 
 
 def cache_root() -> Path:

@@ -1,9 +1,8 @@
 """The stream registry and demux: every live request's prompt, delivered tokens and channel.
 
 Deltas from the engine arrive on the event loop (AsyncEngine's reader thread hands them over)
-and go, each to its own request's channel, in order, exactly once. A channel is bounded: while
-its caller lags, new deltas merge into the pending batch (one event carries them all when the
-caller catches up); past `max_pending_tokens` the request is cancelled in the engine and the
+and go, each to its own request's channel (tokstream/server/channel.py), in order, exactly
+once. Past a channel's `max_pending_tokens` the request is cancelled in the engine and the
 stream ends with an error, so a slow caller never stalls the batch or grows memory.
 
 The gateway owns each live request (prompt ids + every token delivered), which is what a
@@ -14,15 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tokstream import envs
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.messages import EngineRequest, FinishReason, RequestDelta, TokenLogprobs
+from tokstream.engine.messages import EngineRequest, FinishReason, RequestDelta
 from tokstream.errors import ErrorKind
+# Batch too: the writers (sse, responses, choices, the routes) take it from here.
+from tokstream.server.channel import Batch, Channel  # noqa: F401
 from tokstream.sampling_params import SamplingParams
 from tokstream.state_snapshot import StreamRow
 
@@ -30,82 +31,6 @@ log = logging.getLogger("tokstream.server")
 
 RECENT_TEXT_CHARS = 2000
 """Tail of each stream's text kept for /v1/state/requests/{id}."""
-MUTATION_ENV = "TOKSTREAM_DEMUX_MUTATION"
-"""No longer read: a variable left set in a shell must not corrupt a real server's streams."""
-
-
-@dataclass
-class Batch:
-    """What a caller has not been sent yet: merged deltas, in delivery order."""
-
-    token_ids: list[int] = field(default_factory=list)
-    indices: list[int] = field(default_factory=list)
-    step_ids: list[int] = field(default_factory=list)
-    request_ids: list[str] = field(default_factory=list)
-    """The engine's request id stamped on each token (differs only after a misroute)."""
-    text: str = ""
-    final: RequestDelta | None = None
-    """The last delta (finish_reason set), once it has arrived."""
-    error: tuple[str, str] | None = None
-    """(error type, message) when the gateway ends the stream with an error."""
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    """Beside token_ids, for a request that asked for log-probabilities."""
-
-    def add(self, delta: RequestDelta) -> None:
-        n = len(delta.token_ids)
-        if delta.logprobs:
-            self.logprobs.extend(delta.logprobs)
-        if n:
-            self.token_ids.extend(delta.token_ids)
-            self.indices.extend(range(delta.first_index, delta.first_index + n))
-            self.step_ids.extend([delta.step_id] * n)
-            self.request_ids.extend([delta.request_id] * n)
-        self.text += delta.text
-        if delta.finished:
-            self.final = delta
-
-    def merge(self, later: "Batch") -> None:
-        """Append a later batch's tokens (ids, indices, stamps, log-probabilities) and text."""
-        self.token_ids += later.token_ids
-        self.indices += later.indices
-        self.step_ids += later.step_ids
-        self.request_ids += later.request_ids
-        self.logprobs += later.logprobs
-        self.text += later.text
-
-    @property
-    def ended(self) -> bool:
-        return self.final is not None or self.error is not None
-
-
-class Channel:
-    """Bounded hand-off from the demux to one caller's writer."""
-
-    def __init__(self, max_pending_tokens: int | None):
-        self.max_pending_tokens = max_pending_tokens
-        self.pending = Batch()
-        self.ready = asyncio.Event()
-        self.closed = False
-
-    @property
-    def num_pending_tokens(self) -> int:
-        return len(self.pending.token_ids)
-
-    def put(self, delta: RequestDelta) -> bool:
-        """Queue delta; False when the caller is past the pending limit."""
-        self.pending.add(delta)
-        self.ready.set()
-        limit = self.max_pending_tokens
-        return limit is None or len(self.pending.token_ids) <= limit
-
-    def fail(self, error_type: str, message: str) -> None:
-        self.pending.error = (error_type, message)
-        self.ready.set()
-
-    def take(self) -> Batch:
-        batch, self.pending = self.pending, Batch()
-        self.ready.clear()
-        return batch
 
 
 @dataclass
@@ -196,9 +121,9 @@ class StreamRegistry:
         """TEST ONLY, None in production: the chaos side's demux mutation
         (tokstream.chaos.demux_mutation, installed by serve's hidden --demux-mutation flag)
         routes deltas here to prove the integrity checker catches a corrupt demux."""
-        if os.environ.get(MUTATION_ENV):
+        if envs.DEMUX_MUTATION.is_set():
             log.warning("%s is set but ignored (the test-only switch is serve's hidden "
-                        "--demux-mutation flag)", MUTATION_ENV)
+                        "--demux-mutation flag)", envs.DEMUX_MUTATION.name)
 
     def __len__(self) -> int:
         return len(self.streams)

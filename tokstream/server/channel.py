@@ -1,0 +1,88 @@
+"""The bounded hand-off from the demux to one caller's writer: a Channel holds the Batch of
+deltas the caller has not been sent yet.
+
+While its caller lags, new deltas merge into the pending batch (one event carries them all when
+the caller catches up); past `max_pending_tokens` put() says so, and the registry cancels the
+request (tokstream/server/streams.py), so a slow caller never stalls the batch or grows memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from tokstream.engine.messages import RequestDelta, TokenLogprobs
+
+
+@dataclass
+class Batch:
+    """What a caller has not been sent yet: merged deltas, in delivery order."""
+
+    token_ids: list[int] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    step_ids: list[int] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)
+    """The engine's request id stamped on each token (differs only after a misroute)."""
+    text: str = ""
+    final: RequestDelta | None = None
+    """The last delta (finish_reason set), once it has arrived."""
+    error: tuple[str, str] | None = None
+    """(error type, message) when the gateway ends the stream with an error."""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    """Beside token_ids, for a request that asked for log-probabilities."""
+
+    def add(self, delta: RequestDelta) -> None:
+        n = len(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if n:
+            self.token_ids.extend(delta.token_ids)
+            self.indices.extend(range(delta.first_index, delta.first_index + n))
+            self.step_ids.extend([delta.step_id] * n)
+            self.request_ids.extend([delta.request_id] * n)
+        self.text += delta.text
+        if delta.finished:
+            self.final = delta
+
+    def merge(self, later: "Batch") -> None:
+        """Append a later batch's tokens (ids, indices, stamps, log-probabilities) and text."""
+        self.token_ids += later.token_ids
+        self.indices += later.indices
+        self.step_ids += later.step_ids
+        self.request_ids += later.request_ids
+        self.logprobs += later.logprobs
+        self.text += later.text
+
+    @property
+    def ended(self) -> bool:
+        return self.final is not None or self.error is not None
+
+
+class Channel:
+    """Bounded hand-off from the demux to one caller's writer."""
+
+    def __init__(self, max_pending_tokens: int | None):
+        self.max_pending_tokens = max_pending_tokens
+        self.pending = Batch()
+        self.ready = asyncio.Event()
+        self.closed = False
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.pending.token_ids)
+
+    def put(self, delta: RequestDelta) -> bool:
+        """Queue delta; False when the caller is past the pending limit."""
+        self.pending.add(delta)
+        self.ready.set()
+        limit = self.max_pending_tokens
+        return limit is None or len(self.pending.token_ids) <= limit
+
+    def fail(self, error_type: str, message: str) -> None:
+        self.pending.error = (error_type, message)
+        self.ready.set()
+
+    def take(self) -> Batch:
+        batch, self.pending = self.pending, Batch()
+        self.ready.clear()
+        return batch
