@@ -1,4 +1,7 @@
-"""POST /v1/chat/completions and /v1/completions: the OpenAI-compatible API, and GET /v1/models."""
+"""POST /v1/chat/completions and /v1/completions: the OpenAI-compatible API, and GET /v1/models.
+
+The body is read in tokstream/server/openai_request.py; here the answer is written, streamed
+chunk by chunk or as one JSON body."""
 
 from __future__ import annotations
 
@@ -8,126 +11,19 @@ import uuid
 from starlette.responses import JSONResponse
 
 from tokstream.engine.messages import FinishReason
-from tokstream.errors import UserInputError
-from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
+from tokstream.server.channel import Batch
+from tokstream.server.choices import Choice, choices_response, collect_choices, merge_bodies
+from tokstream.server.errors import OPENAI, ApiError, api_route
 from tokstream.server.logprobs_format import chat_logprobs, completion_logprobs
+from tokstream.server.openai_request import parse
 from tokstream.server.openai_tools import (ToolDeltas, finish_reason as tool_finish_reason,
-                                           tool_fields, tool_message, tool_request)
-from tokstream.server.choices import (Choice, choices_response, collect_choices, merge_bodies,
-                                      num_choices)
-from tokstream.server.sampling_options import sampling_extras
+                                           tool_message)
 from tokstream.server.sse import (final_integrity, integrity, sse, stream_failure,
                                   wants_integrity)
-from tokstream.server.state import Prompt, Server
-from tokstream.server.streams import Batch, Stream
-from tokstream.server.tool_template import encode_chat
-from tokstream.server.tools import ToolRequest, tool_sampling
-from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int, get_number,
-                                         get_object, get_strings, parse_off_loop, read_json,
-                                         reject_unsupported, sampling_params, shown)
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-UNSUPPORTED = {
-    "best_of": lambda v: v != 1,
-    "echo": bool,
-    "suffix": bool,
-    "functions": bool,
-}
-
-
-def _content(value, path: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts = []
-        for n, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise bad_request(f"{path}.{n}", "only {'type': 'text', 'text': ...} parts are "
-                                                 "supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise bad_request(path, f"must be a string or an array of text parts, not {_kind(value)}")
-
-
-def chat_prompt(body: dict, server: Server, tools: ToolRequest | None = None) -> list[int]:
-    """Prompt ids for the messages, with the tools shown to the model (read from the body
-    unless given)."""
-    tools = tools or tool_request(body)
-    try:
-        return encode_chat(server.tokenizer, chat_messages(body), tools.tools if tools else ())
-    except UserInputError as error:
-        raise bad_request("messages", str(error)) from None
-
-
-def chat_messages(body: dict) -> list[dict]:
-    messages = get_messages(body)
-    chat = []
-    for n, message in enumerate(messages):
-        at = f"messages.{n}"
-        if not isinstance(message, dict):
-            raise bad_request(at, f"must be an object, not {_kind(message)}")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(f"{at}.role", f"must be one of {', '.join(CHAT_ROLES)}, got "
-                                            f"{shown(role)}")
-        content = message.get("content")
-        calls = tool_fields(message, at)
-        if content is None and not calls.get("tool_calls"):
-            raise bad_request(f"{at}.content", "required")
-        chat.append({"role": "system" if role == "developer" else role,
-                     "content": "" if content is None else _content(content, f"{at}.content"),
-                     **calls})
-    return chat
-
-
-def completion_prompt(body: dict, server: Server) -> list[int]:
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise bad_request("prompt", "required")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return server.tokenizer.encode(prompt)
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        vocab = server.engine.info.get("vocab_size") or server.tokenizer.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise bad_request("prompt", "only one prompt per request is supported")
-    raise bad_request("prompt", "must be a string, an array of token ids, or an array holding "
-                                "one of those")
-
-
-def parse(body: dict, server: Server, chat: bool) -> Prompt:
-    server.check_model(body.get("model"))
-    reject_unsupported(body, UNSUPPORTED)
-    max_tokens = get_int(body, "max_completion_tokens", None, minimum=1) if chat else None
-    max_tokens = get_int(body, "max_tokens", max_tokens, minimum=1)
-    temperature = get_number(body, "temperature", 1.0, minimum=0.0, maximum=2.0)
-    top_p = get_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True)
-    top_k = get_int(body, "top_k", 0, minimum=-1)
-    stop = get_strings(body, "stop", allow_single=True)
-    seed = get_int(body, "seed", None, minimum=0, maximum=2**63 - 1)
-    n = num_choices(body)
-    ignore_eos = get_bool(body, "ignore_eos")
-    stream = get_bool(body, "stream")
-    options = get_object(body, "stream_options") or {}
-    get_bool(options, "include_usage")
-    extras = sampling_extras(body, chat, server.tokenizer.vocab_size)
-    tools = tool_request(body) if chat else None
-    extras.update(tool_sampling(tools, extras["structured"]))
-    token_ids = chat_prompt(body, server, tools) if chat else completion_prompt(body, server)
-    max_tokens = check_fits(len(token_ids), max_tokens, server.max_model_len,
-                            "messages" if chat else "prompt")
-    params = sampling_params({"structured": "response_format"}, max_tokens=max_tokens,
-                             temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
-                             seed=seed, stop=stop, ignore_eos=ignore_eos, **extras)
-    return Prompt(token_ids, params, stream, tools=tools, n=n)
+from tokstream.server.state import Server
+from tokstream.server.streams import Stream
+from tokstream.server.tools import ToolRequest
+from tokstream.server.validation import parse_off_loop, read_json
 
 
 def finish_reason(stream: Stream) -> str:

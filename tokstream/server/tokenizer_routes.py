@@ -8,7 +8,7 @@ from starlette.responses import JSONResponse
 
 from tokstream.errors import UserInputError
 from tokstream.server.errors import OPENAI, api_route, bad_request
-from tokstream.server.openai_routes import chat_prompt
+from tokstream.server.openai_request import chat_prompt
 from tokstream.server.state import Server
 from tokstream.server.validation import get_bool, parse_off_loop, read_json
 
