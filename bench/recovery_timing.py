@@ -4,8 +4,8 @@
         --json bench/results/recovery_timing.json
 
 1. Start phases: an engine core started as the gateway starts one (AsyncEngine.start), --starts
-   times in a row, each with the core's own phase times (tokstream.engine.start_times: spawn,
-   imports, model + tokenizer, rank processes starting, the slowest rank's load, the rest).
+   times in a row, each with the core's own phase times (tokstream.engine.messages.start_times:
+   spawn, imports, model + tokenizer, rank processes starting, the slowest rank's load, the rest).
 2. Faults: `tokstream chaos` kill-engine and kill-rank 1, without and with --spare, each on a
    server of its own: per fault, from the signal to each stream's next token (decoding streams
    and the long prompt caught mid-prefill), and the server's own restart time.

@@ -4,12 +4,12 @@ Sent one by one, a core that had read only the first would re-prefill the others
 steps, each resumed stream waiting one more step for its next token."""
 
 import multiprocessing as mp
-import threading
 
 from tokstream.config import EngineConfig
 from tokstream.engine import core_process
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.messages import EngineRequest
+from tokstream.engine.core_pipe import CorePipe
+from tokstream.engine.messages import Abort, Add, Batch, EngineRequest, Shutdown
 from tokstream.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
@@ -17,18 +17,19 @@ PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 
 def test_messages_sent_in_a_batch_reach_the_pipe_as_one():
     engine = AsyncEngine(EngineConfig(model="dummy:tiny"))
-    engine._conn, core_end = mp.Pipe()
-    threading.Thread(target=engine._write, daemon=True).start()
+    gateway_end, core_end = mp.Pipe()
+    engine._pipe = CorePipe(gateway_end)
+    engine._pipe.start_sender()
     with engine.batch():
         for i in range(3):
             engine.add_request(EngineRequest(f"r{i}", [5, 6, 7], PARAMS), lambda delta: None)
     engine.abort("r0")  # after the batch: a message of its own
-    kind, messages = core_end.recv()
-    assert kind == "batch"
-    assert [(m[0], m[1].request_id) for m in messages] == [("add", "r0"), ("add", "r1"),
-                                                          ("add", "r2")]
-    assert core_end.recv() == ("abort", "r0")
-    engine._outbox.put(None)
+    batch = core_end.recv()
+    assert isinstance(batch, Batch)
+    assert [type(m) for m in batch.messages] == [Add, Add, Add]
+    assert [m.request.request_id for m in batch.messages] == ["r0", "r1", "r2"]
+    assert core_end.recv() == Abort("r0")
+    engine._pipe.close()
 
 
 class StepRecorder:
@@ -51,14 +52,13 @@ class StepRecorder:
 
     def step(self):
         self.steps.append(list(self.added))
-        self.client_end.send(("shutdown",))
+        self.client_end.send(Shutdown())
         return []
 
 
 def test_the_core_takes_a_whole_batch_before_its_next_step():
     client_end, core_end = mp.Pipe()
     core = StepRecorder(client_end)
-    client_end.send(("batch", [("add", EngineRequest(f"r{i}", [5, 6, 7], PARAMS))
-                               for i in range(3)]))
+    client_end.send(Batch([Add(EngineRequest(f"r{i}", [5, 6, 7], PARAMS)) for i in range(3)]))
     core_process._serve(core_end, core)
     assert core.steps == [["r0", "r1", "r2"]]

@@ -1,38 +1,41 @@
 """The async engine API the server uses: submit a request, receive its deltas, abort it, ask
 the core for a state snapshot or a score pass.
 
-The engine core runs in a child process. Two threads stand between it and the event loop: a
-reader that hands each message to the loop, and a sender that writes to the pipe, so the event
-loop never blocks on the engine in either direction (a pipe write blocks while the core is busy
-in a long step and the pipe buffer is full).
+The engine core runs in a child process; the two talk in the messages of
+tokstream.engine.messages.gateway over a CorePipe, which never blocks the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
 import psutil
 
 from tokstream.config import EngineConfig
+from tokstream.engine.core_pipe import CorePipe
 from tokstream.engine.core_process import core_main
-from tokstream.engine.messages import EngineRequest, RequestDelta, ScoreResult
+from tokstream.engine.messages import (Abort, Add, ArmSpare, CoreDead, CoreMessage, Deltas,
+                                       EngineRequest, ProtocolError, Ready, RequestDelta,
+                                       ScoreQuery, ScoreReply, ScoreResult, Shutdown,
+                                       StartFailed, StateQuery, StateReply, StatusChanged)
 from tokstream.errors import ErrorKind, OverloadedError, ReplicaError, UserInputError
+from tokstream.state_snapshot import ReplicaStatus
 
 log = logging.getLogger("tokstream.engine")
 
 DeltaSink = Callable[[RequestDelta], None]
 """Called on the event loop thread with each delta of one request, in order."""
+SCORE_ERRORS = {ErrorKind.USER: UserInputError, ErrorKind.OVERLOADED: OverloadedError,
+                ErrorKind.REPLICA: ReplicaError}
+"""What a failed score pass raises, by its reply's error kind."""
 
 
 class AsyncEngine:
@@ -43,12 +46,10 @@ class AsyncEngine:
         self._sinks: dict[str, DeltaSink] = {}
         self._replies: dict[int, asyncio.Future] = {}
         self._tokens = itertools.count(1)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._batch: list | None = None
-        """Messages held back to be sent as one (inside batch())."""
+        self._pipe: CorePipe | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
-        self.replica_status = "ready"
+        self.replica_status = ReplicaStatus.READY
         """ready | recovering | down, as the core last reported (see EngineCore.recover)."""
         self.restarts = 0
         """Rank-group restarts this core has done."""
@@ -58,7 +59,7 @@ class AsyncEngine:
         self.keep_requests_on_death = False
         """Set by an owner that resumes the live requests on a new engine after a death (the
         gateway's supervisor): the sinks then get no error delta, and are simply dropped."""
-        self.on_status: Callable[[str, str | None], None] | None = None
+        self.on_status: Callable[[ReplicaStatus, str | None], None] | None = None
         """Called on the event loop thread with (status, reason) when the replica's status
         changes."""
         self.on_dead: Callable[[str], None] | None = None
@@ -71,7 +72,8 @@ class AsyncEngine:
     async def start(self) -> "AsyncEngine":
         self._loop = asyncio.get_running_loop()
         context = mp.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
+        conn, child_conn = context.Pipe()
+        self._pipe = CorePipe(conn)
         self.run_dir = tempfile.mkdtemp(prefix="tokstream-core-")
         # Not a daemon: the core must be able to start worker processes of its own.
         self.process = context.Process(target=core_main,
@@ -80,16 +82,20 @@ class AsyncEngine:
                                        name="tokstream-engine-core")
         self.process.start()
         child_conn.close()
-        message = await asyncio.to_thread(self._recv_first, self.config.start_timeout_s)
-        if message[0] == "failed":
-            _, user_error, text = message
-            self.process.join(5)
-            self._remove_run_dir()
-            raise (UserInputError if user_error else ReplicaError)(text)
-        self.info = message[1]
+        match await asyncio.to_thread(self._recv_first, self.config.start_timeout_s):
+            case StartFailed(kind, text):
+                self.process.join(5)
+                self._remove_run_dir()
+                raise (UserInputError if kind == ErrorKind.USER else ReplicaError)(text)
+            case Ready() as ready:
+                self.info = ready.info()
+            case other:
+                kill_tree(self.process)
+                self._remove_run_dir()
+                raise ProtocolError("gateway", other)
         self._record_ranks(self.info["worker_pids"])
-        threading.Thread(target=self._read, name="tokstream-engine-reader", daemon=True).start()
-        threading.Thread(target=self._write, name="tokstream-engine-sender", daemon=True).start()
+        self._pipe.start_reader(self._loop, self._dispatch)
+        self._pipe.start_sender()
         return self
 
     @property
@@ -100,108 +106,82 @@ class AsyncEngine:
     def num_live(self) -> int:
         return len(self._sinks)
 
-    def _recv_first(self, timeout_s: float):
+    def _recv_first(self, timeout_s: float) -> CoreMessage:
         try:
-            if not self._conn.poll(timeout_s):
-                kill_tree(self.process)
-                self._remove_run_dir()
-                return ("failed", False, f"engine core hung while starting (not ready in "
-                                         f"{timeout_s:g} s): killed with its ranks")
-            return self._conn.recv()
+            message = self._pipe.first(timeout_s)
         except EOFError:
             self.process.join(5)
-            return ("failed", False, f"engine core exited while starting "
-                                     f"(exit code {self.process.exitcode})")
+            return StartFailed(ErrorKind.REPLICA, f"engine core exited while starting "
+                                                  f"(exit code {self.process.exitcode})")
+        if message is None:
+            kill_tree(self.process)
+            self._remove_run_dir()
+            return StartFailed(ErrorKind.REPLICA, f"engine core hung while starting (not "
+                                                  f"ready in {timeout_s:g} s): killed with "
+                                                  f"its ranks")
+        return message
 
-    def _read(self) -> None:
-        while True:
+    def _dispatch(self, message: CoreMessage) -> None:
+        match message:
+            case Deltas(deltas):
+                self._deliver(deltas)
+            case StateReply(token=token) | ScoreReply(token=token):
+                future = self._replies.pop(token, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            case StatusChanged():
+                self._follow(message)
+            case CoreDead(reason):
+                self._died(reason)
+            case _:
+                raise ProtocolError("gateway", message)
+
+    def _deliver(self, deltas: list[RequestDelta]) -> None:
+        for delta in deltas:
+            sink = self._sinks.get(delta.request_id)
+            if sink is None:
+                continue
+            if delta.finished:
+                del self._sinks[delta.request_id]
             try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                message = ("dead", "engine core process exited")
-            try:
-                self._loop.call_soon_threadsafe(self._dispatch, message)
-            except RuntimeError:
-                return  # the loop is closed: nobody is listening any more
-            if message[0] == "dead":
-                return
+                sink(delta)
+            except Exception:  # one request's failure must not cost the others a token
+                log.exception("delta sink for %s failed", delta.request_id)
 
-    def _write(self) -> None:
-        while True:
-            message = self._outbox.get()
-            if message is None:
-                return
-            try:
-                self._conn.send(message)
-            except (OSError, ValueError):
-                return  # the reader reports the death
-            if message[0] == "shutdown":
-                return
+    def _follow(self, change: StatusChanged) -> None:
+        self.replica_status = change.status
+        self.restarts = change.restarts
+        self.resumed_requests = change.resumed_requests
+        self.info["worker_pids"] = change.worker_pids
+        self._record_ranks(change.worker_pids)
+        # Only a new recovery's time (a retry while down reports the previous one again).
+        if change.recovery_s is not None and change.status == ReplicaStatus.READY \
+                and change.recoveries > len(self.recovery_seconds):
+            self.recovery_seconds.append(change.recovery_s)
+        if self.on_status is not None:
+            self.on_status(change.status, change.reason)
 
-    def _dispatch(self, message) -> None:
-        kind = message[0]
-        if kind == "deltas":
-            for delta in message[1]:
-                sink = self._sinks.get(delta.request_id)
-                if sink is None:
-                    continue
-                if delta.finished:
-                    del self._sinks[delta.request_id]
-                try:
-                    sink(delta)
-                except Exception:  # one request's failure must not cost the others a token
-                    log.exception("delta sink for %s failed", delta.request_id)
-        elif kind in ("state", "score"):
-            future = self._replies.pop(message[1], None)
-            if future is not None and not future.done():
-                future.set_result(message[2:])
-        elif kind == "status":
-            _, status, reason, info = message
-            self.replica_status = status
-            self.restarts = info["restarts"]
-            self.resumed_requests = info.get("resumed_requests", self.resumed_requests)
-            self.info["worker_pids"] = info["worker_pids"]
-            self._record_ranks(info["worker_pids"])
-            # Only a new recovery's time (a retry while down reports the previous one again).
-            if info.get("recovery_s") is not None and status == "ready" \
-                    and info.get("recoveries", 1) > len(self.recovery_seconds):
-                self.recovery_seconds.append(info["recovery_s"])
-            if self.on_status is not None:
-                self.on_status(status, reason)
-        elif kind == "dead":
-            if self.dead is not None:
-                return
-            self.dead = message[1]
-            sinks, self._sinks = self._sinks, {}
-            if not self.keep_requests_on_death:
-                for request_id, sink in sinks.items():
-                    sink(RequestDelta(request_id, [], 0, "", finish_reason="error",
-                                      error=self.dead, error_kind=ErrorKind.REPLICA))
-            for future in self._replies.values():
-                if not future.done():
-                    future.set_exception(ReplicaError(f"engine is down: {self.dead}"))
-            self._replies.clear()
-            if self.on_dead is not None and not self._closing:
-                self.on_dead(self.dead)
+    def _died(self, reason: str) -> None:
+        if self.dead is not None:
+            return
+        self.dead = reason
+        sinks, self._sinks = self._sinks, {}
+        if not self.keep_requests_on_death:
+            for request_id, sink in sinks.items():
+                sink(RequestDelta(request_id, [], 0, "", finish_reason="error",
+                                  error=reason, error_kind=ErrorKind.REPLICA))
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(ReplicaError(f"engine is down: {reason}"))
+        self._replies.clear()
+        if self.on_dead is not None and not self._closing:
+            self.on_dead(reason)
 
-    def _send(self, message) -> None:
-        if self._batch is not None:
-            self._batch.append(message)
-        else:
-            self._outbox.put(message)
-
-    @contextlib.contextmanager
     def batch(self):
         """Whatever is sent inside reaches the core as one message, read before its next step:
         a new core's resumed requests then re-prefill together, where sent one by one the
         core could start stepping on the first while the others were still in the pipe."""
-        self._batch = []
-        try:
-            yield
-        finally:
-            held, self._batch = self._batch, None
-            if held:
-                self._outbox.put(("batch", held))
+        return self._pipe.batch()
 
     def add_request(self, request: EngineRequest, sink: DeltaSink) -> None:
         """Submit request; sink receives every delta of it, the last with finish_reason set.
@@ -211,17 +191,17 @@ class AsyncEngine:
         if request.request_id in self._sinks:
             raise UserInputError(f"duplicate request id {request.request_id!r}")
         self._sinks[request.request_id] = sink
-        self._send(("add", request))
+        self._pipe.send(Add(request))
 
     def arm_spare(self) -> None:
         """Have the core keep a standby rank group from now on (a spare core taking over)."""
         if self.dead is None:
-            self._send(("arm_spare",))
+            self._pipe.send(ArmSpare())
 
     def abort(self, request_id: str) -> None:
         """Stop request_id; its final delta (finish_reason 'abort') still reaches its sink."""
         if self.dead is None:
-            self._send(("abort", request_id))
+            self._pipe.send(Abort(request_id))
 
     def forget(self, request_id: str) -> None:
         """Abort request_id and drop its sink: nothing more is delivered for it."""
@@ -242,13 +222,14 @@ class AsyncEngine:
             if not finished:
                 self.forget(request.request_id)  # the caller stopped listening
 
-    async def _ask(self, *message):
+    async def _ask(self, query: Callable[[int], StateQuery | ScoreQuery]):
+        """Send query(token) and wait for the reply with that token."""
         if self.dead is not None:
             raise ReplicaError(f"engine is down: {self.dead}")
         token = next(self._tokens)
         future = self._loop.create_future()
         self._replies[token] = future
-        self._send((message[0], token, *message[1:]))
+        self._pipe.send(query(token))
         try:
             return await future
         finally:
@@ -257,19 +238,16 @@ class AsyncEngine:
     async def state(self) -> dict:
         """The core's snapshot (scheduler, block map, requests, events, pids); answered
         between steps, so it waits at most one step."""
-        (snapshot,) = await self._ask("state")
-        return snapshot
+        reply: StateReply = await self._ask(StateQuery)
+        return reply.snapshot
 
     async def score(self, token_ids: list[int], start: int = 1) -> ScoreResult:
         """One teacher-forced pass over token_ids (see EngineCore.score)."""
-        result, error_kind, text = await self._ask("score", list(token_ids), start)
-        if error_kind == "user":
-            raise UserInputError(text)
-        if error_kind == "overloaded":
-            raise OverloadedError(text)
-        if error_kind is not None:
-            raise ReplicaError(text)
-        return result
+        reply: ScoreReply = await self._ask(
+            lambda token: ScoreQuery(token, list(token_ids), start))
+        if reply.error_kind is not None:
+            raise SCORE_ERRORS[reply.error_kind](reply.error)
+        return reply.result
 
     def _record_ranks(self, pids: list[int]) -> None:
         ranks = []
@@ -284,7 +262,7 @@ class AsyncEngine:
         """Stop the core (it stops its ranks); then kill any rank of it still there (a core
         that died could not) and remove its files."""
         self._closing = True
-        self._send(("shutdown",))
+        self._pipe.send(Shutdown())
         await asyncio.to_thread(self.process.join, 15)
         if self.process.is_alive():
             self.process.kill()
@@ -295,8 +273,7 @@ class AsyncEngine:
             except psutil.Error:
                 pass  # gone already (or its pid reused: psutil refuses)
         await asyncio.to_thread(psutil.wait_procs, self._ranks, 5)
-        self._outbox.put(None)
-        self._conn.close()
+        self._pipe.close()
         self._remove_run_dir()
 
     def _remove_run_dir(self) -> None:

@@ -1,16 +1,7 @@
-"""The engine core in its own process, talking plain messages over a pipe.
+"""The engine core in its own process, talking over a pipe in the messages of
+tokstream.engine.messages.gateway (a Ready or StartFailed first, then the others).
 
-client -> core: ("add", EngineRequest) | ("abort", request_id) | ("shutdown",)
-                | ("state", token) | ("score", token, token_ids, start)
-                | ("arm_spare",): keep a standby rank group from now on
-                | ("batch", [message, ...]): several of these, read together
-core -> client: ("ready", info: model facts, pids, start_times: StartTimes)
-                | ("failed", user_error, message) | ("deltas", [RequestDelta])
-                | ("state", token, snapshot dict) | ("score", token, ScoreResult | None,
-                  error kind None|"user"|"overloaded"|"error", message) | ("dead", message)
-                | ("status", "ready"|"recovering"|"down", reason, {restarts, worker_pids,
-                  resumed_requests, recoveries, recovery_s})
-State and score requests are answered between steps, so a reply waits at most one step.
+State and score queries are answered between steps, so a reply waits at most one step.
 The core exits when the pipe closes, so it never outlives the process that started it.
 """
 
@@ -23,8 +14,13 @@ import time
 from tokstream import envs
 from tokstream.config import EngineConfig
 from tokstream.engine.child_process import become_child
-from tokstream.engine.messages import RequestDelta
-from tokstream.engine.start_times import StartTimes
+from tokstream.engine.messages import (Abort, Add, ArmSpare, Batch, CoreDead, Deltas,
+                                       ProtocolError, Ready, RequestDelta, ScoreQuery,
+                                       ScoreReply, Shutdown, StartFailed, StartTimes,
+                                       StateQuery, StateReply, StatusChanged)
+from tokstream.errors import (ErrorKind, OverloadedError, ReplicaError, TokstreamError,
+                              UserInputError, error_kind)
+from tokstream.state_snapshot import ReplicaStatus
 
 IDLE_POLL_S = 0.5
 
@@ -42,27 +38,24 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
 
     rank_context(config)  # the ranks' forkserver preloads while this core loads its own
     from tokstream.engine.core import EngineCore
-    from tokstream.errors import ErrorKind, ReplicaError, TokstreamError, UserInputError
 
     imported = time.monotonic()
     try:
         core = EngineCore(config, run_dir=run_dir)
     except TokstreamError as exc:
-        conn.send(("failed", isinstance(exc, UserInputError), str(exc)))
+        kind = ErrorKind.USER if isinstance(exc, UserInputError) else ErrorKind.REPLICA
+        conn.send(StartFailed(kind, str(exc)))
         return
-    conn.send(("ready", {
-        "start_times": _start_times(core.executor.group, spawned_at or entered, entered,
-                                    imported),
-        "model": core.model_config.name, "dtype": core.dtype,
-        "weights": core.weights, "pid": os.getpid(),
-        "worker_pids": core.executor.pids, "num_blocks": core.block_manager.num_blocks,
-        "block_size": core.block_manager.block_size, "max_model_len": core.max_model_len,
-        "vocab_size": core.model_config.vocab_size,
-        "capacity": core.capacity_summary()}))
-    core.on_status = lambda status, reason: conn.send(("status", status, reason, {
-        "restarts": core.restarts, "worker_pids": core.executor.pids,
-        "resumed_requests": core.resumed_requests, "recoveries": len(core.recovery_seconds),
-        "recovery_s": core.recovery_seconds[-1] if core.recovery_seconds else None}))
+    conn.send(Ready(
+        start_times=_start_times(core.executor.group, spawned_at or entered, entered, imported),
+        model=core.model_config.name, dtype=core.dtype, weights=core.weights, pid=os.getpid(),
+        worker_pids=core.executor.pids, num_blocks=core.block_manager.num_blocks,
+        block_size=core.block_manager.block_size, max_model_len=core.max_model_len,
+        vocab_size=core.model_config.vocab_size, capacity=core.capacity_summary()))
+    core.on_status = lambda status, reason: conn.send(StatusChanged(
+        ReplicaStatus(status), reason, restarts=core.restarts, worker_pids=core.executor.pids,
+        resumed_requests=core.resumed_requests, recoveries=len(core.recovery_seconds),
+        recovery_s=core.recovery_seconds[-1] if core.recovery_seconds else None))
     try:
         _serve(conn, core)
     except (EOFError, OSError):
@@ -72,8 +65,8 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
         deltas = [RequestDelta(rid, [], 0, "", finish_reason="error", error=str(exc),
                                error_kind=ErrorKind.REPLICA) for rid in live]
         try:
-            conn.send(("deltas", deltas))
-            conn.send(("dead", str(exc)))
+            conn.send(Deltas(deltas))
+            conn.send(CoreDead(str(exc)))
         except OSError:
             pass
     finally:
@@ -98,7 +91,7 @@ def _serve(conn, core) -> None:
             received = conn.recv()
             # A batch (AsyncEngine.batch: a new core's resumed requests) is read at once, so
             # its requests share the next step instead of arriving one pipe read at a time.
-            for message in received[1] if received[0] == "batch" else [received]:
+            for message in received.messages if isinstance(received, Batch) else [received]:
                 if _handle(conn, core, message, out):
                     return
         if core.has_work or core.status == "down" or core.pending_deltas:
@@ -106,46 +99,43 @@ def _serve(conn, core) -> None:
         elif core.status == "ready":
             core.executor.reload_spare()  # idle: nothing left to re-prefill (see step)
         if out:
-            conn.send(("deltas", out))
+            conn.send(Deltas(out))
 
 
 def _handle(conn, core, message, out: list[RequestDelta]) -> bool:
     """Act on one message from the client; True when it asks the core to stop."""
-    from tokstream.errors import OverloadedError, UserInputError, error_kind
-
-    kind = message[0]
-    if kind == "shutdown":
-        return True
-    if kind == "add":
-        request = message[1]
-        try:
-            core.add_request(request)
-        except (UserInputError, OverloadedError) as exc:
-            out.append(RequestDelta(request.request_id, [], 0, "", finish_reason="error",
-                                    error=str(exc), error_kind=error_kind(exc)))
-    elif kind == "arm_spare":
-        core.executor.arm_spare()
-    elif kind == "abort":
-        delta = core.abort(message[1])
-        if delta is not None:
-            out.append(delta)
-    elif kind == "state":
-        conn.send(("state", message[1], core.snapshot()))
-    elif kind == "score":
-        conn.send(("score", message[1], *_score(core, message[2], message[3])))
+    match message:
+        case Shutdown():
+            return True
+        case Add(request):
+            try:
+                core.add_request(request)
+            except (UserInputError, OverloadedError) as exc:
+                out.append(RequestDelta(request.request_id, [], 0, "", finish_reason="error",
+                                        error=str(exc), error_kind=error_kind(exc)))
+        case ArmSpare():
+            core.executor.arm_spare()
+        case Abort(request_id):
+            delta = core.abort(request_id)
+            if delta is not None:
+                out.append(delta)
+        case StateQuery(token):
+            conn.send(StateReply(token, core.snapshot()))
+        case ScoreQuery(token, token_ids, start):
+            conn.send(_score(core, token, token_ids, start))
+        case _:  # a Batch inside a Batch included
+            raise ProtocolError("engine core", message)
     return False
 
 
-def _score(core, token_ids, start):
-    """(result, error kind, message) for a score request; replica failures propagate."""
-    from tokstream.errors import OverloadedError, UserInputError
-
+def _score(core, token: int, token_ids: list[int], start: int) -> ScoreReply:
+    """The reply to a score query; replica failures propagate."""
     try:
         result = core.score(token_ids, start)
     except UserInputError as exc:
-        return None, "user", str(exc)
+        return ScoreReply(token, None, ErrorKind.USER, str(exc))
     except OverloadedError as exc:
-        return None, "overloaded", str(exc)
-    if result.error is not None:
-        return None, "error", result.error
-    return result, None, None
+        return ScoreReply(token, None, ErrorKind.OVERLOADED, str(exc))
+    if result.error is not None:  # the workers' pass failed (the replica itself is fine)
+        return ScoreReply(token, None, ErrorKind.REPLICA, result.error)
+    return ScoreReply(token, result)

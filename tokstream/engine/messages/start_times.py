@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 @dataclass
 class StartTimes:
     """Seconds per phase of one engine core start, in the order they happen (core -> gateway,
-    in the core's ready message)."""
+    in the core's Ready message)."""
 
     spawn_s: float
     """The gateway's process start -> the core's first line: a new interpreter, the pipe."""

@@ -1,7 +1,5 @@
-"""Plain data crossing process boundaries. Only what changed since the last step crosses.
-
-core -> worker: StepPlan | ScoreRequest.  worker -> core: StepResult | ScoreResult.
-core -> clients: RequestDelta.
+"""A request as it crosses the gateway <-> engine core boundary: submitted whole
+(EngineRequest), answered step by step (RequestDelta, the last one with its FinishReason).
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+from tokstream.engine.messages.worker import TokenLogprobs
 from tokstream.errors import ErrorKind
 from tokstream.sampling_params import SamplingParams
 from tokstream.wire import WireEnum
@@ -30,89 +29,6 @@ def poison_message(failures: int, reason: str) -> str:
     request's own failure, an api_error, not an overload worth retrying elsewhere)."""
     return (f"this request was being computed at each of {failures} failures in a row of the "
             f"model's processes (last: {reason}); it was ended so the others could go on")
-
-
-@dataclass
-class NewRequestData:
-    """A request the worker has not seen (or must forget and relearn after a preemption)."""
-
-    request_id: str
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: int | None = None
-    """Alternatives to return with each sampled token's log-probability; None: none."""
-    num_prompt_tokens: int = 0
-    """Positions below this are the prompt: penalties tell prompt from output by position,
-    so a request re-prefilled after a preemption or a restart counts the same tokens."""
-    grammar: str = ""
-    """The llguidance grammar the output must follow ('' when free)."""
-    history: list[int] = field(default_factory=list)
-    """For a penalised or constrained request: its tokens at the positions before its first
-    chunk (a cached prefix the worker is not sent), so the worker knows every token the
-    penalties count and the grammar has consumed."""
-
-
-@dataclass
-class ScheduledChunk:
-    """Tokens of one request to run through the model in this step."""
-
-    request_id: str
-    token_ids: list[int]
-    """The tokens to compute: a prefill chunk, or the one last-sampled token in decode."""
-    start_position: int
-    """Position of token_ids[0]; the cache already holds positions [0, start_position)."""
-    new_block_ids: list[int]
-    """Blocks appended to this request's block table before this step runs."""
-    sample_index: int | None
-    """Output index of the token to sample after this chunk; None for a non-final prefill chunk."""
-
-
-@dataclass
-class StepPlan:
-    step_id: int
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    """Decode chunks (one token) first, then prefill chunks."""
-    finished_ids: list[str] = field(default_factory=list)
-    """Requests the worker should forget (finished, aborted or preempted)."""
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    """(pool block, host block): copy to host memory first, before anything else this step;
-    the pool blocks may already belong to another request in this step's chunks."""
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    """(host block, pool block): copy back into the pool after swap_out, before the forward
-    pass."""
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-
-@dataclass
-class TokenLogprobs:
-    """One sampled token's log-probability under the model, and the most likely tokens'."""
-
-    logprob: float
-    top_token_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
-
-
-@dataclass
-class StepResult:
-    step_id: int
-    sampled_token_ids: list[int]
-    """One token per chunk with a sample_index, in chunk order."""
-    execute_s: float = 0.0
-    """Worker-side time for the forward pass and sampling."""
-    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    """Beside sampled_token_ids where any request asked for log-probabilities (None for the
-    others); empty when none did."""
 
 
 class FinishReason(WireEnum):
@@ -196,27 +112,3 @@ class EngineRequest:
     num_failures: int = 0
     """Replica failures in a row (engine core deaths) this request was in flight at, with no
     token between them, before this submission (see EngineConfig.max_request_failures)."""
-
-
-@dataclass
-class ScoreRequest:
-    """core -> worker: run token_ids through the model in one teacher-forced pass."""
-
-    token_ids: list[int]
-    block_ids: list[int]
-    """Pool blocks lent by the core's block manager for this pass (enough for every token);
-    the core takes them back afterwards."""
-    start: int
-    """Score positions start..len(token_ids)-1: token i against the logits after token i-1."""
-
-
-@dataclass
-class ScoreResult:
-    """worker -> core: per scored position, the chosen token's logit and the top logit."""
-
-    token_logits: list[float]
-    top_logits: list[float]
-    top_token_ids: list[int]
-    execute_s: float = 0.0
-    error: str | None = None
-    """Set when the pass failed on the worker (the replica itself is still fine)."""
