@@ -167,9 +167,13 @@ class EngineCore:
         try:
             result = self.executor.execute(self._plan(scheduled))
         except ReplicaError as exc:
-            return deltas + recovery.fail_in_flight(self, scheduled, str(exc)) \
-                + recovery.recover(self, str(exc))
+            return deltas + self._failed(scheduled, str(exc))
         return deltas + self._advance(scheduled, result, started)
+
+    def _failed(self, scheduled: SchedulerOutput, reason: str) -> list[RequestDelta]:
+        """The rank group failed in the step: settle the requests it was computing, then
+        recover the group."""
+        return recovery.fail_in_flight(self, scheduled, reason) + recovery.recover(self, reason)
 
     def _schedule(self) -> SchedulerOutput:
         self.resuming.intersection_update(self.scheduler.requests)

@@ -17,8 +17,7 @@ before any stream got a token from it, counts as a failed start too, so a core t
 dying at once cannot restart forever.
 
 A request in flight at `max_request_failures` core deaths in a row (no token between them) is
-ended with an error instead of being resubmitted: it is what kills the cores. Its count goes
-with it to the next core, which runs a request on its last chance in a step of its own.
+ended with an error instead of being resubmitted (request_failures).
 
 With `spare_core` (serve --spare-core) a second core stands by loaded (spare_core): a death
 swaps it in, and the next spare loads once the resumed streams have their next token.
@@ -27,18 +26,14 @@ swaps it in, and the next spare loads once the resumed streams have their next t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Callable
 
-import psutil
-
 from tokstream.config import EngineConfig
-from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.messages import FinishReason, RequestDelta, poison_message
-from tokstream.errors import ErrorKind
+from tokstream.engine.async_engine import AsyncEngine, kill_tree
+from tokstream.server.request_failures import RequestFailures
 from tokstream.server.spare_core import SpareCore
 from tokstream.server.streams import StreamRegistry
 from tokstream.state_snapshot import ReplicaStatus
@@ -68,7 +63,7 @@ class EngineSupervisor:
         self.recovery_seconds: dict[str, list[float]] = {kind: [] for kind in KINDS}
         """Rank: the core's time from detecting a failure to a ready group. Core: the gateway's
         time from seeing the core dead to a new core holding every live request."""
-        self.on_status: Callable[[str, str | None], None] | None = None
+        self.on_status: Callable[[ReplicaStatus, str | None], None] | None = None
         """Called with (status, reason) on every status the replica reports or takes."""
         self.on_event: Callable[..., None] | None = None
         """Called with (kind, **fields) for the gateway's event log."""
@@ -84,8 +79,8 @@ class EngineSupervisor:
         self._closing = False
         self._failed_starts = 0
         """Failed core starts in a row (quick deaths included); reset by a core that lasts."""
-        self._deaths: dict[str, tuple[int, int]] = {}
-        """request id -> (core deaths in a row it was in flight at, tokens it had then)."""
+        self._request_failures = RequestFailures(registry, self.config.max_request_failures,
+                                                 self._event)
         self.spare = (SpareCore(self.config, retry_interval_s) if self.config.spare_core
                       else None)
         self._attach(engine)
@@ -113,8 +108,8 @@ class EngineSupervisor:
         self._delivered_at_attach = {rid: len(s.delivered)
                                      for rid, s in self.registry.streams.items()}
 
-    def _set_status(self, status: ReplicaStatus | str, reason: str | None) -> None:
-        self.status = status = ReplicaStatus(status)  # the core's arrive as strings
+    def _set_status(self, status: ReplicaStatus, reason: str | None) -> None:
+        self.status = status
         if self.on_status is not None:
             self.on_status(status, reason)
 
@@ -132,7 +127,7 @@ class EngineSupervisor:
 
     # --- rank failures: the core recovers, the gateway follows --------------------------------
 
-    def _on_core_status(self, status: str, reason: str | None) -> None:
+    def _on_core_status(self, status: ReplicaStatus, reason: str | None) -> None:
         engine = self.engine
         restarts, resumed, recoveries = self._seen
         self._seen = (engine.restarts, engine.resumed_requests, len(engine.recovery_seconds))
@@ -150,7 +145,7 @@ class EngineSupervisor:
         log.error("engine core (pid %s) died: %s; starting another", self.engine.pid, reason)
         quick = (time.monotonic() - self._attached_at < STABLE_CORE_S
                  and not self._progressed())
-        culprits = self._count_deaths()
+        culprits = self._request_failures.count_death()
         if not quick:
             self._failed_starts = 0
         elif not culprits:  # a death a request explains is no failed start: it is gone now
@@ -165,31 +160,6 @@ class EngineSupervisor:
         before, streams = self._delivered_at_attach, self.registry.streams
         return (any(len(s.delivered) > before.get(rid, 0) for rid, s in streams.items())
                 or any(rid not in streams for rid in before))
-
-    def _count_deaths(self) -> int:
-        """Each live request submitted to the dead core failed once more, unless it got a
-        token since its last failure; one at max_request_failures is ended with an error.
-        Returns how many were."""
-        limit = self.config.max_request_failures
-        counts = {}
-        ended = 0
-        for stream in self.registry.streams.values():
-            if not stream.live or not stream.submissions:
-                continue
-            failures, tokens = self._deaths.get(stream.request_id, (0, -1))
-            failures = failures + 1 if tokens == len(stream.delivered) else 1
-            counts[stream.request_id] = (failures, len(stream.delivered))
-            stream.engine_fields["num_failures"] = failures
-            if failures >= limit:
-                ended += 1
-                self._event("request_failed", request_id=stream.request_id, failures=failures)
-                n = len(stream.delivered)
-                self.registry._deliver(RequestDelta(
-                    stream.request_id, [], n, "", finish_reason=FinishReason.ERROR,
-                    error=poison_message(failures, "its process died"), error_kind=ErrorKind.USER,
-                    num_prompt_tokens=stream.num_prompt_tokens, num_output_tokens=n))
-        self._deaths = counts
-        return ended
 
     async def _replace(self) -> None:
         started = time.monotonic()
@@ -280,16 +250,7 @@ class EngineSupervisor:
             await asyncio.gather(self._task, return_exceptions=True)
         if starting is not None and starting.process.is_alive():
             # Its ranks, still loading, would only notice its death once loaded: end them too.
-            try:
-                ranks = psutil.Process(starting.process.pid).children(recursive=True)
-            except psutil.Error:
-                ranks = []
-            starting.process.kill()
-            for rank in ranks:
-                with contextlib.suppress(psutil.Error):
-                    rank.kill()
-            await asyncio.to_thread(starting.process.join, 5)
-            await asyncio.to_thread(psutil.wait_procs, ranks, 5)
+            await asyncio.to_thread(kill_tree, starting.process)
             starting._remove_run_dir()
         await self.engine.shutdown()
 
