@@ -9,6 +9,9 @@ from typing import Optional
 
 import typer
 
+# The defaults come from the run's options (one declaration each); the module is light.
+from tokstream.chaos.options import Options
+
 app = typer.Typer(help="Fault experiments against a real server, with a stream-history checker.",
                   no_args_is_help=True)
 
@@ -18,21 +21,23 @@ ADMIN_KEY = typer.Option(None, "--admin-key", envvar="TOKSTREAM_ADMIN_KEY",
                          help="With --url: the admin key for /v1/state and /v1/score.")
 API_KEY = typer.Option(None, "--api-key", envvar="TOKSTREAM_API_KEY",
                        help="With --url: the key for the API routes (default: the admin key).")
-MODEL = typer.Option("smollm2", "--model", "-m", help="Model of the server chaos starts.")
-DEVICE = typer.Option("cpu", "--device", help="cpu or cuda (the server chaos starts).")
+MODEL = typer.Option(Options.model, "--model", "-m", help="Model of the server chaos starts.")
+DEVICE = typer.Option(Options.device, "--device", help="cpu or cuda (the server chaos starts).")
 DTYPE = typer.Option(None, "--dtype", help="dtype of the server chaos starts (default auto).")
 TP = typer.Option(None, "--tp", help="Ranks of the server chaos starts (default: the smallest "
                   "of at least 2 dividing the model's heads; 3 for SmolLM2).")
-SPARE = typer.Option(False, "--spare/--no-spare", help="Start the server with warm spares "
-                     "(serve --spare --spare-core: a rank group and an engine core).")
+SPARE = typer.Option(Options.spare, "--spare/--no-spare", help="Start the server with warm "
+                     "spares (serve --spare --spare-core: a rank group and an engine core).")
 STREAMS = typer.Option(None, "--streams", help="Streams per round (default per experiment).")
-MAX_TOKENS = typer.Option(32, "--max-tokens", help="Output tokens of each decoding stream.")
-REPEAT = typer.Option(1, "--repeat", help="Rounds in a row, one fault each.")
-SEED = typer.Option(0, "--seed", help="Chooses the prompts, the seeds, which stream and which "
-                    "token index trigger the fault, who hangs up and when.")
-STEP_TIMEOUT = typer.Option(10.0, "--step-timeout", help="Step deadline of the server chaos "
-                            "starts (what catches stall-rank).")
-TIMEOUT = typer.Option(600.0, "--timeout", help="Most seconds a round's streams may take.")
+MAX_TOKENS = typer.Option(Options.max_tokens, "--max-tokens",
+                          help="Output tokens of each decoding stream.")
+REPEAT = typer.Option(Options.repeat, "--repeat", help="Rounds in a row, one fault each.")
+SEED = typer.Option(Options.seed, "--seed", help="Chooses the prompts, the seeds, which stream "
+                    "and which token index trigger the fault, who hangs up and when.")
+STEP_TIMEOUT = typer.Option(Options.step_timeout_s, "--step-timeout", help="Step deadline of "
+                            "the server chaos starts (what catches stall-rank).")
+TIMEOUT = typer.Option(Options.timeout_s, "--timeout",
+                       help="Most seconds a round's streams may take.")
 JSON = typer.Option(None, "--json", help="Write the report here.")
 
 
@@ -41,7 +46,7 @@ def _run(experiment: str, rank: Optional[int], url, admin_key, api_key, model, d
     from rich.console import Console
 
     from tokstream.chaos.report import render, write_json
-    from tokstream.chaos.runner import Options, run
+    from tokstream.chaos.runner import run
     from tokstream.errors import UserInputError
 
     # SIGTERM unwinds like Ctrl-C, so the server chaos started is stopped in order (a killed

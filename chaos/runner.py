@@ -6,55 +6,21 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from tokstream.errors import UserInputError
 
 from tokstream.chaos.api import ServerAPI
 from tokstream.chaos.experiments import FILLER, ServerFacts, experiment, message, workload
 from tokstream.chaos.history import Violations, check_history
+from tokstream.chaos.options import Options
 from tokstream.chaos.rounds import Context, run_round
-from tokstream.chaos.target import OwnServer, Target, check_local, default_tp
+from tokstream.chaos.target import OwnServer, Target, default_tp
 from tokstream.chaos.workload import Recorder, StreamSpec
 from tokstream.state_snapshot import StateSnapshot
 
 STEADY_TIMEOUT_S = 120.0
 UNREACHABLE_TIMEOUT_S = 5.0
-
-
-@dataclass
-class Options:
-    experiment: str
-    rank: int | None = None
-    url: str | None = None
-    admin_key: str | None = None
-    api_key: str | None = None
-    model: str = "smollm2"
-    device: str = "cpu"
-    dtype: str | None = None
-    tp: int | None = None
-    spare: bool = False
-    streams: int | None = None
-    max_tokens: int = 32
-    repeat: int = 1
-    seed: int = 0
-    step_timeout_s: float = 10.0
-    timeout_s: float = 600.0
-
-    def __post_init__(self):
-        if self.repeat < 1:
-            raise UserInputError(f"--repeat must be at least 1, not {self.repeat}")
-        if self.streams is not None and self.streams < 2:
-            raise UserInputError(f"--streams must be at least 2, not {self.streams}")
-        if self.max_tokens < 8:
-            raise UserInputError(f"--max-tokens must be at least 8, not {self.max_tokens}")
-        if self.rank is not None and self.rank < 0:
-            raise UserInputError(f"rank must be 0 or more, not {self.rank}")
-        if self.url is None and (self.admin_key or self.api_key):
-            raise UserInputError("--admin-key and --api-key go with --url (a server chaos "
-                                 "starts gets keys of its own)")
-        if self.url is not None:
-            self.url = check_local(self.url)
 
 
 def run(options: Options) -> dict:

@@ -8,12 +8,10 @@ import secrets
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlparse
 
 from tokstream.errors import UserInputError
 from tokstream.serve_process import ServeProcess
 
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 20.0
 
@@ -32,17 +30,6 @@ class Target:
     def headers(self, admin: bool = False) -> dict[str, str]:
         key = self.admin_key if admin else self.client_key
         return {"x-api-key": key, "authorization": f"Bearer {key}"} if key else {}
-
-
-def check_local(url: str) -> str:
-    """Chaos sends real signals to the pids a server reports: only ever a local one."""
-    parsed = urlparse(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        raise UserInputError(f"--url must be http://HOST:PORT, not {url!r}")
-    if parsed.hostname not in LOCAL_HOSTS:
-        raise UserInputError(f"--url {url}: chaos only targets a server on this machine "
-                             "(127.0.0.1 or localhost); it signals the server's processes")
-    return url.rstrip("/")
 
 
 def default_tp(model: str) -> int:

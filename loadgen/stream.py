@@ -12,8 +12,7 @@ import time
 import httpx
 
 from tokstream.checker import OPT_IN, SSERecorder, check_stream
-
-ROUTES = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
+from tokstream.loadgen.options import ROUTES
 
 
 def request_body(api: str, model: str, user: str, system: str | None, max_tokens: int,

@@ -199,3 +199,54 @@ def test_serve_help_shows_the_dataclass_defaults_for_every_field():
             assert len(rows[flag].split("[default:")[0].split()) > 3, f"{flag} has no help"
             checked += 1
     assert checked > 50
+
+
+def command_defaults(*path: str) -> dict:
+    """{parameter: its default} of a `tokstream` subcommand, as its flags hold them."""
+    import typer.main
+
+    from tokstream.cli import app
+
+    command = typer.main.get_command(app)
+    for name in path:
+        command = command.commands[name]
+    return {param.name: param.default for param in command.params}
+
+
+def test_generate_flags_default_to_the_sampling_params_but_greedy():
+    import dataclasses
+
+    from tokstream.sampling_params import SamplingParams
+
+    defaults = command_defaults("generate")
+    greedy = dataclasses.replace(SamplingParams(), temperature=0.0)  # README: default 0
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        assert defaults[name] == getattr(greedy, name), name
+    assert not defaults["stop"]
+
+
+@pytest.mark.parametrize("path,options,no_flag,param_names,stated_elsewhere", [
+    (("chaos", "kill-rank"), "tokstream.chaos.options", {"experiment", "rank"},
+     {"step_timeout_s": "step_timeout", "timeout_s": "timeout"}, {}),
+    (("loadtest",), "tokstream.loadgen.options", set(),
+     {"request_timeout_s": "request_timeout", "drain_timeout_s": "drain_timeout"},
+     {"web_port": "WEB_PORT"}),  # Options.web_port None is the UI off (--web's default)
+])
+def test_chaos_and_loadtest_flags_default_to_their_options_dataclass(
+        path, options, no_flag, param_names, stated_elsewhere):
+    import dataclasses
+    import importlib
+
+    module = importlib.import_module(options)
+    defaults = command_defaults(*path)
+    checked = 0
+    for field in dataclasses.fields(module.Options):
+        if field.name in no_flag:
+            continue
+        param = param_names.get(field.name, field.name)
+        assert param in defaults, f"{field.name} has no flag"
+        expected = (getattr(module, stated_elsewhere[field.name])
+                    if field.name in stated_elsewhere else field.default)
+        assert defaults[param] == expected, (field.name, defaults[param], expected)
+        checked += 1
+    assert checked > 12

@@ -18,6 +18,7 @@ app = typer.Typer(help="tokstream: paged-KV, continuously batched LLM serving.",
 # docstring as help, its default. This import is light (typer and the dataclasses).
 from tokstream.config import BenchSpec, EngineConfig  # noqa: E402
 from tokstream.options import config_flags, field_help, with_flags  # noqa: E402
+from tokstream.sampling_params import SamplingParams  # noqa: E402
 from tokstream.settings import SERVE_FLAGS, flags_for  # noqa: E402
 
 MODEL_FLAGS = flags_for("model", "dtype", "weights", "device")
@@ -26,6 +27,8 @@ BENCH_FLAGS = MODEL_FLAGS + flags_for(
     "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory", "block_size", "kv_cache_dtype",
     "chunked_prefill", "max_prefill_chunk", "preemption_mode", "swap_space")
 WORKLOAD_FLAGS = config_flags("bench", BenchSpec)
+GENERATE_SAMPLING = SamplingParams(temperature=0.0)
+"""generate's flag defaults: the library's, but greedy, so one prompt always gives one text."""
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -65,11 +68,15 @@ def user_errors(func):
 def generate(
     prompt: str = typer.Argument(..., help="The prompt (a user message unless --no-chat)."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Apply the model's chat template."),
-    max_tokens: int = typer.Option(256, help="Most tokens to generate."),
-    temperature: float = typer.Option(0.0, help="0 is greedy."),
-    top_p: float = typer.Option(1.0),
-    top_k: int = typer.Option(0, help="0 = no limit."),
-    seed: Optional[int] = typer.Option(None),
+    max_tokens: int = typer.Option(GENERATE_SAMPLING.max_tokens,
+                                   help=field_help(SamplingParams, "max_tokens")),
+    temperature: float = typer.Option(GENERATE_SAMPLING.temperature,
+                                      help=field_help(SamplingParams, "temperature")),
+    top_p: float = typer.Option(GENERATE_SAMPLING.top_p,
+                                help=field_help(SamplingParams, "top_p")),
+    top_k: int = typer.Option(GENERATE_SAMPLING.top_k, help=field_help(SamplingParams, "top_k")),
+    seed: Optional[int] = typer.Option(GENERATE_SAMPLING.seed,
+                                       help=field_help(SamplingParams, "seed")),
     stop: list[str] = typer.Option([], help="Stop string (repeatable)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log to stderr."),
     flags: dict = None,
@@ -77,7 +84,6 @@ def generate(
     """Generate one completion without a server; the text streams to stdout."""
     _setup_logging(verbose)
     from tokstream.engine.llm import LLM
-    from tokstream.sampling_params import SamplingParams
     from tokstream.settings import build_settings
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -294,7 +300,8 @@ def hash_key_command(key: str = typer.Argument(..., help="An API key to store in
     typer.echo(hash_key(key))
 
 
-# Each of these modules imports only typer at the top, so `tokstream --help` stays instant.
+# Each of these modules imports only typer and its options' dataclass at the top, so
+# `tokstream --help` stays instant.
 from tokstream.chaos.cli import app as _chaos_app  # noqa: E402
 from tokstream.loadgen.cli import loadtest as _loadtest  # noqa: E402
 from tokstream.top.cli import top as _top  # noqa: E402

@@ -1,0 +1,108 @@
+"""What one `tokstream loadtest` run is asked to do, checked on construction. Each field's
+default is the one its flag shows (loadgen/cli.py reads them from here), so a default is stated
+once. Light on purpose: `tokstream --help` imports it (no httpx, no gevent)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from tokstream.config import ServerConfig
+from tokstream.errors import UserInputError
+from tokstream.loadgen.mix import ARRIVALS
+
+ROUTES = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
+"""--api's choices, and the route each one streams from."""
+WEB_PORT = 8089
+"""Port of Locust's web UI (--web-port; the UI is off without --web)."""
+
+DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+
+def parse_duration(text: str, flag: str = "--duration") -> float:
+    match = DURATION.match(text)
+    if not match:
+        raise UserInputError(f"{flag}: {text!r} is not a duration like 30s, 5m or 1h")
+    return float(match.group(1)) * UNITS[match.group(2)]
+
+
+@dataclass
+class Options:
+    url: str = f"http://{ServerConfig.host}:{ServerConfig.port}"
+    """The server to load (default: where `tokstream serve` listens by default)."""
+    mix: str = "chat"
+    api: str = "anthropic"
+    users: int | None = None
+    rate: float | None = None
+    arrival: str | None = None
+    burstiness: float | None = None
+    duration: str | None = None
+    requests: int | None = None
+    seed: int = 0
+    slo: str = ""
+    keys: str | None = None
+    out: str = "loadtest-out"
+    model: str | None = None
+    request_timeout_s: float = 600.0
+    drain_timeout_s: float = 120.0
+    max_error_rate: float = 0.01
+    max_integrity_failures: int = 0
+    web_port: int | None = None
+    sweep: bool = False
+    """Run a capacity sweep (synchronous, maximum throughput, then rates between)."""
+    sweep_rates: int = 5
+    """Sweep: how many constant rates between the synchronous rate and capacity."""
+    throughput_users: int = 32
+    """Closed-loop users of the maximum-throughput stage and of the capacity probe."""
+    capacity: str | None = None
+    """A measured capacity to reuse: a number of requests/s or a file (report.json of a sweep,
+    capacity.json of a probe); without it a capacity-fraction run probes first."""
+    capacity_fraction: float | None = None
+    """Open loop at this fraction of the measured capacity (over the mix's rate)."""
+    probe_duration: str = "20s"
+    """How long the capacity probe issues requests (it then drains them)."""
+
+    def __post_init__(self):
+        if self.api not in ROUTES:
+            raise UserInputError(f"--api: one of {', '.join(ROUTES)}, got {self.api!r}")
+        if not re.match(r"^https?://[^/\s]+$", self.url.rstrip("/")):
+            raise UserInputError(f"--url: {self.url!r} is not http(s)://HOST[:PORT]")
+        self.url = self.url.rstrip("/")
+        if self.arrival is not None and self.arrival not in ARRIVALS:
+            raise UserInputError(f"--arrival: one of {', '.join(ARRIVALS)}, got {self.arrival!r}")
+        checks = [("--users", self.users, 1), ("--requests", self.requests, 0),
+                  ("--request-timeout", self.request_timeout_s, 1e-9),
+                  ("--drain-timeout", self.drain_timeout_s, 0),
+                  ("--max-integrity-failures", self.max_integrity_failures, 0),
+                  ("--max-error-rate", self.max_error_rate, 0),
+                  ("--sweep-rates", self.sweep_rates, 1),
+                  ("--throughput-users", self.throughput_users, 1)]
+        for flag, value, minimum in checks:
+            if value is not None and not (math.isfinite(value) and value >= minimum):
+                raise UserInputError(f"{flag}: must be >= {minimum:g}, got {value}")
+        for flag, value in (("--rate", self.rate), ("--burstiness", self.burstiness),
+                            ("--capacity-fraction", self.capacity_fraction)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise UserInputError(f"{flag}: must be > 0, got {value}")
+        if self.max_error_rate > 1:
+            raise UserInputError("--max-error-rate: a fraction between 0 and 1")
+        if self.web_port is not None and not 1 <= self.web_port <= 65535:
+            raise UserInputError(f"--web-port: {self.web_port} is not a port")
+        if self.rate is not None and self.capacity_fraction is not None:
+            raise UserInputError("--rate and --capacity-fraction: give one of them")
+        if self.sweep_rates > 50:
+            raise UserInputError(f"--sweep-rates: at most 50, got {self.sweep_rates}")
+        if self.sweep:
+            given = [flag for flag, value in (("--rate", self.rate), ("--arrival", self.arrival),
+                                              ("--capacity-fraction", self.capacity_fraction),
+                                              ("--capacity", self.capacity),
+                                              ("--burstiness", self.burstiness),
+                                              ("--web", self.web_port))
+                     if value is not None]
+            if given:
+                raise UserInputError(f"--sweep sets its own rates: {', '.join(given)} "
+                                     "cannot go with it")
+        if not parse_duration(self.probe_duration, "--probe-duration") > 0:
+            raise UserInputError("--probe-duration: must be > 0")
