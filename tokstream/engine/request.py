@@ -63,6 +63,9 @@ class Request:
     num_preemptions: int = 0
     num_failures: int = 0
     """Replica failures in a row this request was in flight at (reset by a step that ran)."""
+    recovering: bool = False
+    """Recomputing what a failure lost (resumed on a new engine core, or requeued when its
+    rank group restarted), until its next token: the ITL target does not hold it back."""
     first_scheduled: float | None = None
     first_token_at: float | None = None
     """When its first output token was sampled, on the scheduler's clock (the ITL target

@@ -67,6 +67,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> None:
+        # In flight when an engine core died: the gateway resumes it on this one.
+        request.recovering = request.num_failures > 0
         self.requests[request.request_id] = request
         self.ledger.on_arrival(request.tenant)
         self.waiting.add(request)
@@ -270,6 +272,7 @@ class Scheduler:
         for request in reversed(list(self.running)):
             self.running.remove(request)
             request.status = RequestStatus.PREEMPTED
+            request.recovering = True
             self.waiting.push_front(request)
         for request in self.waiting:
             self.block_manager.free(request)
@@ -358,6 +361,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.output_token_ids.append(token)
+            request.recovering = False
             if request.first_token_at is None:
                 request.first_token_at = self.clock()
             self.ledger.charge_output(request.tenant, 1, request.weight)
