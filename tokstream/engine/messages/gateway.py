@@ -12,13 +12,15 @@ side raises ProtocolError on a message of any other type.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tokstream.engine.messages.request import EngineRequest, RequestDelta
-from tokstream.engine.messages.start_times import StartTimes
-from tokstream.engine.messages.worker import ScoreResult
 from tokstream.errors import ErrorKind, ReplicaError
 from tokstream.state_snapshot import ReplicaStatus
+
+if TYPE_CHECKING:  # annotations only: at run time, a cycle through __init__ (it imports all)
+    from tokstream.engine.messages.request import EngineRequest, RequestDelta
+    from tokstream.engine.messages.start_times import StartTimes
+    from tokstream.engine.messages.worker import ScoreResult
 
 
 class ProtocolError(ReplicaError):

@@ -8,11 +8,14 @@ import hashlib
 import struct
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from tokstream.engine.messages.worker import TokenLogprobs
 from tokstream.errors import ErrorKind
 from tokstream.sampling_params import SamplingParams
 from tokstream.wire import WireEnum
+
+if TYPE_CHECKING:  # annotations only: at run time, a cycle through __init__ (it imports all)
+    from tokstream.engine.messages.worker import TokenLogprobs
 
 
 def token_digest(token_ids: list[int]) -> str:
