@@ -67,11 +67,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add_request(self, request: Request) -> None:
-        # In flight when an engine core died: the gateway resumes it on this one.
+        # In flight when an engine core died: the gateway resumes it on this one, and one
+        # that was generating goes before prompts (cut off mid-prefill or never started).
         request.recovering = request.num_failures > 0
         self.requests[request.request_id] = request
         self.ledger.on_arrival(request.tenant)
-        self.waiting.add(request)
+        if request.recovering and request.output_token_ids:
+            self.waiting.add_interrupted(request)
+        else:
+            self.waiting.add(request)
 
     def finish(self, request: Request, status: RequestStatus, stop_reason=None) -> None:
         """End a request for good: free its blocks and tell the workers to forget it."""
@@ -269,7 +273,8 @@ class Scheduler:
         """The rank group is gone, and the pool's and host buffers' contents with it: every
         running request goes back to the front of the line, in its order, to be recomputed
         from prompt + output; every block, pool or host, is forgotten."""
-        for request in reversed(list(self.running)):
+        # Those generating back first, then those cut off mid-prefill, each in running order.
+        for request in sorted(reversed(self.running), key=lambda r: not self._is_prefilling(r)):
             self.running.remove(request)
             request.status = RequestStatus.PREEMPTED
             request.recovering = True

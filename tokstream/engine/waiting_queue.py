@@ -52,6 +52,12 @@ class WaitingQueue:
         self._preempted.appendleft(request)
         self._count += 1
 
+    def add_interrupted(self, request: Request) -> None:
+        """A request that was generating when a failure cut it off (resumed on a new engine
+        core): in line with the preempted ones, behind them, in the order these come."""
+        self._preempted.append(request)
+        self._count += 1
+
     def peek(self, eligible=None) -> Request | None:
         """The request to admit next; tenants whose next request fails eligible() wait."""
         if self._preempted:
