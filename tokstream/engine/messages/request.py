@@ -68,8 +68,8 @@ class RequestDelta:
     error: str | None = None
     """Why the request failed, when finish_reason is 'error'."""
     error_kind: ErrorKind | None = None
-    """Who is at fault, set where the failure was caught (None from a producer that does not
-    say yet: the gateway then reads it from the message, see server/sse.py)."""
+    """Who is at fault, set where the failure was caught (an error delta without one is
+    taken as the replica's, see server/sse.py)."""
     step_id: int = 0
     """The engine step that produced token_ids (0 for a delta no step produced)."""
     output_digest: str | None = None
