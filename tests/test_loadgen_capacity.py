@@ -3,11 +3,10 @@ capacity back, and the rate a run derives from it (given, read from a file, or p
 against the fake SSE server of the plumbing tests."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from helpers.loadtest_run import SHORT, flood, loadtest as run_loadtest, write_mix
 from test_loadgen_plumbing import FakeServer
 from tokstream.errors import UserInputError
 from tokstream.loadgen.capacity import (Capacity, capacity_from_summary, rate_from_fraction,
@@ -89,32 +88,11 @@ def test_capacity_reads_back_from_a_number_a_probe_file_or_a_sweep_report(tmp_pa
                               "probe", "http://x", "now")
 
 
-MIX = """
-kind = "mix"
-[run]
-arrival = "poisson"
-capacity_fraction = 0.5
-users = 8
-[[class]]
-name = "short"
-prompt_tokens = [30, 60]
-output_tokens = [3, 6]
-[[class]]
-name = "flood"
-weight = 0
-prompt_tokens = 100
-output_tokens = 2
-burst_every_s = 0.3
-burst_size = 2
-"""
-
-
 def loadtest(tmp_path, fake, *args):
-    (tmp_path / "mix.toml").write_text(MIX)
-    return subprocess.run([sys.executable, "-m", "tokstream", "loadtest", "--url", fake.url,
-                           "--mix", str(tmp_path / "mix.toml"), "--requests", "5",
-                           "--duration", "20s", *args],
-                          capture_output=True, text=True, timeout=180)
+    mix, _ = write_mix(tmp_path, {"arrival": "poisson", "capacity_fraction": 0.5, "users": 8},
+                       [SHORT, flood(100, 0.3)])
+    return run_loadtest("--url", fake.url, "--mix", mix, "--requests", "5", "--duration", "20s",
+                        *args, timeout=180)
 
 
 @pytest.mark.startup

@@ -20,12 +20,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from helpers.loadtest_run import KEYS, TENANTS, loadtest, write_mix
 from tokstream.engine.messages import token_digest
 from tokstream.loadgen.plots import PLOTS
 from tokstream.loadgen.stream import auth_headers, request_body, stream_request
 
 TEMPLATE_TOKENS = 7
-KEYS = {"sk-a": "alpha", "sk-b": "beta"}
 
 
 def toy_count(texts) -> int:
@@ -189,36 +189,13 @@ def test_unreachable_server_is_a_connection_error_sample():
     assert sample["status"] == "error" and sample["error_type"] == "connection_error"
 
 
-def loadtest(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "tokstream", "loadtest", *args],
-                          capture_output=True, text=True, timeout=timeout)
-
-
-MIX = """
-kind = "mix"
-[run]
-users = 3
-[tenants]
-alpha = 1
-beta = 1
-[[class]]
-name = "short"
-weight = 2
-prompt_tokens = [30, 120]
-output_tokens = [3, 8]
-[[class]]
-name = "long"
-prompt_tokens = [200, 2000]
-prompt_distribution = "log-uniform"
-output_tokens = 10
-shared_prefix_tokens = 100
-"""
+CLASSES = [{"name": "short", "weight": 2, "prompt_tokens": [30, 120], "output_tokens": [3, 8]},
+           {"name": "long", "prompt_tokens": [200, 2000], "prompt_distribution": "log-uniform",
+            "output_tokens": 10, "shared_prefix_tokens": 100}]
 
 
 def write_mix_and_keys(tmp_path):
-    (tmp_path / "mix.toml").write_text(MIX)
-    (tmp_path / "keys.toml").write_text('alpha = "sk-a"\nbeta = "sk-b"\n')
-    return str(tmp_path / "mix.toml"), str(tmp_path / "keys.toml")
+    return write_mix(tmp_path, {"users": 3}, CLASSES, TENANTS)
 
 
 @pytest.mark.startup

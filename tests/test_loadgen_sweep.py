@@ -4,12 +4,11 @@ asserts: the stages' rates are checked against what the sweep itself measured.""
 
 import json
 import random
-import subprocess
-import sys
 
 import pytest
 
-from test_loadgen_plumbing import KEYS, FakeServer
+from helpers.loadtest_run import KEYS, SHORT, TENANTS, flood, loadtest, write_mix
+from test_loadgen_plumbing import FakeServer
 from tokstream.errors import UserInputError
 from tokstream.loadgen.capacity import read_capacity
 from tokstream.loadgen.mix import load_mix
@@ -101,39 +100,19 @@ def test_overload_at_the_top_rates_is_data_broken_streams_are_failures():
     assert "length" in sweep_verdict([row("throughput", mismatched=2)], opts)[0]
 
 
-SWEEP_MIX = """
-kind = "mix"
-[run]
-users = 3
-[tenants]
-alpha = 1
-beta = 1
-[[class]]
-name = "short"
-prompt_tokens = [30, 60]
-output_tokens = [3, 6]
-[[class]]
-name = "flood"
-weight = 0
-prompt_tokens = 200
-output_tokens = 2
-burst_every_s = 0.2
-burst_size = 2
-"""
+def write_sweep_mix(tmp_path, tenants=None):
+    return write_mix(tmp_path, {"users": 3}, [SHORT, flood(200, 0.2)], tenants)
 
 
 @pytest.mark.startup
 def test_sweep_runs_every_stage_and_reports_rates_latency_and_throughput(tmp_path):
-    (tmp_path / "mix.toml").write_text(SWEEP_MIX)
-    (tmp_path / "keys.toml").write_text('alpha = "sk-a"\nbeta = "sk-b"\n')
+    mix, keys = write_sweep_mix(tmp_path, TENANTS)
     out = tmp_path / "out"
     with FakeServer(context=1024, keys=KEYS, token_delay_s=0.01) as fake:
-        result = subprocess.run(
-            [sys.executable, "-m", "tokstream", "loadtest", "--url", fake.url,
-             "--mix", str(tmp_path / "mix.toml"), "--keys", str(tmp_path / "keys.toml"),
-             "--sweep", "--sweep-rates", "2", "--duration", "20s", "--requests", "6",
-             "--throughput-users", "3", "--drain-timeout", "30", "--out", str(out)],
-            capture_output=True, text=True, timeout=240)
+        result = loadtest("--url", fake.url, "--mix", mix, "--keys", keys, "--sweep",
+                          "--sweep-rates", "2", "--duration", "20s", "--requests", "6",
+                          "--throughput-users", "3", "--drain-timeout", "30", "--out", str(out),
+                          timeout=240)
         served = list(fake.requests)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((out / "report.json").read_text())
@@ -183,15 +162,12 @@ def test_sweep_runs_every_stage_and_reports_rates_latency_and_throughput(tmp_pat
 
 @pytest.mark.startup
 def test_a_sweep_against_a_failing_server_stops_after_the_synchronous_stage(tmp_path):
-    (tmp_path / "mix.toml").write_text(SWEEP_MIX)
+    mix, _ = write_sweep_mix(tmp_path)
     out = tmp_path / "out"
     with FakeServer(context=1024) as fake:
         fake.fault = lambda n: "529"
-        result = subprocess.run(
-            [sys.executable, "-m", "tokstream", "loadtest", "--url", fake.url,
-             "--mix", str(tmp_path / "mix.toml"), "--sweep", "--requests", "3",
-             "--duration", "0", "--out", str(out)],
-            capture_output=True, text=True, timeout=120)
+        result = loadtest("--url", fake.url, "--mix", mix, "--sweep", "--requests", "3",
+                          "--duration", "0", "--out", str(out))
     assert result.returncode == 1, result.stdout + result.stderr
     report = json.loads((out / "report.json").read_text())
     assert [s["kind"] for s in report["sweep"]["stages"]] == ["synchronous"]

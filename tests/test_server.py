@@ -7,17 +7,15 @@ import json
 import httpx
 import pytest
 
-from helpers.serving import INTEGRITY, ServerProcess, anthropic_body, openai_body, record
+from helpers.serving import (INTEGRITY, ServerProcess, anthropic_body, module_server,
+                             openai_body, record)
 from tokstream.checker import check_streams
 from tokstream.engine.messages import token_digest
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess("--profile", "ci") as server:
-        yield server
+server = module_server("--profile", "ci")
 
 
 @pytest.fixture(scope="module")

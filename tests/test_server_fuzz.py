@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers.serving import ServerProcess, anthropic_body, record
+from helpers.serving import anthropic_body, module_server, record
 from tokstream.checker import check_streams, parse_sse
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(600)]
@@ -144,10 +144,7 @@ def send(client: httpx.Client, request: dict) -> httpx.Response:
     return response
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess("--profile", "ci") as server:
-        yield server
+server = module_server("--profile", "ci")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from helpers.serving import ServerProcess
+from helpers.serving import module_server
 
 pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
 
@@ -18,11 +18,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
           "required": ["ok", "n"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess("--profile", "ci", "--model", "smollm2", "--weights", "float32",
-                       "--num-blocks", "256") as server:
-        yield server
+server = module_server("--profile", "ci", "--model", "smollm2", "--weights", "float32",
+                       "--num-blocks", "256")
 
 
 @pytest.fixture(scope="module")

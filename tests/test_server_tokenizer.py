@@ -6,7 +6,7 @@ round trip, and typed 400s."""
 import httpx
 import pytest
 
-from helpers.serving import ServerProcess
+from helpers.serving import module_server
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
 from tokstream.tokenizer import load_tokenizer
@@ -14,12 +14,9 @@ from tokstream.tokenizer import load_tokenizer
 pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
 
 
-@pytest.fixture(scope="module")
-def server():
-    # The embedded GGUF's tokenizer on a tiny random engine: real ids, a fast start.
-    with ServerProcess("--profile", "ci", "--model", "smollm2", "--weights", "float32",
-                       "--num-blocks", "64") as server:
-        yield server
+# The embedded GGUF's tokenizer on a tiny random engine: real ids, a fast start.
+server = module_server("--profile", "ci", "--model", "smollm2", "--weights", "float32",
+                       "--num-blocks", "64")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from helpers.serving import ServerProcess
+from helpers.serving import module_server
 from tokstream.checker import check_streams
 from helpers.tool_workload import NAMES, SCHEMAS, jobs, problems, record_all
 
@@ -41,10 +41,7 @@ SPOKEN = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"cit
 the first with the closing tag inside a string."""
 
 
-@pytest.fixture(scope="module")
-def server():
-    with ServerProcess("--profile", "ci") as server:
-        yield server
+server = module_server("--profile", "ci")
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import socket
 import time
 
 import httpx
+import pytest
 
 from tokstream.checker import OPT_IN, RecordedStream, SSERecorder
 from tokstream.serve_process import ROOT, ServeProcess, die_with_parent  # noqa: F401
@@ -50,6 +51,18 @@ class ServerProcess(ServeProcess):
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not idle: {json.dumps(state)[:2000]}")
             time.sleep(0.1)
+
+
+def module_server(*args: str):
+    """A module-scoped `server` fixture: one `tokstream serve ARGS` for every test of a file
+    (`server = module_server("--profile", "ci")` at the top of it)."""
+
+    @pytest.fixture(scope="module")
+    def server():
+        with ServerProcess(*args) as server:
+            yield server
+
+    return server
 
 
 def anthropic_body(content: str = "hello", max_tokens: int = 16, stream: bool = True,
