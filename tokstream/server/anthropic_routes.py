@@ -10,17 +10,19 @@ from tokstream.engine.messages import FinishReason
 from tokstream.errors import UserInputError
 from tokstream.server.anthropic_tools import (ToolBlocks, content_blocks, history_messages,
                                               tool_request, tool_stop_reason)
-from tokstream.server.errors import ANTHROPIC, api_route, bad_request
+from tokstream.server.api_request import chat_turns, read_request
+from tokstream.server.channel import Batch
+from tokstream.server.errors import ANTHROPIC, ApiError, api_route, bad_request
+from tokstream.server.responses import collect
 from tokstream.server.sse import (EventStreamResponse, final_integrity, integrity, sse,
                                   stream_failure, wants_integrity)
 from tokstream.server.state import Prompt, Server
-from tokstream.server.streams import Batch, Stream
+from tokstream.server.streams import Stream
 from tokstream.server.tool_template import encode_chat, message_text
 from tokstream.server.tools import Tool, ToolRequest, tool_sampling
-from tokstream.server.validation import (get_messages, check_fits, get_bool, get_int, get_number, get_object,
-                                         get_strings, parse_off_loop, read_json,
-                                         reject_unsupported, sampling_params, shown, _kind)
-from tokstream.server.responses import collect
+from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_messages,
+                                         get_number, get_object, get_strings, parse_off_loop,
+                                         reject_unsupported, sampling_params, shown)
 
 ROLES = ("user", "assistant")
 
@@ -61,13 +63,7 @@ def chat_messages(body: dict) -> list[dict]:
         text = _text_blocks(system, "system", allow_empty=True)
         if text:
             chat.append({"role": "system", "content": text})
-    for n, message in enumerate(messages):
-        at = f"messages.{n}"
-        if not isinstance(message, dict):
-            raise bad_request(at, f"must be an object, not {_kind(message)}")
-        role = message.get("role")
-        if role not in ROLES:
-            raise bad_request(f"{at}.role", f"must be 'user' or 'assistant', got {shown(role)}")
+    for at, message, role in chat_turns(messages, ROLES, "'user' or 'assistant'"):
         if "content" not in message:
             raise bad_request(f"{at}.content", "required")
         content = message["content"]
@@ -231,10 +227,7 @@ def message_body(stream: Stream, batch: Batch, model: str, block_size: int,
 
 @api_route(ANTHROPIC)
 async def create_message(request):
-    server: Server = request.app.state.server
-    tenant = server.auth.authenticate(request.headers)
-    body = await read_json(request, server.config.max_body_bytes,
-                           server.config.body_timeout_s)
+    server, tenant, body = await read_request(request)
     prompt = await parse_off_loop(request, parse, body, server)
     request_id = f"msg_{uuid.uuid4().hex[:24]}"
     stream = server.submit(request_id, prompt, tenant, ANTHROPIC)
@@ -247,7 +240,6 @@ async def create_message(request):
     batch = await collect(stream, request.receive, server.registry)
     failure = stream_failure(stream)
     if failure is not None:
-        from tokstream.server.errors import ApiError
         raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
     return JSONResponse(message_body(stream, batch, body["model"], server.block_size,
                                      prompt.tools), headers=headers)
@@ -255,10 +247,7 @@ async def create_message(request):
 
 @api_route(ANTHROPIC)
 async def count_tokens(request):
-    server: Server = request.app.state.server
-    tenant = server.auth.authenticate(request.headers)
-    body = await read_json(request, server.config.max_body_bytes,
-                           server.config.body_timeout_s)
+    server, tenant, body = await read_request(request)
     server.check_model(body.get("model"))
     tools = tool_request(body)
     token_ids = await parse_off_loop(request, lambda: encode_messages(

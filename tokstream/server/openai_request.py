@@ -4,6 +4,7 @@ token ids, and the sampling parameters (POST /v1/chat/completions and /v1/comple
 from __future__ import annotations
 
 from tokstream.errors import UserInputError
+from tokstream.server.api_request import chat_turns
 from tokstream.server.choices import num_choices
 from tokstream.server.errors import bad_request
 from tokstream.server.openai_tools import tool_fields, tool_request
@@ -13,7 +14,7 @@ from tokstream.server.tool_template import encode_chat
 from tokstream.server.tools import ToolRequest, tool_sampling
 from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int,
                                          get_number, get_object, get_strings,
-                                         reject_unsupported, sampling_params, shown)
+                                         reject_unsupported, sampling_params)
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -51,16 +52,9 @@ def chat_prompt(body: dict, server: Server, tools: ToolRequest | None = None) ->
 
 
 def chat_messages(body: dict) -> list[dict]:
-    messages = get_messages(body)
     chat = []
-    for n, message in enumerate(messages):
-        at = f"messages.{n}"
-        if not isinstance(message, dict):
-            raise bad_request(at, f"must be an object, not {_kind(message)}")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(f"{at}.role", f"must be one of {', '.join(CHAT_ROLES)}, got "
-                                            f"{shown(role)}")
+    for at, message, role in chat_turns(get_messages(body), CHAT_ROLES,
+                                        f"one of {', '.join(CHAT_ROLES)}"):
         content = message.get("content")
         calls = tool_fields(message, at)
         if content is None and not calls.get("tool_calls"):

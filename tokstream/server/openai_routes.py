@@ -11,6 +11,7 @@ import uuid
 from starlette.responses import JSONResponse
 
 from tokstream.engine.messages import FinishReason
+from tokstream.server.api_request import read_request
 from tokstream.server.channel import Batch
 from tokstream.server.choices import Choice, choices_response, collect_choices, merge_bodies
 from tokstream.server.errors import OPENAI, ApiError, api_route
@@ -23,7 +24,7 @@ from tokstream.server.sse import (final_integrity, integrity, sse, stream_failur
 from tokstream.server.state import Server
 from tokstream.server.streams import Stream
 from tokstream.server.tools import ToolRequest
-from tokstream.server.validation import parse_off_loop, read_json
+from tokstream.server.validation import parse_off_loop
 
 
 def finish_reason(stream: Stream) -> str:
@@ -168,10 +169,7 @@ def response_body(stream: Stream, batch: Batch, model: str, chat: bool, tokenize
 
 
 async def _complete(request, chat: bool):
-    server: Server = request.app.state.server
-    tenant = server.auth.authenticate(request.headers)
-    body = await read_json(request, server.config.max_body_bytes,
-                           server.config.body_timeout_s)
+    server, tenant, body = await read_request(request)
     prompt = await parse_off_loop(request, parse, body, server, chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     streams = server.submit_choices(request_id, prompt, tenant, OPENAI)
