@@ -16,7 +16,6 @@ Writes bench/results/itl_target_bench.json. No torch in this process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -26,7 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from scheduler_bench import Arrival, drive, random_tokens, rounded  # noqa: E402
+from scheduler_bench import Arrival, drive, random_tokens, write_json  # noqa: E402
 from tokstream.stats import percentiles  # noqa: E402
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from tokstream.engine.llm import LLM  # noqa: E402
@@ -185,9 +184,7 @@ def main() -> None:
         "peer": "vLLM 0.32 CPU fp32 on this machine, same workload online (issue 13): ITL p50 "
                 "119 ms / p99 158 ms, TTFT p50 3.9 s, 202 output tok/s",
     }
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rounded(result), f, indent=2)
+    write_json(args.json, result)
     for name, v in variants.items():
         print(f"{name}: ITL p50 {v['itl_ms']['p50']:.0f} ms p99 {v['itl_ms']['p99']:.0f} ms, "
               f"TTFT p50 {v['ttft_s']['p50']:.2f} s p99 {v['ttft_s']['p99']:.2f} s, "

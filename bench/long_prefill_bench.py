@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import random
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from scheduler_bench import Arrival, drive, engine, random_tokens, rounded  # noqa: E402
+from scheduler_bench import Arrival, drive, engine, random_tokens, write_json  # noqa: E402
 from tokstream.stats import percentiles  # noqa: E402
 from tokstream.engine.messages import EngineRequest  # noqa: E402
 from tokstream.sampling_params import SamplingParams  # noqa: E402
@@ -87,9 +86,7 @@ def main() -> None:
             fcfs["chat_ttft_s"]["p50"] / share["chat_ttft_s"]["p50"],
         "long_ttft_ratio_share_over_fcfs": share["long_ttft_s"] / fcfs["long_ttft_s"],
     }
-    os.makedirs(os.path.dirname(args.json), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(rounded(result), f, indent=2)
+    write_json(args.json, result)
     for name, v in variants.items():
         print(f"{name}: chat TTFT p50 {v['chat_ttft_s']['p50']:.2f} s max "
               f"{v['chat_ttft_s']['max']:.2f} s, chat ITL p99 {v['chat_itl_ms']['p99']:.0f} ms, "

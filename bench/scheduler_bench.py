@@ -155,6 +155,13 @@ def rounded(value, digits=4):
     return value
 
 
+def write_json(path: str, result: dict) -> None:
+    """The results file, its numbers rounded, its folder made if need be."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rounded(result), f, indent=2)
+
+
 def target(value, goal: str, met: bool) -> dict:
     return {"value": rounded(value), "target": goal, "met": bool(met)}
 
@@ -526,9 +533,7 @@ def main() -> None:
         out[name] = rounded({**run_info, **result})
         print(json.dumps(out[name]["targets"], indent=1), file=sys.stderr)
     out["wall_s"] = round(time.perf_counter() - started, 1)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=2)
+    write_json(args.out, out)
     print(f"wrote {args.out} ({out['wall_s']} s)", file=sys.stderr)
 
 
