@@ -183,6 +183,26 @@ def test_truncated_header_is_corrupt(tmp_path):
     assert_one_line_naming(error, "truncated")
 
 
+@pytest.mark.parametrize("cut", [1 << 20, 1_700_000])
+def test_a_header_cut_inside_the_vocabulary_is_truncated_when_its_strings_are_skipped(
+        tmp_path, cut):
+    # The ranks read the header without arrays (the tokenizer's strings stepped over, not
+    # read): running off the end there must still say so, not read past it.
+    path = tmp_path / "cut.gguf"
+    with open(embedded_gguf_path(), "rb") as f:
+        path.write_bytes(f.read(cut))
+    with pytest.raises(CorruptModelError) as error:
+        read_gguf_header(path, arrays=False)
+    assert_one_line_naming(error, "truncated")
+
+
+def test_skipping_the_arrays_reads_the_same_header():
+    skipped, full = (read_gguf_header(embedded_gguf_path(), arrays) for arrays in (False, True))
+    assert skipped.tensors == full.tensors and skipped.array_lengths == full.array_lengths
+    assert {k: v for k, v in full.metadata.items() if not isinstance(v, list)} == \
+        skipped.metadata
+
+
 @pytest.mark.parametrize("content", [
     b"", random.Random(0).randbytes(4096),
     b"GGUF" + struct.pack("<I", 3) + random.Random(1).randbytes(4096),

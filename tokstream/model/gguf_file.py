@@ -25,6 +25,7 @@ PERMUTED_ARCHITECTURES = ("llama",)
 MAX_DIMS = 4  # GGML_MAX_DIMS
 DEFAULT_ALIGNMENT = 32
 
+_U64 = struct.Struct("<Q")
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                    10: "<Q", 11: "<q", 12: "<d"}
 _FLOAT32, _STRING, _ARRAY = 6, 8, 9
@@ -111,6 +112,18 @@ class _Cursor:
         self.pos += n
         return raw
 
+    def skip_strings(self, count: int) -> None:
+        """Step over count strings without copying them out: a weights-only reader passes the
+        tokenizer's ~100k tokens and merges this way (every rank of every start does)."""
+        buf, pos, end, length = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        for _ in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self.need(8)  # raises: truncated
+            pos += 8 + length(buf, pos)[0]
+        self.pos = pos
+        self.need(0)  # the last string ran past the end
+
     def string(self) -> str:
         try:
             return self.raw_string().decode("utf-8")
@@ -131,8 +144,7 @@ class _Cursor:
                 self.pos += count * struct.calcsize(_SCALAR_FORMATS[item_type])
                 return count
             if not keep_arrays and item_type == _STRING:
-                for _ in range(count):
-                    self.raw_string()
+                self.skip_strings(count)
                 return count
             return [self.value(item_type, True) for _ in range(count)]
         raise CorruptModelError(f"{self.path}: unknown metadata value type {value_type}")
