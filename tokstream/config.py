@@ -188,8 +188,20 @@ class SchedulerConfig:
     """Under an ITL target, the least share of it a step's prefill gets while prompts wait,
     even when decodes alone fill the target, so waiting prompts always progress (at least one
     token a step) and the target is passed by at most this share."""
+    arrival_gather_ms: float = 10.0
+    """An idle engine that gets a request keeps reading arrivals until none has come for
+    this long (at most 5 times it) before its first step, so a burst shares that step
+    instead of waiting behind a first request prefilled alone (0 = off). A lone request
+    pays this once, on a prefill that takes 20x longer.
+
+    10 ms: 32 requests from `vllm bench serve` (SmolLM2, 2-core Xeon) left the client within
+    6.3 ms and reached the core over 67 ms, 0.3-7 ms apart (the gateway parses and tokenises
+    each); without gathering the core began a step with the first alone (0.17-0.23 s) while
+    the other 31 waited, median TTFT 2.97-3.07 s."""
 
     def __post_init__(self):
+        if self.arrival_gather_ms < 0:
+            raise UserInputError("arrival_gather_ms must be >= 0 (0 = off)")
         if self.max_num_seqs < 1:
             raise UserInputError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:

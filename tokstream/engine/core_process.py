@@ -23,6 +23,9 @@ from tokstream.errors import (ErrorKind, OverloadedError, ReplicaError, Tokstrea
 from tokstream.state_snapshot import ReplicaStatus
 
 IDLE_POLL_S = 0.5
+GATHER_LIMIT = 5
+"""An idle core reads a burst of arrivals for at most this many gather windows
+(SchedulerConfig.arrival_gather_ms says 5: keep the two together)."""
 
 
 def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None = None,
@@ -57,7 +60,7 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
         resumed_requests=core.resumed_requests, recoveries=len(core.recovery_seconds),
         recovery_s=core.recovery_seconds[-1] if core.recovery_seconds else None))
     try:
-        _serve(conn, core)
+        _serve(conn, core, config.scheduler.arrival_gather_ms / 1000)
     except (EOFError, OSError):
         pass  # the client went away
     except ReplicaError as exc:
@@ -82,18 +85,27 @@ def _start_times(group, spawned_at: float, entered: float, imported: float) -> S
                       ranks_load_s=load_s, rest_s=now - group.ready_at, total_s=now - spawned_at)
 
 
-def _serve(conn, core) -> None:
+def _serve(conn, core, gather_s: float = 0.0) -> None:
+    """The core's loop: read what has arrived, step, send the deltas. gather_s: how long an
+    idle core keeps reading a burst of arrivals before its first step (SchedulerConfig)."""
     while True:
-        timeout = 0 if core.has_work else IDLE_POLL_S
+        idle = not core.has_work
+        timeout = IDLE_POLL_S if idle else 0
+        gather_until = None
         out: list[RequestDelta] = []
         while conn.poll(timeout):
-            timeout = 0
             received = conn.recv()
             # A batch (AsyncEngine.batch: a new core's resumed requests) is read at once, so
             # its requests share the next step instead of arriving one pipe read at a time.
             for message in received.messages if isinstance(received, Batch) else [received]:
                 if _handle(conn, core, message, out):
                     return
+            timeout = 0
+            if idle and gather_s and core.has_work:
+                # Work has just arrived: read on while the burst keeps coming.
+                now = time.monotonic()
+                gather_until = gather_until or now + GATHER_LIMIT * gather_s
+                timeout = max(0.0, min(gather_s, gather_until - now))
         if core.has_work or core.status == "down" or core.pending_deltas:
             out.extend(core.step())
         elif core.status == "ready":
