@@ -46,6 +46,7 @@ def main() -> None:
     from tokstream.structured import StructuredOutput
     from tokstream.tokenizer import load_tokenizer
     from tokstream.worker.grammar import Grammars
+    from tokstream.engine.messages import NewRequestData
     from tokstream.worker.sampler import SamplingRow, sample
 
     source = resolve_model("smollm2")
@@ -67,8 +68,9 @@ def main() -> None:
         times = []
         for step in range(STEPS):
             logits = torch.randn(ROWS, vocab, generator=generator) * 4
-            rows = [SamplingRow(1.0, 1.0, 0, seed=i, position=step, output_ids=outputs[i],
-                                constraint=constraints[i]) for i in range(ROWS)]
+            rows = [SamplingRow(NewRequestData(str(i), 1.0, 1.0, 0, seed=i), step,
+                                output_ids=outputs[i], constraint=constraints[i])
+                    for i in range(ROWS)]
             begin = time.perf_counter()
             tokens = sample(logits, rows)
             times.append(time.perf_counter() - begin)

@@ -137,10 +137,14 @@ def test_mixed_batch_matches_separate_runs(model):
         assert torch.allclose(logits[i], expected, atol=1e-4), name
 
 
+def row(temperature, top_p, top_k, seed, position) -> SamplingRow:
+    return SamplingRow(NewRequestData("r", temperature, top_p, top_k, seed), position)
+
+
 def test_sampling_is_a_pure_function_of_seed_and_position():
     torch.manual_seed(0)
     logits = torch.randn(3, 100)
-    rows = [SamplingRow(0.8, 0.9, 50, 1234, position=p) for p in (0, 5, 5)]
+    rows = [row(0.8, 0.9, 50, 1234, p) for p in (0, 5, 5)]
     first = sample(logits, rows)
     assert sample(logits, rows) == first
     assert sample(logits[[1]], [rows[1]]) == [first[1]]  # batch composition does not matter
@@ -149,10 +153,10 @@ def test_sampling_is_a_pure_function_of_seed_and_position():
 
 def test_sampling_respects_top_k_top_p_and_greedy():
     logits = torch.tensor([[0.0, 5.0, 4.9, -3.0, 1.0]])
-    assert sample(logits, [SamplingRow(0.0, 1.0, 0, 0, 0)]) == [1]
-    seen_k = {sample(logits, [SamplingRow(5.0, 1.0, 2, 0, p)])[0] for p in range(200)}
+    assert sample(logits, [row(0.0, 1.0, 0, 0, 0)]) == [1]
+    seen_k = {sample(logits, [row(5.0, 1.0, 2, 0, p)])[0] for p in range(200)}
     assert seen_k == {1, 2}
-    seen_p = {sample(logits, [SamplingRow(1.0, 0.5, 0, 0, p)])[0] for p in range(200)}
+    seen_p = {sample(logits, [row(1.0, 0.5, 0, 0, p)])[0] for p in range(200)}
     assert seen_p == {1}
-    seen_all = {sample(logits, [SamplingRow(10.0, 1.0, 0, 0, p)])[0] for p in range(300)}
+    seen_all = {sample(logits, [row(10.0, 1.0, 0, 0, p)])[0] for p in range(300)}
     assert seen_all == {0, 1, 2, 3, 4}

@@ -12,6 +12,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
+from tokstream.engine.messages import NewRequestData
 from tokstream.errors import UserInputError
 from tokstream.sampling_params import SamplingParams
 from tokstream.worker.sampler import SamplingRow, process, sample, token_logprobs, warp
@@ -19,10 +20,10 @@ from tokstream.worker.sampler import SamplingRow, process, sample, token_logprob
 VOCAB = 64
 
 
-def row(**settings) -> SamplingRow:
-    base = dict(temperature=1.0, top_p=1.0, top_k=0, seed=1, position=0)
+def row(position=0, prompt_ids=(), output_ids=(), **settings) -> SamplingRow:
+    base = dict(temperature=1.0, top_p=1.0, top_k=0, seed=1)
     base.update(settings)
-    return SamplingRow(**base)
+    return SamplingRow(NewRequestData("r", **base), position, list(prompt_ids), list(output_ids))
 
 
 def logits(seed: int = 0) -> torch.Tensor:

@@ -192,13 +192,9 @@ class ModelRunner:
                 prefills.append(PrefillSeq(query_start, n, start + n, table.to(self.device)))
             if chunk.sample_index is not None:
                 sample_rows.append(query_start + n - 1)
-                s = state.sampling
-                history = state.history or []
-                rows.append(SamplingRow(
-                    s.temperature, s.top_p, s.top_k, s.seed, chunk.sample_index,
-                    s.min_p, s.presence_penalty, s.frequency_penalty, s.repetition_penalty,
-                    s.logit_bias, s.logprobs, history[:s.num_prompt_tokens],
-                    history[s.num_prompt_tokens:], state.constraint))
+                history, num_prompt = state.history or [], state.sampling.num_prompt_tokens
+                rows.append(SamplingRow(state.sampling, chunk.sample_index, history[:num_prompt],
+                                        history[num_prompt:], state.constraint))
         positions = torch.cat([torch.arange(a, b) for a, b in position_ranges])
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts).to(self.device),

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokstream.engine.messages import TokenLogprobs
+from tokstream.engine.messages import NewRequestData, TokenLogprobs
 from tokstream.kernels import cpu_small_ops
 from tokstream.worker.grammar import Constraint
 
@@ -32,18 +32,11 @@ def position_seed(seed: int, position: int) -> int:
 
 @dataclass
 class SamplingRow:
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
+    """One token to sample: its request's settings (as the core sent them) at one position."""
+
+    settings: NewRequestData
     position: int
     """Output index of the token being sampled."""
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: int | None = None
     prompt_ids: list[int] = field(default_factory=list)
     """The prompt's tokens (kept only when a penalty needs them)."""
     output_ids: list[int] = field(default_factory=list)
@@ -53,15 +46,15 @@ class SamplingRow:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.settings.temperature == 0.0 or self.settings.top_k == 1
 
     @property
     def processed(self) -> bool:
         """Whether anything but temperature, top_k and top_p changes this row's logits."""
-        return bool(self.logit_bias) or self.constraint is not None \
-            or self.presence_penalty != 0.0 \
-            or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0 \
-            or (self.min_p > 0.0 and not self.greedy)
+        s = self.settings
+        return bool(s.logit_bias) or self.constraint is not None or s.presence_penalty != 0.0 \
+            or s.frequency_penalty != 0.0 or s.repetition_penalty != 1.0 \
+            or (s.min_p > 0.0 and not self.greedy)
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
@@ -91,7 +84,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     if drawn:
         # float32 probabilities (a float64 softmax costs 15x as much), summed in float64
         cdf = torch.softmax(torch.stack(warped), dim=-1).double().cumsum(-1)
-        uniform = torch.tensor([[position_uniform(rows[i].seed, rows[i].position)]
+        uniform = torch.tensor([[position_uniform(rows[i].settings.seed, rows[i].position)]
                                 for i in drawn], dtype=torch.float64)
         picks = torch.searchsorted(cdf, uniform * cdf[:, -1:]).clamp_max(cdf.shape[1] - 1)
         for i, token in zip(drawn, picks[:, 0].tolist()):
@@ -117,15 +110,16 @@ def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
                    tokens: list[int]) -> list[TokenLogprobs | None]:
     """The sampled tokens' log-probabilities for the rows that asked (None for the others);
     [] when none did, so a step without them costs nothing."""
-    if all(row.logprobs is None for row in rows):
+    if all(row.settings.logprobs is None for row in rows):
         return []
     out: list[TokenLogprobs | None] = []
     for i, row in enumerate(rows):
-        if row.logprobs is None:
+        num_top = row.settings.logprobs
+        if num_top is None:
             out.append(None)
             continue
         logprobs = torch.log_softmax(logits[i].float(), dim=-1)
-        top = torch.topk(logprobs, row.logprobs) if row.logprobs else None
+        top = torch.topk(logprobs, num_top) if num_top else None
         out.append(TokenLogprobs(
             float(logprobs[tokens[i]]),
             top.indices.tolist() if top is not None else [],
@@ -136,44 +130,46 @@ def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
 def process(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """One row's logits (vocab,) after the grammar's mask, logit_bias and the penalties (a new
     tensor)."""
+    s = row.settings
     out = logits.clone()
     if row.constraint is not None:
         allowed = row.constraint.allowed(row.output_ids)
         if allowed is not None:
             out.masked_fill_(~allowed[:out.shape[0]], float("-inf"))
-    if row.logit_bias:
-        ids = torch.tensor([t for t in row.logit_bias if t < out.shape[0]], dtype=torch.int64)
-        bias = torch.tensor([row.logit_bias[t] for t in ids.tolist()], dtype=out.dtype)
+    if s.logit_bias:
+        ids = torch.tensor([t for t in s.logit_bias if t < out.shape[0]], dtype=torch.int64)
+        bias = torch.tensor([s.logit_bias[t] for t in ids.tolist()], dtype=out.dtype)
         out.index_add_(0, ids, bias)
-    if row.repetition_penalty != 1.0:
+    if s.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)),
                             dtype=torch.int64)
         if seen.numel():
             values = out[seen]
-            out[seen] = torch.where(values > 0, values / row.repetition_penalty,
-                                    values * row.repetition_penalty)
-    if (row.frequency_penalty or row.presence_penalty) and row.output_ids:
+            out[seen] = torch.where(values > 0, values / s.repetition_penalty,
+                                    values * s.repetition_penalty)
+    if (s.frequency_penalty or s.presence_penalty) and row.output_ids:
         counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.int64),
                                 minlength=out.shape[0])[:out.shape[0]].to(out.dtype)
-        out -= row.frequency_penalty * counts + row.presence_penalty * (counts > 0).to(out.dtype)
+        out -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(out.dtype)
     return out
 
 
 def warp(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """A sampled row's logits (vocab,) after temperature, min_p, top_k and top_p: the tokens
     they drop at -inf."""
-    scaled = logits / row.temperature
-    if row.min_p > 0.0:
+    s = row.settings
+    scaled = logits / s.temperature
+    if s.min_p > 0.0:
         probs = scaled.softmax(-1)
-        scaled = scaled.masked_fill(probs < row.min_p * probs.max(), float("-inf"))
-    if row.top_k > 0 and row.top_k < scaled.shape[0]:
-        kth = torch.topk(scaled, row.top_k).values[-1]
+        scaled = scaled.masked_fill(probs < s.min_p * probs.max(), float("-inf"))
+    if s.top_k > 0 and s.top_k < scaled.shape[0]:
+        kth = torch.topk(scaled, s.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if row.top_p < 1.0:
+    if s.top_p < 1.0:
         sorted_logits, order = scaled.sort(descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token when the tokens before it already reach top_p; the first always stays.
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= row.top_p
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= s.top_p
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     return scaled

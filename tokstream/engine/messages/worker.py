@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class NewRequestData:
-    """A request the worker has not seen (or must forget and relearn after a preemption)."""
+    """A request the worker has not seen (or must forget and relearn after a preemption). The
+    worker samples each of its tokens with these settings as they came (SamplingRow.settings)."""
 
     request_id: str
     temperature: float
