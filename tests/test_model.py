@@ -6,11 +6,12 @@ import random
 import pytest
 import torch
 
+from helpers.prefill import prefill_logits
 from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.model.presets import dummy_config
 from tokstream.model.weights import load_state_dict
 from tokstream.model.source import resolve_model
-from tokstream.worker.attention import AttentionMetadata, PrefillSeq, paged_attention, write_kv
+from tokstream.worker.attention import AttentionMetadata, paged_attention, write_kv
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import ModelRunner, allocate_kv_caches
 from tokstream.worker.sampler import SamplingRow, position_seed, sample
@@ -29,12 +30,7 @@ def model():
 
 def dense_logits(model, tokens):
     """Reference: one fresh causal pass over the whole sequence."""
-    n = len(tokens)
-    blocks = -(-n // BLOCK)
-    caches = allocate_kv_caches(model.config, blocks, BLOCK, 1, torch.float32, torch.device("cpu"))
-    meta = AttentionMetadata(torch.arange(n), 0, None, None, [PrefillSeq(0, n, n, torch.arange(blocks))])
-    with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(tokens), torch.arange(n), caches, meta))
+    return prefill_logits(model, tokens, BLOCK)
 
 
 @pytest.mark.parametrize("use_kernels", [True, False])

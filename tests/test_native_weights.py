@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from helpers.prefill import prefill_logits
 from tokstream.config import CacheConfig, EngineConfig
 from tokstream.errors import UserInputError
 from tokstream.kernels import cpu_int16, cpu_quant
@@ -186,21 +187,10 @@ def product_path(request, models):
         w.int16_from = quant_linear_module().NEVER
 
 
-def forward_logits(model, config, ids):
-    n, block_size = len(ids), 16
-    blocks = -(-n // block_size)
-    caches = allocate_kv_caches(config, blocks, block_size, 1, torch.float32, torch.device("cpu"))
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decodes=0,
-                             decode_block_tables=None, decode_key_bias=None,
-                             prefills=[PrefillSeq(0, n, n, torch.arange(blocks))])
-    with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(n), caches, meta))
-
-
 def greedy(model, config, prompt, steps=32):
     ids = list(prompt)
     for _ in range(steps):
-        token = int(forward_logits(model, config, ids)[-1].argmax())
+        token = int(prefill_logits(model, ids)[-1].argmax())
         ids.append(token)
         if token in config.eos_token_ids:
             break
@@ -222,8 +212,7 @@ def test_first_step_logits_within_0_02(models, product_path):
     prompts = ([tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
                + [tokenizer.encode(p) for p in RAW_PROMPTS])
     for prompt in prompts:
-        gap = (forward_logits(native, source.config, prompt)
-               - forward_logits(dense, source.config, prompt)).abs().max()
+        gap = (prefill_logits(native, prompt) - prefill_logits(dense, prompt)).abs().max()
         assert gap < 0.02, gap
 
 
@@ -243,7 +232,7 @@ def test_perplexity_within_half_a_percent(models, product_path):
     targets = torch.tensor(ids[1:])
 
     def perplexity(model):
-        logits = forward_logits(model, source.config, ids)[:-1]
+        logits = prefill_logits(model, ids)[:-1]
         return float(torch.nn.functional.cross_entropy(logits, targets).exp())
 
     ours, reference = perplexity(native), perplexity(dense)

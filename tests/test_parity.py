@@ -7,15 +7,14 @@ the first-step logits must agree to ~1e-4.
 import pytest
 import torch
 
+from helpers.prefill import prefill_logits
 from tokstream.config import CacheConfig, EngineConfig
 from tokstream.engine.llm import LLM
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import hf_config_dict, load_state_dict
 from tokstream.sampling_params import SamplingParams
 from tokstream.tokenizer import load_tokenizer
-from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.model import LlamaModel
-from tokstream.worker.model_runner import allocate_kv_caches
 
 pytestmark = [pytest.mark.startup, pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")]
 
@@ -94,19 +93,11 @@ def llm():
 
 
 def test_first_step_logits_match(source, state_dict, hf_model, prompts):
-    c = source.config
-    model = LlamaModel(c, torch.float32)
+    model = LlamaModel(source.config, torch.float32)
     model.load_weights(state_dict)
-    block_size = 16
     for prompt in prompts:
-        n = len(prompt)
-        blocks = -(-n // block_size)
-        caches = allocate_kv_caches(c, blocks, block_size, 1, torch.float32, torch.device("cpu"))
-        meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decodes=0,
-                                 decode_block_tables=None, decode_key_bias=None,
-                                 prefills=[PrefillSeq(0, n, n, torch.arange(blocks))])
+        ours = prefill_logits(model, prompt)
         with torch.inference_mode():
-            ours = model.compute_logits(model(torch.tensor(prompt), torch.arange(n), caches, meta))
             theirs = hf_model(input_ids=torch.tensor([prompt])).logits[0]
         assert ours.shape == theirs.shape
         assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), (ours - theirs).abs().max()
