@@ -1,6 +1,6 @@
-"""What one `tokstream loadtest` run is asked to do, checked on construction. Each field's
-default is the one its flag shows (loadgen/cli.py reads them from here), so a default is stated
-once. Light on purpose: `tokstream --help` imports it (no httpx, no gevent)."""
+"""What one `tokstream loadtest` run is asked to do, checked on construction. Each field is
+declared once, here: loadgen/cli.py generates the flags, their help and defaults from it.
+Light on purpose: `tokstream --help` imports it (no httpx, no gevent)."""
 
 from __future__ import annotations
 
@@ -30,39 +30,69 @@ def parse_duration(text: str, flag: str = "--duration") -> float:
 
 @dataclass
 class Options:
+    """Each field is a flag of `tokstream loadtest` (loadgen/cli.py), named after the field
+    (a _s suffix dropped), with the first paragraph of its docstring as help, except web_port
+    (--web and --web-port)."""
+
     url: str = f"http://{ServerConfig.host}:{ServerConfig.port}"
-    """The server to load (default: where `tokstream serve` listens by default)."""
+    """The server to load.
+
+    The default is where `tokstream serve` listens by default."""
     mix: str = "chat"
+    """A mix in profiles/mixes/ (chat, mixed, long-prompt-flood, shared-prefix, hot-tenant,
+    agent-never-stops) or a TOML file."""
     api: str = "anthropic"
+    """anthropic (/v1/messages) or openai (/v1/chat/completions)."""
     users: int | None = None
+    """Closed loop: concurrent users. Open loop (and the sweep's Poisson stages): most requests
+    in flight. Default: the mix's."""
     rate: float | None = None
-    arrival: str | None = None
-    burstiness: float | None = None
-    duration: str | None = None
-    requests: int | None = None
-    seed: int = 0
-    slo: str = ""
-    keys: str | None = None
-    out: str = "loadtest-out"
-    model: str | None = None
-    request_timeout_s: float = 600.0
-    drain_timeout_s: float = 120.0
-    max_error_rate: float = 0.01
-    max_integrity_failures: int = 0
-    web_port: int | None = None
+    """Open loop: requests per second (sets --arrival poisson unless given)."""
+    capacity_fraction: float | None = None
+    """Open loop at this fraction of the server's measured capacity (sets --arrival poisson
+    unless given). Default: the mix's capacity_fraction, if it has one."""
+    capacity: str | None = None
+    """Capacity for a capacity-fraction rate: requests/s, or a file (a sweep's report.json, a
+    probe's capacity.json). Default: probe first."""
+    probe_duration: str = "20s"
+    """How long the capacity probe issues requests (a closed loop of --throughput-users).
+
+    It then drains them."""
     sweep: bool = False
-    """Run a capacity sweep (synchronous, maximum throughput, then rates between)."""
+    """Capacity sweep: synchronous, maximum throughput, then --sweep-rates Poisson rates up to
+    capacity; each stage bounded by --duration (default 30s) and --requests."""
     sweep_rates: int = 5
     """Sweep: how many constant rates between the synchronous rate and capacity."""
     throughput_users: int = 32
-    """Closed-loop users of the maximum-throughput stage and of the capacity probe."""
-    capacity: str | None = None
-    """A measured capacity to reuse: a number of requests/s or a file (report.json of a sweep,
-    capacity.json of a probe); without it a capacity-fraction run probes first."""
-    capacity_fraction: float | None = None
-    """Open loop at this fraction of the measured capacity (over the mix's rate)."""
-    probe_duration: str = "20s"
-    """How long the capacity probe issues requests (it then drains them)."""
+    """Closed-loop users of the sweep's maximum-throughput stage and of the capacity probe."""
+    arrival: str | None = None
+    """closed, poisson or bursty. Default: the mix's."""
+    burstiness: float | None = None
+    """bursty: gamma shape of the gaps (< 1 burstier than Poisson)."""
+    duration: str | None = None
+    """Stop issuing after this long: 30s, 5m, 1h (0 = no limit). Default: the mix's."""
+    requests: int | None = None
+    """Stop after this many requests (0 = no limit). Default: the mix's."""
+    seed: int = 0
+    """Same seed, same requests (classes, tenants, lengths, prompts, arrivals)."""
+    slo: str = ""
+    """Goodput objectives, e.g. ttft=2,itl=0.2 (also tpot, e2e; seconds or 200ms)."""
+    keys: str | None = None
+    """TOML file: tenant = "api key" for each tenant of the mix."""
+    out: str = "loadtest-out"
+    """Directory for report.json and the PNG plots."""
+    model: str | None = None
+    """Model name to send. Default: the server's (/v1/models)."""
+    request_timeout_s: float = 600.0
+    """Seconds one request may take before it counts as a timeout."""
+    drain_timeout_s: float = 120.0
+    """After --duration, seconds to let requests in flight finish."""
+    max_error_rate: float = 0.01
+    """Exit 1 when more than this fraction of requests fail."""
+    max_integrity_failures: int = 0
+    """Exit 1 when more streams than this fail the integrity check."""
+    web_port: int | None = None
+    """Port of Locust's web UI; None: no UI (--web turns it on at --web-port)."""
 
     def __post_init__(self):
         if self.api not in ROUTES:

@@ -155,19 +155,56 @@ def help_rows(text: str) -> dict[str, str]:
     return {name: " ".join(cells) for name, cells in rows.items()}
 
 
-def test_serve_help_shows_the_dataclass_defaults_for_every_field():
-    import dataclasses
+def help_screen(*command: str) -> dict[str, str]:
+    """help_rows of `tokstream COMMAND --help`, wide enough that no row wraps."""
     import os
-    import re
 
-    from tokstream.plan import parse_size
-    from tokstream.settings import FLAG_NAMES, NESTED, SECTIONS
-
-    result = subprocess.run([sys.executable, "-m", "tokstream", "serve", "--help"],
+    result = subprocess.run([sys.executable, "-m", "tokstream", *command, "--help"],
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "COLUMNS": "400"})
     assert result.returncode == 0, result.stderr
-    rows = help_rows(result.stdout)
+    return help_rows(result.stdout)
+
+
+def assert_shows_default(row: str, flag: str, field) -> None:
+    """The --help row of a flag generated from a dataclass field shows the field's default
+    (none for None) after some help."""
+    import dataclasses
+    import re
+
+    from tokstream.plan import parse_size
+
+    default = (field.default if field.default is not dataclasses.MISSING
+               else field.default_factory())
+    shown = re.search(r"\[default: \(?([^)\]]*)\)?\]", row)
+    if default is None or default == "":
+        assert shown is None, row
+        return
+    assert shown, f"{flag} shows no default: {row}"
+    text = shown.group(1)
+    if isinstance(default, bool):
+        assert text == ("on" if default else "off"), (flag, text)
+    elif field.metadata.get("unit") == "bytes":
+        assert parse_size(text) == default, (flag, text)
+    elif isinstance(default, (int, float)):
+        assert float(text) == default, (flag, text)
+    elif isinstance(default, list):
+        assert text == (",".join(default) or "none"), (flag, text)
+    else:
+        assert text == default, (flag, text)
+    assert len(row.split("[default:")[0].split()) > 3, f"{flag} has no help"
+
+
+def field_flag(name: str) -> str:
+    return "--" + name.removesuffix("_s").replace("_", "-")
+
+
+def test_serve_help_shows_the_dataclass_defaults_for_every_field():
+    import dataclasses
+
+    from tokstream.settings import FLAG_NAMES, NESTED, SECTIONS
+
+    rows = help_screen("serve")
     hidden = {"--demux-mutation"}
     assert set(SERVE_FLAGS_BEFORE) - hidden <= set(rows), set(SERVE_FLAGS_BEFORE) - set(rows)
     checked = 0
@@ -175,28 +212,9 @@ def test_serve_help_shows_the_dataclass_defaults_for_every_field():
         for field in dataclasses.fields(cls):
             if field.name in NESTED or field.name == "demux_mutation":
                 continue
-            flag = FLAG_NAMES.get(field.name, ("--" + field.name.removesuffix("_s")
-                                               .replace("_", "-"),))[0]
+            flag = FLAG_NAMES.get(field.name, (field_flag(field.name),))[0]
             assert flag in rows, f"[{section}] {field.name} has no flag {flag}"
-            default = (field.default if field.default is not dataclasses.MISSING
-                       else field.default_factory())
-            shown = re.search(r"\[default: \(?([^)\]]*)\)?\]", rows[flag])
-            if default is None:
-                assert shown is None, rows[flag]
-                continue
-            assert shown, f"{flag} shows no default: {rows[flag]}"
-            text = shown.group(1)
-            if isinstance(default, bool):
-                assert text == ("on" if default else "off"), (flag, text)
-            elif field.metadata.get("unit") == "bytes":
-                assert parse_size(text) == default, (flag, text)
-            elif isinstance(default, (int, float)):
-                assert float(text) == default, (flag, text)
-            elif isinstance(default, list):
-                assert text == (",".join(default) or "none"), (flag, text)
-            else:
-                assert text == default, (flag, text)
-            assert len(rows[flag].split("[default:")[0].split()) > 3, f"{flag} has no help"
+            assert_shows_default(rows[flag], flag, field)
             checked += 1
     assert checked > 50
 
@@ -225,28 +243,76 @@ def test_generate_flags_default_to_the_sampling_params_but_greedy():
     assert not defaults["stop"]
 
 
-@pytest.mark.parametrize("path,options,no_flag,param_names,stated_elsewhere", [
-    (("chaos", "kill-rank"), "tokstream.chaos.options", {"experiment", "rank"},
-     {"step_timeout_s": "step_timeout", "timeout_s": "timeout"}, {}),
-    (("loadtest",), "tokstream.loadgen.options", set(),
-     {"request_timeout_s": "request_timeout", "drain_timeout_s": "drain_timeout"},
-     {"web_port": "WEB_PORT"}),  # Options.web_port None is the UI off (--web's default)
-])
-def test_chaos_and_loadtest_flags_default_to_their_options_dataclass(
-        path, options, no_flag, param_names, stated_elsewhere):
+def test_chaos_flags_default_to_their_options_dataclass():
     import dataclasses
-    import importlib
 
-    module = importlib.import_module(options)
-    defaults = command_defaults(*path)
+    from tokstream.chaos.options import Options
+
+    defaults = command_defaults("chaos", "kill-rank")
+    param_names = {"step_timeout_s": "step_timeout", "timeout_s": "timeout"}
     checked = 0
-    for field in dataclasses.fields(module.Options):
-        if field.name in no_flag:
+    for field in dataclasses.fields(Options):
+        if field.name in ("experiment", "rank"):  # the subcommand and its argument
             continue
         param = param_names.get(field.name, field.name)
         assert param in defaults, f"{field.name} has no flag"
-        expected = (getattr(module, stated_elsewhere[field.name])
-                    if field.name in stated_elsewhere else field.default)
-        assert defaults[param] == expected, (field.name, defaults[param], expected)
+        assert defaults[param] == field.default, (field.name, defaults[param], field.default)
         checked += 1
     assert checked > 12
+
+
+# Every flag loadtest took before its flags were generated from loadgen/options.py.
+LOADTEST_FLAGS_BEFORE = (
+    "--url --mix --api --users --rate --capacity-fraction --capacity --probe-duration --sweep "
+    "--sweep-rates --throughput-users --arrival --burstiness --duration --requests --seed --slo "
+    "--keys --out --model --request-timeout --drain-timeout --max-error-rate "
+    "--max-integrity-failures --web --web-port").split()
+
+
+def test_loadtest_flags_are_its_options_fields_with_their_defaults():
+    import dataclasses
+
+    from tokstream.loadgen.cli import options_from
+    from tokstream.loadgen.options import WEB_PORT, Options
+
+    rows = help_screen("loadtest")
+    assert set(LOADTEST_FLAGS_BEFORE) <= set(rows), set(LOADTEST_FLAGS_BEFORE) - set(rows)
+    fields = [f for f in dataclasses.fields(Options) if f.name != "web_port"]
+    for field in fields:
+        assert_shows_default(rows[field_flag(field.name)], field_flag(field.name), field)
+    assert f"[default: {WEB_PORT}]" in rows["--web-port"]
+    # Given no flag, the run gets exactly the dataclass's defaults.
+    defaults = command_defaults("loadtest")
+    given = {field.name: defaults[field.name] for field in fields}
+    assert options_from(given, defaults["web"], defaults["web_port"]) == Options()
+    assert len(fields) > 20
+
+
+def test_plan_flags_are_its_spec_fields_with_their_defaults():
+    import dataclasses
+
+    from tokstream.plan import PlanSpec, parse_size
+
+    rows = help_screen("plan")
+    for field in dataclasses.fields(PlanSpec):
+        assert_shows_default(rows[field_flag(field.name)], field_flag(field.name), field)
+    result = run("plan", "--model", "dummy:llama-70b", "--json")  # no flag: PlanSpec's
+    assert result.returncode == 0, result.stderr
+    plan, spec = json.loads(result.stdout), PlanSpec()
+    assert (plan["tp"], plan["dtype"], plan["avg_context"]) == (spec.tp, spec.dtype,
+                                                                  spec.avg_context)
+    assert plan["device_memory_bytes"] == parse_size(spec.device_memory)
+    assert plan["reserve_bytes"] == parse_size(spec.reserve)
+
+
+def test_top_and_loadtest_default_to_the_url_serve_listens_on():
+    from urllib.parse import urlsplit
+
+    from tokstream.config import ServerConfig
+    from tokstream.loadgen.options import Options
+
+    # loadtest's flag is None, "not given": Options.url applies (the test above)
+    for url in (command_defaults("top")["url"], Options.url):
+        parts = urlsplit(url)
+        assert (parts.scheme, parts.hostname, parts.port) == ("http", ServerConfig.host,
+                                                              ServerConfig.port), url

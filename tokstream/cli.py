@@ -18,6 +18,7 @@ app = typer.Typer(help="tokstream: paged-KV, continuously batched LLM serving.",
 # docstring as help, its default. This import is light (typer and the dataclasses).
 from tokstream.config import BenchSpec, EngineConfig  # noqa: E402
 from tokstream.options import config_flags, field_help, with_flags  # noqa: E402
+from tokstream.plan import PlanSpec  # noqa: E402
 from tokstream.sampling_params import SamplingParams  # noqa: E402
 from tokstream.settings import SERVE_FLAGS, flags_for  # noqa: E402
 
@@ -245,24 +246,22 @@ def _print_bench(console, result: dict) -> None:
 
 
 @app.command()
+@with_flags(config_flags("plan", PlanSpec))
 @user_errors
 def plan(
     model: str = typer.Option(EngineConfig.model, "--model", "-m",
                               help=field_help(EngineConfig, "model")),
-    tp: int = typer.Option(1, min=1),
-    device_memory: str = typer.Option("80GB", help="Memory per device (decimal: 80GB = 80e9 B)."),
-    dtype: str = typer.Option("float16"),
-    avg_context: int = typer.Option(2000, min=1, help="Average tokens per request."),
-    reserve: str = typer.Option("0", help="Memory kept back per device (activations, etc.)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    flags: dict = None,
 ):
     """Memory-ceiling arithmetic: weights, KV bytes per token, tokens and requests that fit."""
     from tokstream.model.source import resolve_model
     from tokstream.plan import compute_plan, parse_size, render_plan
 
+    spec = PlanSpec(**{k: v for k, v in flags["plan"].items() if v is not None})
     config = resolve_model(model).config
-    result = compute_plan(config, tp, parse_size(device_memory), dtype, avg_context,
-                          parse_size(reserve))
+    result = compute_plan(config, spec.tp, parse_size(spec.device_memory), spec.dtype,
+                          spec.avg_context, parse_size(spec.reserve))
     if as_json:
         typer.echo(json.dumps(result, indent=2))
     else:

@@ -4,12 +4,15 @@ how many tokens (and so how many requests) a replica can hold at once. No torch 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from decimal import Decimal
-
-from rich.table import Table
+from typing import TYPE_CHECKING
 
 from tokstream.config import ModelConfig
 from tokstream.errors import UserInputError
+
+if TYPE_CHECKING:  # rich is imported when a plan is drawn: `tokstream --help` reads PlanSpec
+    from rich.table import Table
 
 SIZE_UNITS = {
     "": 1, "b": 1,
@@ -17,6 +20,22 @@ SIZE_UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+@dataclass
+class PlanSpec:
+    """What `tokstream plan` is asked about besides the model: each field is one of its flags."""
+
+    tp: int = 1
+    """Devices of one tensor-parallel replica."""
+    device_memory: str = "80GB"
+    """Memory per device (decimal: 80GB = 80e9 B)."""
+    dtype: str = "float16"
+    """dtype of the weights and the KV cache."""
+    avg_context: int = 2000
+    """Average tokens per request."""
+    reserve: str = "0"
+    """Memory kept back per device (activations, etc.)."""
 
 
 def parse_size(text: str | int) -> int:
@@ -93,6 +112,8 @@ def format_bytes(size: int) -> str:
 
 
 def render_plan(plan: dict) -> Table:
+    from rich.table import Table
+
     table = Table(title=f"{plan['model']}  ·  tp {plan['tp']}  ·  {plan['dtype']}",
                   show_header=False)
     table.add_column("quantity", style="bold")

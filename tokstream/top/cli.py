@@ -5,6 +5,10 @@ from urllib.parse import urlsplit
 
 import typer
 
+from tokstream.config import ServerConfig
+
+DEFAULT_URL = f"http://{ServerConfig.host}:{ServerConfig.port}"
+"""Where `tokstream serve` listens by default."""
 MIN_INTERVAL_S = 0.1
 MAX_INTERVAL_S = 3600.0
 HTTP_TIMEOUT_S = 10.0
@@ -12,7 +16,7 @@ HTTP_TIMEOUT_S = 10.0
 
 
 def top(
-    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The server to watch."),
+    url: str = typer.Option(DEFAULT_URL, "--url", help="The server to watch."),
     admin_key: Optional[str] = typer.Option(
         None, "--admin-key", envvar="TOKSTREAM_ADMIN_KEY",
         help="Admin key, for servers with a tenants file (sent as x-api-key)."),
