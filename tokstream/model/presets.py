@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from tokstream.config import ModelConfig
 from tokstream.errors import ModelNotFoundError
 
+# Small enough that a test builds, runs and tears it down in well under a second.
+TINY = ModelConfig(
+    name="dummy:tiny", vocab_size=512, hidden_size=64, intermediate_size=128,
+    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position=2048,
+    rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+)
+
 PRESETS: dict[str, ModelConfig] = {
-    # Small enough that a test builds, runs and tears it down in well under a second.
-    "tiny": ModelConfig(
-        name="dummy:tiny", vocab_size=512, hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position=2048,
-        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
-    ),
+    "tiny": TINY,
     # tiny's shapes with a 64k context: `tokstream loadtest` runs its full 50k-token mixes for
     # real on a CPU (a 50k prompt is a few seconds of prefill, its KV 25 MB in float32).
-    "tiny-64k": ModelConfig(
-        name="dummy:tiny-64k", vocab_size=512, hidden_size=64, intermediate_size=128,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_position=65536,
-        rope_theta=500000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
-    ),
+    "tiny-64k": dataclasses.replace(TINY, name="dummy:tiny-64k", max_position=65536,
+                                    rope_theta=500000.0),
     # SmolLM2-135M's shapes, for speed runs without the weights.
     "smollm2-135m": ModelConfig(
         name="dummy:smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,

@@ -87,34 +87,36 @@ class Metrics:
     def __init__(self, model: str):
         self.model = model
         self.registry = CollectorRegistry()
-        r, m = self.registry, ["model_name"]
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.",
-                              m, buckets=TTFT_BUCKETS, registry=r).labels(model)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Gap between output tokens.",
-                             m, buckets=ITL_BUCKETS, registry=r).labels(model)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.",
-                             m, buckets=E2E_BUCKETS, registry=r).labels(model)
-        self.queue = Histogram("vllm:request_queue_time_seconds",
-                               "Arrival to first scheduling in the engine.",
-                               m, buckets=E2E_BUCKETS, registry=r).labels(model)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished and "
-                                     "running requests.", m, registry=r).labels(model)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Output tokens delivered.",
-                                         m, registry=r).labels(model)
+        r = self.registry
+
+        def per_model(kind, name, doc, **options):
+            """A series of this replica's model (model_name label, as vLLM's)."""
+            return kind(name, doc, ["model_name"], registry=r, **options).labels(model)
+
+        self.ttft = per_model(Histogram, "vllm:time_to_first_token_seconds",
+                              "Time to first token.", buckets=TTFT_BUCKETS)
+        self.itl = per_model(Histogram, "vllm:inter_token_latency_seconds",
+                             "Gap between output tokens.", buckets=ITL_BUCKETS)
+        self.e2e = per_model(Histogram, "vllm:e2e_request_latency_seconds",
+                             "Arrival to last token.", buckets=E2E_BUCKETS)
+        self.queue = per_model(Histogram, "vllm:request_queue_time_seconds",
+                               "Arrival to first scheduling in the engine.", buckets=E2E_BUCKETS)
+        self.prompt_tokens = per_model(Counter, "vllm:prompt_tokens",
+                                       "Prompt tokens of finished and running requests.")
+        self.generation_tokens = per_model(Counter, "vllm:generation_tokens",
+                                           "Output tokens delivered.")
         self.success = Counter("vllm:request_success", "Requests finished, by reason.",
-                               m + ["finished_reason"], registry=r)
-        self.request_prompt_tokens = Histogram(
-            "vllm:request_prompt_tokens", "Prompt tokens per finished request.", m,
-            buckets=TOKEN_BUCKETS, registry=r).labels(model)
-        self.request_generation_tokens = Histogram(
-            "vllm:request_generation_tokens", "Output tokens per finished request.", m,
-            buckets=TOKEN_BUCKETS, registry=r).labels(model)
-        self.prefill_time = Histogram(
-            "vllm:request_prefill_time_seconds", "First scheduling to first token.", m,
-            buckets=E2E_BUCKETS, registry=r).labels(model)
-        self.decode_time = Histogram(
-            "vllm:request_decode_time_seconds", "First token to last token.", m,
-            buckets=E2E_BUCKETS, registry=r).labels(model)
+                               ["model_name", "finished_reason"], registry=r)
+        self.request_prompt_tokens = per_model(Histogram, "vllm:request_prompt_tokens",
+                                               "Prompt tokens per finished request.",
+                                               buckets=TOKEN_BUCKETS)
+        self.request_generation_tokens = per_model(Histogram, "vllm:request_generation_tokens",
+                                                   "Output tokens per finished request.",
+                                                   buckets=TOKEN_BUCKETS)
+        self.prefill_time = per_model(Histogram, "vllm:request_prefill_time_seconds",
+                                      "First scheduling to first token.", buckets=E2E_BUCKETS)
+        self.decode_time = per_model(Histogram, "vllm:request_decode_time_seconds",
+                                     "First token to last token.", buckets=E2E_BUCKETS)
         self.tenant_tokens = Counter("tokstream_tenant_tokens", "Tokens per tenant.",
                                      ["tenant", "kind"], registry=r)
         self.errors = Counter("tokstream_errors", "Error responses and error events, by type.",
