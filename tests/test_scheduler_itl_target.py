@@ -219,68 +219,6 @@ def test_a_long_prefill_leaves_a_share_of_the_prefill_time_to_a_short_prompt():
     assert truth(step_shape(out.work)) <= 0.060 + 0.001
 
 
-def test_a_request_resumed_after_an_engine_core_death_is_not_held_to_the_target():
-    # The gateway resubmits every live stream to the new core (num_failures > 0). Those it
-    # re-prefills first decode again while the others still recompute: holding the rest to
-    # the target would spread a failure's recomputation thin over many steps, every one of
-    # them stalled until it is done (measured at --tp 3 on 2 cores: 16 steps, 9 s).
-    s = itl_scheduler(target_ms=60.0)
-    trained(s.step_cost)
-    start_decoders(s, 4)
-    resumed = make_request("resumed", prompt_len=300, max_tokens=4)
-    resumed.num_failures = 1
-    s.add_request(resumed)
-    assert resumed.recovering
-    out = timed_step(s)
-    assert len(decodes_of(out)) == 4 and prefill_tokens(out) == 256 - 4  # the whole budget
-    while not resumed.output_token_ids:
-        timed_step(s)
-    assert not resumed.recovering  # from its next token on, a stream like any other
-    late = make_request("late", prompt_len=300, max_tokens=4)
-    s.add_request(late)
-    assert not late.recovering
-    assert prefill_tokens(timed_step(s)) < 40  # held: 60 ms less 5 decodes' 30 ms
-
-
-def test_requests_requeued_by_a_rank_group_restart_are_not_held_to_the_target():
-    s = itl_scheduler(target_ms=60.0)
-    trained(s.step_cost)
-    start_decoders(s, 4)
-    s.add_request(make_request("late", prompt_len=500, max_tokens=4))
-    assert prefill_tokens(timed_step(s)) == pytest.approx(32, abs=1)  # held, as it should be
-    s.requeue_all()  # the ranks died: every request recomputes prompt + output
-    assert all(r.recovering for r in s.requests.values())
-    first = timed_step(s)  # nothing decodes yet: the whole budget
-    assert not decodes_of(first) and prefill_tokens(first) == 256
-    second = timed_step(s)
-    late = s.requests["late"]
-    assert len(decodes_of(second)) == 4
-    assert prefill_tokens(second) == min(252, 500 - late_before(first))
-    while not late.output_token_ids:
-        timed_step(s)
-    assert not any(r.recovering for r in s.requests.values())
-
-
-def late_before(out):
-    return sum(w.num_tokens for w in out.work if w.request.request_id == "late")
-
-
-def test_a_long_prompt_resumed_after_a_failure_stays_held_to_the_target():
-    # Its re-prefill at the whole budget would stall the resumed streams for as many steps
-    # as its prefill has chunks: the long-prompt rule comes first.
-    s = itl_scheduler(target_ms=60.0, long_prefill_tokens=150)
-    s.max_model_len = 4000
-    trained(s.step_cost)
-    start_decoders(s, 4)
-    long = make_request("long", prompt_len=1000, max_tokens=4)
-    long.num_failures = 1
-    s.add_request(long)
-    for _ in range(3):
-        out = timed_step(s)
-        assert len(decodes_of(out)) == 4 and 0 < prefill_tokens(out) <= 33
-        assert truth(step_shape(out.work)) <= 0.060 + 0.001
-
-
 def test_the_prefill_share_fits_the_target():
     s = itl_scheduler(target_ms=60.0)
     trained(s.step_cost)

@@ -190,7 +190,7 @@ class SchedulerConfig:
     token a step) and the target is passed by at most this share."""
     arrival_gather_ms: float = 10.0
     """An idle engine that gets a request keeps reading arrivals until none has come for
-    this long (at most 5 times it) before its first step, so a burst shares that step
+    this long (for at most core_process.GATHER_LIMIT windows) before its first step, so a burst shares that step
     instead of waiting behind a first request prefilled alone (0 = off). A lone request
     pays this once, on a prefill that takes 20x longer.
 

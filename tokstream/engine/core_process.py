@@ -25,7 +25,7 @@ from tokstream.state_snapshot import ReplicaStatus
 IDLE_POLL_S = 0.5
 GATHER_LIMIT = 5
 """An idle core reads a burst of arrivals for at most this many gather windows
-(SchedulerConfig.arrival_gather_ms says 5: keep the two together)."""
+(SchedulerConfig.arrival_gather_ms), so arrivals that never pause cannot hold it idle."""
 
 
 def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None = None,
