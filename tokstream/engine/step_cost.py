@@ -36,6 +36,14 @@ def attended_tokens(start: int, num_tokens: int) -> int:
     return num_tokens * start + num_tokens * (num_tokens + 1) // 2
 
 
+def _seconds_per(feature: int, doc: str) -> property:
+    """A read-only property: the fitted coefficient of feature (FEATURE_SCALES' order) in
+    seconds per unit of that feature, i.e. divided back by its scale."""
+    def unscaled(model: "StepCostModel") -> float:
+        return model.coefficients[feature] / FEATURE_SCALES[feature]
+    return property(unscaled, doc=doc)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """What one step computes, as the cost model sees it."""
@@ -83,30 +91,14 @@ class StepCostModel:
         default_factory=lambda: [[0.0] * NUM_FEATURES for _ in range(NUM_FEATURES)])
     _xty: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
 
-    @property
-    def intercept_s(self) -> float:
-        return self.coefficients[0] / FEATURE_SCALES[0]
-
-    @property
-    def per_decode_s(self) -> float:
-        return self.coefficients[1] / FEATURE_SCALES[1]
-
-    @property
-    def per_prefill_token_s(self) -> float:
-        return self.coefficients[2] / FEATURE_SCALES[2]
-
-    @property
-    def per_attended_token_s(self) -> float:
-        return self.coefficients[3] / FEATURE_SCALES[3]
-
-    @property
-    def prefill_step_s(self) -> float:
-        """What a step pays once for carrying any prefill, its decodes aside."""
-        return self.coefficients[4] / FEATURE_SCALES[4]
-
-    @property
-    def per_decode_with_prefill_s(self) -> float:
-        return self.coefficients[5] / FEATURE_SCALES[5]
+    # The fit's coefficients unscaled, in seconds per unit of each feature (the formulas above).
+    intercept_s = _seconds_per(0, "a: the fixed cost of every step.")
+    per_decode_s = _seconds_per(1, "b: a decode in a decode-only step.")
+    per_prefill_token_s = _seconds_per(2, "c: a token computed in a prefill chunk.")
+    per_attended_token_s = _seconds_per(3, "d: a (query, key) pair attended.")
+    prefill_step_s = _seconds_per(4, "e: what a step pays once for carrying any prefill, its "
+                                     "decodes aside.")
+    per_decode_with_prefill_s = _seconds_per(5, "f: a decode in a step that carries prefill.")
 
     def prefill_switch_seconds(self, num_decodes: int) -> float:
         """What a step of num_decodes decodes pays, once, for carrying prefill: the fixed cost
