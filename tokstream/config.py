@@ -24,6 +24,14 @@ WEIGHT_FORMATS = ("auto", "native", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
+def _at_least_one(config, *names: str, what: str = "") -> None:
+    """The check most counts share: each named field of config is >= 1, or a UserInputError
+    names the first that is not (`what` leads the message)."""
+    for name in names:
+        if getattr(config, name) < 1:
+            raise UserInputError(f"{what}{name} must be >= 1")
+
+
 def dtype_bytes(dtype: str) -> int:
     if dtype not in DTYPE_BYTES:
         raise UserInputError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
@@ -57,10 +65,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position"):
-            if getattr(self, name) < 1:
-                raise UserInputError(f"model config: {name} must be >= 1")
+        _at_least_one(self, "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                      "num_heads", "num_kv_heads", "head_dim", "max_position",
+                      what="model config: ")
         if self.num_heads % self.num_kv_heads:
             raise UserInputError("model config: num_heads must be a multiple of num_kv_heads")
 
@@ -202,10 +209,7 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.arrival_gather_ms < 0:
             raise UserInputError("arrival_gather_ms must be >= 0 (0 = off)")
-        if self.max_num_seqs < 1:
-            raise UserInputError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise UserInputError("max_num_batched_tokens must be >= 1")
+        _at_least_one(self, "max_num_seqs", "max_num_batched_tokens")
         if self.max_prefill_chunk < 0:
             raise UserInputError("max_prefill_chunk must be >= 0 (0 = the token budget)")
         if self.max_prefill_chunk and not self.chunked_prefill:
@@ -282,16 +286,12 @@ class EngineConfig:
                                  " (dequantised weights are in the serving dtype)")
         if self.weights == "native" and self.dtype not in ("auto", "float32"):
             raise UserInputError(f"weights native computes in float32, not {self.dtype}")
-        if self.tp < 1:
-            raise UserInputError("tp must be >= 1")
+        _at_least_one(self, "tp")
         if self.step_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise UserInputError("step_timeout_s and collective_timeout_s must be > 0")
         if not self.start_timeout_s > 0:
             raise UserInputError("start_timeout_s must be > 0")
-        if self.max_recovery_attempts < 1:
-            raise UserInputError("max_recovery_attempts must be >= 1")
-        if self.max_request_failures < 1:
-            raise UserInputError("max_request_failures must be >= 1")
+        _at_least_one(self, "max_recovery_attempts", "max_request_failures")
 
 
 @dataclass
@@ -304,10 +304,7 @@ class AdmissionConfig:
     """Admission: most prompt tokens over the requests waiting."""
 
     def __post_init__(self):
-        if self.max_waiting_requests < 1:
-            raise UserInputError("max_waiting_requests must be >= 1")
-        if self.max_waiting_tokens < 1:
-            raise UserInputError("max_waiting_tokens must be >= 1")
+        _at_least_one(self, "max_waiting_requests", "max_waiting_tokens")
 
 
 @dataclass
@@ -387,8 +384,7 @@ class ServerConfig:
                                  "file or a non-loopback host")
         if not 0 <= self.port < 65536:
             raise UserInputError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_pending_tokens < 1:
-            raise UserInputError("max_pending_tokens must be >= 1")
+        _at_least_one(self, "max_pending_tokens")
         if not self.ping_interval_s > 0:
             raise UserInputError("ping_interval_s must be > 0")
         if self.max_body_bytes < 1024:
@@ -441,6 +437,4 @@ class BenchSpec:
     """Seed of the random prompts."""
 
     def __post_init__(self):
-        for name in ("num_requests", "input_len", "output_len", "concurrency"):
-            if getattr(self, name) < 1:
-                raise UserInputError(f"{name} must be >= 1")
+        _at_least_one(self, "num_requests", "input_len", "output_len", "concurrency")
