@@ -340,44 +340,34 @@ static void decode_items(const float *q, const void *k_cache, const void *v_cach
 }
 #endif
 
-void paged_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache,
-                                const int64_t *block_tables, const int64_t *context_lens,
-                                float *out, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t num_blocks, int64_t block_size,
-                                int64_t max_blocks, float scale, int64_t seq_begin,
-                                int64_t seq_end, float *scratch) {
+/* The exported entry points: the AVX-512 work items where FAST holds (a condition on
+ * head_dim, num_heads and num_kv_heads), the portable loop (GENERIC) otherwise. HALF says
+ * the cache C is float16. */
 #ifdef __AVX512F__
-    if (head_dim % 16 == 0) {
-        decode_items(q, k_cache, v_cache, block_tables, context_lens, out, num_heads,
-                     num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale,
-                     seq_begin, seq_end, scratch, 0);
-        return;
+#define TRY_VECTOR_ITEMS(FAST, HALF)                                                            \
+    if (FAST) {                                                                                 \
+        decode_items(q, k_cache, v_cache, block_tables, context_lens, out, num_heads,           \
+                     num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale,         \
+                     seq_begin, seq_end, scratch, HALF);                                        \
+        return;                                                                                 \
     }
+#else
+#define TRY_VECTOR_ITEMS(FAST, HALF)
 #endif
-    paged_decode_attention_f32_generic(q, k_cache, v_cache, block_tables, context_lens, out,
-                                       num_heads, num_kv_heads, head_dim, num_blocks,
-                                       block_size, max_blocks, scale, seq_begin, seq_end,
-                                       scratch);
+
+#define DEFINE_ENTRY(NAME, C, GENERIC, FAST, HALF)                                              \
+void NAME(const float *q, const C *k_cache, const C *v_cache, const int64_t *block_tables,      \
+          const int64_t *context_lens, float *out, int64_t num_heads, int64_t num_kv_heads,     \
+          int64_t head_dim, int64_t num_blocks, int64_t block_size, int64_t max_blocks,         \
+          float scale, int64_t seq_begin, int64_t seq_end, float *scratch) {                    \
+    TRY_VECTOR_ITEMS(FAST, HALF)                                                                \
+    GENERIC(q, k_cache, v_cache, block_tables, context_lens, out, num_heads, num_kv_heads,      \
+            head_dim, num_blocks, block_size, max_blocks, scale, seq_begin, seq_end, scratch);  \
 }
 
+DEFINE_ENTRY(paged_decode_attention_f32, float, paged_decode_attention_f32_generic,
+             head_dim % 16 == 0, 0)
 /* paged_decode_attention_f32 over a float16 cache: q and out float32, k_cache and v_cache
  * float16 (written by cpu_small_ops.c's write_kv_f16). */
-void paged_decode_attention_f16kv(const float *q, const _Float16 *k_cache,
-                                  const _Float16 *v_cache, const int64_t *block_tables,
-                                  const int64_t *context_lens, float *out, int64_t num_heads,
-                                  int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks,
-                                  int64_t block_size, int64_t max_blocks, float scale,
-                                  int64_t seq_begin, int64_t seq_end, float *scratch) {
-#ifdef __AVX512F__
-    if (head_dim == 64 && num_heads / num_kv_heads <= 4) {
-        decode_items(q, k_cache, v_cache, block_tables, context_lens, out, num_heads,
-                     num_kv_heads, head_dim, num_blocks, block_size, max_blocks, scale,
-                     seq_begin, seq_end, scratch, 1);
-        return;
-    }
-#endif
-    paged_decode_attention_f16kv_generic(q, k_cache, v_cache, block_tables, context_lens, out,
-                                         num_heads, num_kv_heads, head_dim, num_blocks,
-                                         block_size, max_blocks, scale, seq_begin, seq_end,
-                                         scratch);
-}
+DEFINE_ENTRY(paged_decode_attention_f16kv, _Float16, paged_decode_attention_f16kv_generic,
+             head_dim == 64 && num_heads / num_kv_heads <= 4, 1)
