@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from tokstream.checker import MAX_CHOICES, choice_request_id
 from tokstream.sampling_params import SamplingParams
 from tokstream.server.errors import ClientGone
-from tokstream.server.responses import _drain, _wait_disconnect, collect
+from tokstream.server.responses import _drain, collect, wait_disconnect
 from tokstream.server.sse import EventStreamResponse, sse, stream_failure
 from tokstream.server.streams import Batch, Stream, StreamRegistry
 from tokstream.server.tenants import Tenant
@@ -100,7 +100,7 @@ async def collect_choices(streams: list[Stream], receive,
     if len(streams) == 1:
         return [await collect(streams[0], receive, registry)]
     drains = {asyncio.ensure_future(_drain(stream)): stream for stream in streams}
-    listener = asyncio.ensure_future(_wait_disconnect(receive))
+    listener = asyncio.ensure_future(wait_disconnect(receive))
     try:
         pending = set(drains)
         while pending:

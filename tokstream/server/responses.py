@@ -8,11 +8,23 @@ from tokstream.server.errors import ApiError, ClientGone
 from tokstream.server.streams import Batch, Stream, StreamRegistry
 
 
-async def _wait_disconnect(receive) -> None:
+async def wait_disconnect(receive) -> bool:
+    """Until the caller disconnects (then True); any other message is passed over."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            return
+            return True
+
+
+async def until_first(*tasks: asyncio.Future) -> None:
+    """Wait for the first of tasks to end, then cancel the others and let them all wind down;
+    each task keeps its outcome (result, exception or cancelled) for the caller to read."""
+    try:
+        await asyncio.wait(set(tasks), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _drain(stream: Stream) -> Batch:
@@ -32,13 +44,10 @@ async def _drain(stream: Stream) -> Batch:
 async def collect(stream: Stream, receive, registry: StreamRegistry) -> Batch:
     """Every token and the final delta of stream; aborts the request if the caller leaves."""
     drain = asyncio.ensure_future(_drain(stream))
-    listener = asyncio.ensure_future(_wait_disconnect(receive))
+    listener = asyncio.ensure_future(wait_disconnect(receive))
     try:
-        await asyncio.wait({drain, listener}, return_when=asyncio.FIRST_COMPLETED)
+        await until_first(drain, listener)
     finally:
-        for task in (drain, listener):
-            task.cancel()
-        await asyncio.gather(drain, listener, return_exceptions=True)
         registry.close(stream, "disconnected" if drain.cancelled() else None)
     if drain.cancelled():
         raise ClientGone(stream.request_id)

@@ -18,6 +18,7 @@ from typing import Protocol
 from tokstream.checker import INTEGRITY_HEADER
 from tokstream.engine.messages import FinishReason
 from tokstream.errors import ErrorKind
+from tokstream.server.responses import until_first, wait_disconnect
 from tokstream.server.streams import Batch, Stream, StreamRegistry
 
 log = logging.getLogger("tokstream.server")
@@ -105,14 +106,11 @@ class EventStreamResponse:
                    (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
         headers += [(k.encode(), v.encode()) for k, v in self.headers.items()]
         writer = asyncio.ensure_future(self._write(send, headers))
-        listener = asyncio.ensure_future(self._listen(receive))
+        listener = asyncio.ensure_future(wait_disconnect(receive))
         self.stream.writer = writer
         try:
-            await asyncio.wait({writer, listener}, return_when=asyncio.FIRST_COMPLETED)
+            await until_first(writer, listener)
         finally:
-            for task in (writer, listener):
-                task.cancel()
-            await asyncio.gather(writer, listener, return_exceptions=True)
             reason = "disconnected" if listener.done() and not listener.cancelled() \
                 and listener.exception() is None and listener.result() else None
             stalled = writer.done() and not writer.cancelled() \
@@ -122,12 +120,6 @@ class EventStreamResponse:
             error = writer.exception()
             if not isinstance(error, (OSError, ClientStalled)):
                 log.error("stream %s writer failed", self.stream.request_id, exc_info=error)
-
-    async def _listen(self, receive) -> bool:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return True
 
     async def _write(self, send, headers) -> None:
         send = self._bounded(send)
