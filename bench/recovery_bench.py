@@ -78,10 +78,18 @@ def run_mode(args, spare: bool) -> dict:
         llm.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def recovery_parser(doc: str) -> argparse.ArgumentParser:
+    """The flags every recovery benchmark starts with (this one and recovery_timing.py): the
+    model and how many ranks it is split over, SmolLM2 on 3 by default (a rank group with a
+    middle rank to kill)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--tp", type=int, default=3)
+    return parser
+
+
+def main() -> None:
+    parser = recovery_parser(__doc__)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--warmup-tokens", type=int, default=8)
     parser.add_argument("--kill-rank", type=int, default=1)

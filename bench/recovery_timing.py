@@ -16,7 +16,6 @@ flags, cores) and the load average before and after it ran.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -27,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from recovery_bench import recovery_parser  # noqa: E402
 
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 FAULTS = (("kill-engine", None, False), ("kill-engine", None, True),
@@ -97,9 +98,7 @@ def _round(value):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--tp", type=int, default=3)
+    parser = recovery_parser(__doc__)
     parser.add_argument("--starts", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--faults", default="all", help="all, none, or a comma-separated "
