@@ -35,6 +35,9 @@ from helpers.serving import ServerProcess, anthropic_body, record  # noqa: E402
 from test_server_fuzz import REQUESTS, gateway_resources, send  # noqa: E402
 from tokstream.checker import check_streams  # noqa: E402
 
+RESULTS = os.path.join(ROOT, "bench", "results", "fuzz_gateway.json")
+"""Where the report goes unless --json says otherwise."""
+
 
 class Stop(Exception):
     pass
@@ -45,8 +48,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--max-seconds", type=float, default=1500)
     parser.add_argument("--seed", type=int, default=15)
-    parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results",
-                                                       "fuzz_gateway.json"))
+    parser.add_argument("--json", default=RESULTS)
     args = parser.parse_args()
 
     by_route: collections.Counter = collections.Counter()
