@@ -43,17 +43,15 @@ def sharp_tiny_folder(path: str) -> str:
 
 @contextmanager
 def environment(**values):
-    """Set variables for the workers spawned inside (they inherit os.environ)."""
-    before = {k: os.environ.get(k) for k in values}
+    """Set variables for the workers spawned inside (they inherit os.environ); afterwards the
+    environment is as it was, whole (as rank_start.rank_main takes one on)."""
+    before = dict(os.environ)
     os.environ.update(values)
     try:
         yield
     finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def generate(model: str, device: str, dtype: str, env: dict) -> tuple[list, dict]:
