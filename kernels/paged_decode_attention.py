@@ -206,23 +206,31 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
+def sequence_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                length: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `length` keys and values of one sequence (its row of the block tables), in
+    float32, each KV head repeated for the `group` query heads it serves: what the plain-torch
+    references attend to. Two (num_kv_heads * group, length, head_dim) tensors."""
+    num_kv_heads, _, block_size, head_dim = k_cache.shape
+    blocks = block_table[:-(-length // block_size)].long()
+    keys = k_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :length].float()
+    values = v_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :length].float()
+    return keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+
+
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               block_tables: torch.Tensor, context_lens: torch.Tensor,
               scale: float) -> torch.Tensor:
     """The same contract in plain torch, one sequence at a time, float32 math."""
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads, _, block_size, _ = k_cache.shape
-    group = num_heads // num_kv_heads
+    group = num_heads // k_cache.shape[0]
     out = torch.zeros(num_seqs, num_heads, head_dim, dtype=torch.float32, device=q.device)
     for i in range(num_seqs):
         n = int(context_lens[i])
         if n == 0:
             continue
-        blocks = block_tables[i, :-(-n // block_size)].long()
-        keys = k_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :n].float()
-        values = v_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :n].float()
-        keys = keys.repeat_interleave(group, dim=0)  # (num_heads, n, head_dim)
-        values = values.repeat_interleave(group, dim=0)
+        # (num_heads, n, head_dim) each
+        keys, values = sequence_kv(k_cache, v_cache, block_tables[i], n, group)
         scores = torch.einsum("hd,hnd->hn", q[i].float(), keys) * scale
         out[i] = torch.einsum("hn,hnd->hd", scores.softmax(-1), values)
     return out.to(q.dtype)

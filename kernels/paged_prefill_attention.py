@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from tokstream.kernels.paged_decode_attention import (dot_precision, online_softmax_update,
-                                                      upcast_dot_inputs)
+                                                      sequence_kv, upcast_dot_inputs)
 
 
 @triton.jit
@@ -127,19 +127,14 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               block_tables: torch.Tensor, scale: float,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """The same contract in plain torch, one sequence at a time, float32 math."""
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads, _, block_size, _ = k_cache.shape
-    group = num_heads // num_kv_heads
+    group = q.shape[1] // k_cache.shape[0]
     out = torch.empty_like(q) if out is None else out
     for i in range(query_lens.shape[0]):
         start, n, length = int(query_starts[i]), int(query_lens[i]), int(context_lens[i])
         if n == 0:
             continue
-        blocks = block_tables[i, :-(-length // block_size)].long()
-        keys = k_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :length].float()
-        values = v_cache[:, blocks].reshape(num_kv_heads, -1, head_dim)[:, :length].float()
-        keys = keys.repeat_interleave(group, dim=0)  # (num_heads, length, head_dim)
-        values = values.repeat_interleave(group, dim=0)
+        # (num_heads, length, head_dim) each
+        keys, values = sequence_kv(k_cache, v_cache, block_tables[i], length, group)
         queries = q[start:start + n].float().transpose(0, 1)  # (num_heads, n, head_dim)
         scores = queries @ keys.transpose(1, 2) * scale  # (num_heads, n, length)
         position = torch.arange(length - n, length, device=q.device)
