@@ -33,9 +33,6 @@ from tokstream.config import AdmissionConfig, SchedulerConfig  # noqa: E402
 from tokstream.kernels import cpu_build  # noqa: E402
 from tokstream.serve_process import ServeProcess  # noqa: E402
 
-RESULTS = os.path.join(ROOT, "bench", "results", "serve_bench.json")
-"""Where the report goes unless --json says otherwise."""
-
 
 def run_offline_bench(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,7 +131,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=RESULTS)
+    parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results",
+                                                      "serve_bench.json"))
     args = parser.parse_args()
 
     from tokstream.model.source import resolve_model
