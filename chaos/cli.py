@@ -9,35 +9,31 @@ from typing import Optional
 
 import typer
 
-# The defaults come from the run's options (one declaration each); the module is light.
+# The defaults and help come from the run's options (one declaration each); the module is light.
 from tokstream.chaos.options import Options
+from tokstream.options import field_help
 
 app = typer.Typer(help="Fault experiments against a real server, with a stream-history checker.",
                   no_args_is_help=True)
 
-URL = typer.Option(None, "--url", help="Target this running server (on this machine) instead "
-                   "of starting one.")
+URL = typer.Option(None, "--url", help=field_help(Options, "url"))
 ADMIN_KEY = typer.Option(None, "--admin-key", envvar="TOKSTREAM_ADMIN_KEY",
-                         help="With --url: the admin key for /v1/state and /v1/score.")
+                         help=field_help(Options, "admin_key"))
 API_KEY = typer.Option(None, "--api-key", envvar="TOKSTREAM_API_KEY",
-                       help="With --url: the key for the API routes (default: the admin key).")
-MODEL = typer.Option(Options.model, "--model", "-m", help="Model of the server chaos starts.")
-DEVICE = typer.Option(Options.device, "--device", help="cpu or cuda (the server chaos starts).")
-DTYPE = typer.Option(None, "--dtype", help="dtype of the server chaos starts (default auto).")
-TP = typer.Option(None, "--tp", help="Ranks of the server chaos starts (default: the smallest "
-                  "of at least 2 dividing the model's heads; 3 for SmolLM2).")
-SPARE = typer.Option(Options.spare, "--spare/--no-spare", help="Start the server with warm "
-                     "spares (serve --spare --spare-core: a rank group and an engine core).")
-STREAMS = typer.Option(None, "--streams", help="Streams per round (default per experiment).")
+                       help=field_help(Options, "api_key"))
+MODEL = typer.Option(Options.model, "--model", "-m", help=field_help(Options, "model"))
+DEVICE = typer.Option(Options.device, "--device", help=field_help(Options, "device"))
+DTYPE = typer.Option(None, "--dtype", help=field_help(Options, "dtype"))
+TP = typer.Option(None, "--tp", help=field_help(Options, "tp"))
+SPARE = typer.Option(Options.spare, "--spare/--no-spare", help=field_help(Options, "spare"))
+STREAMS = typer.Option(None, "--streams", help=field_help(Options, "streams"))
 MAX_TOKENS = typer.Option(Options.max_tokens, "--max-tokens",
-                          help="Output tokens of each decoding stream.")
-REPEAT = typer.Option(Options.repeat, "--repeat", help="Rounds in a row, one fault each.")
-SEED = typer.Option(Options.seed, "--seed", help="Chooses the prompts, the seeds, which stream "
-                    "and which token index trigger the fault, who hangs up and when.")
-STEP_TIMEOUT = typer.Option(Options.step_timeout_s, "--step-timeout", help="Step deadline of "
-                            "the server chaos starts (what catches stall-rank).")
-TIMEOUT = typer.Option(Options.timeout_s, "--timeout",
-                       help="Most seconds a round's streams may take.")
+                          help=field_help(Options, "max_tokens"))
+REPEAT = typer.Option(Options.repeat, "--repeat", help=field_help(Options, "repeat"))
+SEED = typer.Option(Options.seed, "--seed", help=field_help(Options, "seed"))
+STEP_TIMEOUT = typer.Option(Options.step_timeout_s, "--step-timeout",
+                            help=field_help(Options, "step_timeout_s"))
+TIMEOUT = typer.Option(Options.timeout_s, "--timeout", help=field_help(Options, "timeout_s"))
 JSON = typer.Option(None, "--json", help="Write the report here.")
 
 
@@ -86,7 +82,7 @@ def _command(name: str, doc: str, with_rank: bool):
 
     command.__doc__ = doc
     if with_rank:
-        def ranked(rank: int = typer.Argument(..., help="Which rank (0-based)."),
+        def ranked(rank: int = typer.Argument(..., help=field_help(Options, "rank")),
                    url: Optional[str] = URL, admin_key: Optional[str] = ADMIN_KEY,
                    api_key: Optional[str] = API_KEY, model: str = MODEL, device: str = DEVICE,
                    dtype: Optional[str] = DTYPE, tp: Optional[int] = TP, spare: bool = SPARE,

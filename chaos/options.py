@@ -1,6 +1,6 @@
 """What one `tokstream chaos EXPERIMENT` run is asked to do, checked on construction. Each
-field's default is the one its flag shows (chaos/cli.py reads them from here), so a default is
-stated once. Light on purpose: `tokstream --help` imports it."""
+field's default and help are the ones its flag shows (chaos/cli.py reads them from here), so
+each is stated once. Light on purpose: `tokstream --help` imports it."""
 
 from __future__ import annotations
 
@@ -25,22 +25,44 @@ def check_local(url: str) -> str:
 
 @dataclass
 class Options:
+    """One chaos run. A field with a flag gives it its default and, in its docstring, its help
+    (chaos/cli.py reads both from here)."""
+
     experiment: str
+    """Which fault experiment (its subcommand's name, e.g. kill-rank)."""
     rank: int | None = None
+    """Which rank (0-based)."""
     url: str | None = None
+    """Target this running server (on this machine) instead of starting one."""
     admin_key: str | None = None
+    """With --url: the admin key for /v1/state and /v1/score."""
     api_key: str | None = None
+    """With --url: the key for the API routes (default: the admin key)."""
     model: str = "smollm2"
+    """Model of the server chaos starts."""
     device: str = "cpu"
+    """cpu or cuda (the server chaos starts)."""
     dtype: str | None = None
+    """dtype of the server chaos starts (default auto)."""
     tp: int | None = None
+    """Ranks of the server chaos starts (default: the smallest of at least 2 dividing the
+    model's heads; 3 for SmolLM2)."""
     spare: bool = False
+    """Start the server with warm spares (serve --spare --spare-core: a rank group and an
+    engine core)."""
     streams: int | None = None
+    """Streams per round (default per experiment)."""
     max_tokens: int = 32
+    """Output tokens of each decoding stream."""
     repeat: int = 1
+    """Rounds in a row, one fault each."""
     seed: int = 0
+    """Chooses the prompts, the seeds, which stream and which token index trigger the fault,
+    who hangs up and when."""
     step_timeout_s: float = 10.0
+    """Step deadline of the server chaos starts (what catches stall-rank)."""
     timeout_s: float = 600.0
+    """Most seconds a round's streams may take."""
 
     def __post_init__(self):
         if self.repeat < 1:
