@@ -1,6 +1,7 @@
 """Replica-level recovery with real processes on dummy:tiny: a rank killed (SIGKILL) or hung
 (SIGSTOP) mid-batch is detected, the whole group is replaced, and every stream continues at its
-next index with exactly the tokens a fault-free run gives."""
+next index with exactly the tokens a fault-free run gives. On the host the new group maps the
+old one's KV pool, so the failed step runs again and nothing is re-prefilled."""
 
 import os
 import shutil
@@ -37,9 +38,22 @@ def requests(tag):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def clean_run():
+    """(the tokens of a fault-free run, the prompt tokens it computed)."""
     with LLM(config(tp=1)) as llm:
-        return collect(llm, requests("r"))[0]
+        return collect(llm, requests("r"))[0], llm.core.prefill_tokens_total
+
+
+@pytest.fixture(scope="module")
+def reference(clean_run):
+    return clean_run[0]
+
+
+def assert_kv_kept(llm, clean_run):
+    """Each new group mapped the old one's pool (CPU): nothing was computed twice."""
+    kept = [e["kv"] for e in llm.core.events if e["kind"] == "restarted"]
+    assert kept and set(kept) == {"kept"}, kept
+    assert llm.core.prefill_tokens_total == clean_run[1]
 
 
 def collect(llm, reqs, fault=None):
@@ -93,19 +107,20 @@ def kill_rank(rank, sig=signal.SIGKILL):
 
 @pytest.mark.parametrize("rank,when", [(0, mid_decode), (1, mid_decode), (1, mid_prefill),
                                        (0, mid_prefill)])
-def test_killed_rank_is_replaced_and_streams_continue(reference, rank, when):
+def test_killed_rank_is_replaced_and_streams_continue(reference, clean_run, rank, when):
     with LLM(config()) as llm:
         old_pids = list(llm.core.executor.pids)
         fault = once(when, kill_rank(rank))
         out, _ = collect(llm, requests("r"), fault)
         assert fault.done, "the fault never fired"
         assert llm.core.restarts == 1 and llm.core.status == "ready"
+        assert_kv_kept(llm, clean_run)
         assert not set(llm.core.executor.pids) & set(old_pids)
         assert llm.core.block_manager.num_free_blocks == llm.core.block_manager.num_blocks
     assert out == reference
 
 
-def test_hung_rank_is_caught_by_the_step_deadline(reference):
+def test_hung_rank_is_caught_by_the_step_deadline(reference, clean_run):
     with LLM(config(step_timeout_s=3.0)) as llm:
         stopped = []
 
@@ -125,10 +140,11 @@ def test_hung_rank_is_caught_by_the_step_deadline(reference):
         assert llm.core.restarts == 1
         assert any(e["kind"] == "rank_failure" and "hung" in e["reason"]
                    for e in llm.core.events)
+        assert_kv_kept(llm, clean_run)  # the stopped rank was killed before the pool was read
     assert out == reference
 
 
-def test_two_faults_in_a_row_and_a_warm_spare(reference):
+def test_two_faults_in_a_row_and_a_warm_spare(reference, clean_run):
     with LLM(config(spare=True)) as llm:
         spare_pids = list(llm.core.executor.spare.pids)
         faults = [once(lambda l, t: len(t["r1"]) >= 3, kill_rank(0)),
@@ -139,6 +155,7 @@ def test_two_faults_in_a_row_and_a_warm_spare(reference):
         # The first failure swapped the spare in rather than starting processes.
         assert llm.core.events and spare_pids[0] in [
             pid for e in llm.core.events if e["kind"] == "restarted" for pid in e["pids"]]
+        assert_kv_kept(llm, clean_run)  # the spare maps the same pool files
     assert out == reference
 
 
@@ -179,4 +196,18 @@ def test_recovery_that_keeps_failing_goes_down_then_comes_back(tmp_path, referen
         llm.core.step()
         assert llm.core.status == "ready"
         out, _ = collect(llm, requests("again"))
+    assert out == reference
+
+
+def test_without_a_shared_pool_every_request_is_recomputed(reference, clean_run, monkeypatch):
+    # The path a GPU takes (its memory dies with the rank) and a host without memfd.
+    from tokstream.engine.pool_files import PoolFiles
+    monkeypatch.setattr(PoolFiles, "path", lambda self, rank: None)
+    with LLM(config()) as llm:
+        fault = once(mid_decode, kill_rank(1))
+        out, _ = collect(llm, requests("r"), fault)
+        assert fault.done
+        assert [e["kv"] for e in llm.core.events if e["kind"] == "restarted"] == ["recomputed"]
+        assert llm.core.prefill_tokens_total > clean_run[1]
+        assert llm.core.block_manager.num_free_blocks == llm.core.block_manager.num_blocks
     assert out == reference

@@ -111,3 +111,57 @@ def test_a_long_prompt_resumed_after_a_failure_stays_held_to_the_target():
         out = timed_step(s)
         assert len(decodes_of(out)) == 4 and 0 < prefill_tokens(out) <= 33
         assert truth(step_shape(out.work)) <= 0.060 + 0.001
+
+
+def started_mixed_batch():
+    """Two streams decoding and a long prompt part-way through its chunked prefill."""
+    s = make_scheduler(num_blocks=128, budget=16, max_prefill_chunk=8)
+    for rid in ("d0", "d1"):
+        s.add_request(make_request(rid, prompt_len=6, max_tokens=40, salt=rid))
+    for _ in range(2):
+        run_step(s)
+    s.add_request(make_request("long", prompt_len=60, max_tokens=4, salt="long"))
+    for _ in range(3):
+        run_step(s)
+    assert s.requests["d0"].output_token_ids and 0 < s.requests["long"].num_computed_tokens < 60
+    return s
+
+
+def shape(out):
+    return [(w.request.request_id, w.start, w.num_tokens) for w in out.work]
+
+
+def test_a_rank_group_that_kept_the_pool_runs_the_failed_step_again():
+    s = started_mixed_batch()
+    failed = s.schedule()  # the ranks died in it: update() never ran
+    computed = {rid: r.num_computed_tokens for rid, r in s.requests.items()}
+    blocks = {rid: list(r.block_ids) for rid, r in s.requests.items()}
+    assert s.keep_pool_after_restart(failed)
+    assert s.check() == []
+    again = run_step(s)
+    assert shape(again) == shape(failed)  # the same work, from the same positions
+    # Every request is new to the new ranks: they learn its whole block table.
+    assert all(w.is_new and w.new_block_ids == w.request.block_ids for w in again.work)
+    assert all(s.requests[rid].block_ids[:len(held)] == held for rid, held in blocks.items())
+    assert all(w.start == computed[w.request.request_id] for w in again.work)
+    assert not any(r.recovering for r in s.requests.values())  # nothing is recomputed
+    assert not any(w.is_new for w in run_step(s).work)  # told once
+
+
+def test_a_running_request_left_out_of_the_first_step_is_new_at_its_own():
+    s = started_mixed_batch()
+    s.keep_pool_after_restart(s.schedule())
+    s.config.max_num_batched_tokens = 2  # room for the two decodes only
+    assert {w.request.request_id for w in run_step(s).work} == {"d0", "d1"}
+    s.config.max_num_batched_tokens = 16
+    late = [w for w in run_step(s).work if w.request.request_id == "long"]
+    assert late and late[0].is_new and late[0].new_block_ids == s.requests["long"].block_ids
+
+
+def test_host_blocks_in_play_mean_the_pool_is_not_trusted():
+    # Host buffers die with their ranks, and the failed step's copies may not have run.
+    s = started_mixed_batch()
+    failed = s.schedule()
+    failed.swap_in = [(0, 5)]
+    assert not s.keep_pool_after_restart(failed)
+    assert not s.unknown_to_workers  # nothing changed: the caller requeues everything

@@ -103,6 +103,7 @@ def _start(scheduler: Scheduler, step: StepDraft, request: Request,
         scheduler.ledger.charge_input(request.tenant, len(request.prompt_token_ids),
                                       request.weight)
     # New to the worker: it learns the whole block table, cached prefix included.
+    scheduler.unknown_to_workers.discard(request.request_id)
     step.prefills.append(ScheduledWork(request, start, num_new, list(request.block_ids), True))
     step.spend(num_new)
     if start < shared_prompt_tokens(blocks, request):

@@ -173,7 +173,8 @@ class EngineCore:
     def _failed(self, scheduled: SchedulerOutput, reason: str) -> list[RequestDelta]:
         """The rank group failed in the step: settle the requests it was computing, then
         recover the group."""
-        return recovery.fail_in_flight(self, scheduled, reason) + recovery.recover(self, reason)
+        return (recovery.fail_in_flight(self, scheduled, reason)
+                + recovery.recover(self, reason, scheduled))
 
     def _schedule(self) -> SchedulerOutput:
         self.resuming.intersection_update(self.scheduler.requests)

@@ -18,6 +18,7 @@ import time
 from tokstream import envs
 from tokstream.config import EngineConfig
 from tokstream.engine.messages import ScoreRequest, ScoreResult, StepPlan, StepResult
+from tokstream.engine.pool_files import PoolFiles
 from tokstream.engine.rank_start import rank_context, rank_main
 from tokstream.errors import ReplicaError, UserInputError
 from tokstream.worker.worker import WorkerFailed, WorkerReady
@@ -56,7 +57,8 @@ class Poison:
 class RankGroup:
     """The tensor-parallel ranks of one replica: spawned together, one unit when any fails."""
 
-    def __init__(self, config: EngineConfig, run_dir: str | None = None):
+    def __init__(self, config: EngineConfig, run_dir: str | None = None,
+                 pool_files: PoolFiles | None = None):
         self.config = config
         context, environment = rank_context(config)
         # A rendezvous file unique to this group: two servers (or a group and its spare)
@@ -72,7 +74,8 @@ class RankGroup:
         for rank in range(config.tp):
             parent_conn, child_conn = context.Pipe()
             process = context.Process(target=rank_main,
-                                      args=(environment, child_conn, config, rank, rendezvous),
+                                      args=(environment, child_conn, config, rank, rendezvous,
+                                            pool_files and pool_files.path(rank)),
                                       name=f"tokstream-rank{rank}")
             process.start()
             child_conn.close()
@@ -134,6 +137,13 @@ class RankGroup:
     def alive(self) -> list[bool]:
         return [p.is_alive() for p in self.processes]
 
+    def pool_layout(self) -> list[tuple] | None:
+        """Every rank's pool layout (WorkerReady.pool_layout) if every rank's pool is in the
+        core's memory files, else None."""
+        if len(self.ready) != self.config.tp or not all(r.kv_shared for r in self.ready):
+            return None
+        return [r.pool_layout() for r in self.ready]
+
     def shutdown(self) -> None:
         for conn in self.conns:
             try:
@@ -155,6 +165,10 @@ class RankGroup:
             conn.close()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
+    def exited(self) -> bool:
+        """Every rank process has exited (been reaped)."""
+        return all(p.exitcode is not None for p in self.processes)
+
 
 class Executor:
     """The engine core's handle on its rank group (and a warm spare, with config.spare)."""
@@ -163,7 +177,11 @@ class Executor:
         self.config = config
         self.run_dir = run_dir
         """Where rank groups keep their files (None: the system's temp folder)."""
-        self.group = RankGroup(config, run_dir)
+        self.pool_files = PoolFiles(config.tp)
+        """The ranks' KV pools on the host: every group of this core maps the same ones."""
+        self.pool_kept = False
+        """The last restart's group reads the pool the failed one wrote (restart)."""
+        self.group = RankGroup(config, run_dir, self.pool_files)
         ready = self.group.wait_ready()
         # Ranks size their pools alike, but free memory can differ by a little between them.
         self.ready = min(ready, key=lambda r: r.num_blocks)
@@ -196,17 +214,24 @@ class Executor:
         """Replace a failed group: swap in the spare if it is ready, else spawn and load a new
         one. Returns the seconds spent. Raises ReplicaError if the new group fails too."""
         started = time.monotonic()
-        self.group.kill()
+        failed = self.group
+        failed.kill()
+        self.pool_kept = False
         if self.spare is not None:
             self.group, self.spare = self.spare, None
         else:
-            self.group = RankGroup(self.group_config, self.run_dir)
+            self.group = RankGroup(self.group_config, self.run_dir, self.pool_files)
         try:
             ready = self.group.wait_ready() if not self.group.ready else self.group.ready
         except UserInputError as exc:  # e.g. the model files went away since the first start
             raise ReplicaError(f"restart failed: {exc}") from exc
         if min(r.num_blocks for r in ready) < self.ready.num_blocks:
             raise ReplicaError("the restarted rank group has a smaller KV pool")
+        # Trusted only if no rank of the failed group can still write to it, and the new
+        # ranks read its bytes as the old ones wrote them.
+        layout = failed.pool_layout()
+        self.pool_kept = (layout is not None and failed.exited()
+                          and self.group.pool_layout() == layout)
         return time.monotonic() - started
 
     def reload_spare(self) -> None:
@@ -214,7 +239,7 @@ class Executor:
         calls this once the requests a restart resumed have their next token: loading a group
         takes the cores their re-prefill needs)."""
         if self.keep_spare and self.spare is None:
-            self.spare = RankGroup(self.group_config, self.run_dir)
+            self.spare = RankGroup(self.group_config, self.run_dir, self.pool_files)
 
     def arm_spare(self) -> None:
         """Keep a standby group from now on (a spare engine core, once it takes over)."""
@@ -225,3 +250,4 @@ class Executor:
         self.group.shutdown()
         if self.spare is not None:
             self.spare.shutdown()
+        self.pool_files.close()

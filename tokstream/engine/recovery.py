@@ -1,7 +1,7 @@
-"""What the engine core does when its rank group fails: restart it and put every live request
-back in line (recover), end a request that keeps breaking it (fail_in_flight), go down after too
-many failed restarts and come back later (go_down, retry_when_down), and check the block
-bookkeeping afterwards (self_check). No torch.
+"""What the engine core does when its rank group fails: restart it and carry on from the KV
+pool it kept, or put every live request back in line (recover); end a request that keeps
+breaking it (fail_in_flight); go down after too many failed restarts and come back later
+(go_down, retry_when_down); and check the block bookkeeping afterwards (self_check). No torch.
 """
 
 from __future__ import annotations
@@ -24,18 +24,20 @@ DOWN_RETRY_S = 10.0
 """While down, seconds between attempts to start a rank group again."""
 
 
-def recover(core: EngineCore, reason: str) -> list[RequestDelta]:
-    """The rank group failed (a rank died, hung or broke a collective): tear it down, start
-    another (the warm spare if there is one), and put every live request back in line to
-    be re-prefilled from prompt + the tokens it already has. Streams continue at their
-    next index; sampling is a function of (seed, position), so nothing changes but time.
-    After max_recovery_attempts failures in a row the replica is down: every live request
-    ends with an error delta (returned) and new ones are refused until retry_when_down()
-    brings a group back."""
+def recover(core: EngineCore, reason: str,
+            failed: SchedulerOutput | None = None) -> list[RequestDelta]:
+    """The rank group failed (a rank died, hung or broke a collective) in the step failed (None:
+    outside a step, e.g. scoring): tear it down and start another (the warm spare if there is
+    one). Where the new group maps the old one's KV memory (a CPU pool, which outlives its
+    ranks), every request keeps its blocks and the failed step runs again; otherwise every live
+    request goes back in line to be re-prefilled from prompt + the tokens it already has.
+    Either way streams continue at their next index; sampling is a function of (seed,
+    position), so nothing changes but time. After max_recovery_attempts failures in a row the
+    replica is down: every live request ends with an error delta (returned) and new ones are
+    refused until retry_when_down() brings a group back."""
     started = time.monotonic()
     core.set_status("recovering", reason)
     core.event("rank_failure", "", reason=reason, pids=core.executor.pids)
-    core.scheduler.requeue_all()  # the pool's contents died with the ranks
     core.resuming = set(core.scheduler.requests)
     for attempt in range(1, core.config.max_recovery_attempts + 1):
         try:
@@ -44,15 +46,19 @@ def recover(core: EngineCore, reason: str) -> list[RequestDelta]:
             core.event("restart_failed", "", reason=str(exc), attempt=attempt)
             reason = str(exc)
             continue
+        kept = core.executor.pool_kept and core.scheduler.keep_pool_after_restart(failed)
+        if not kept:
+            core.scheduler.requeue_all()  # the pool's contents died with the ranks
         core.restarts += 1
         core.resumed_requests += len(core.scheduler.requests)
         seconds = time.monotonic() - started
         core.recovery_seconds.append(seconds)
         core.event("restarted", "", seconds=round(seconds, 3), pids=core.executor.pids,
-                    resumed=len(core.scheduler.requests))
+                    resumed=len(core.scheduler.requests), kv="kept" if kept else "recomputed")
         core.set_status("ready", None)
         self_check(core, "recovery")
         return []
+    core.scheduler.requeue_all()  # whatever group comes back later starts from nothing
     return go_down(core, reason)
 
 

@@ -61,6 +61,9 @@ class Scheduler:
         self.forgotten_ids: list[str] = []
         """Requests the workers should drop at the next step: finished, aborted or preempted
         since the last one."""
+        self.unknown_to_workers: set[str] = set()
+        """Running requests a replaced rank group has not seen (keep_pool_after_restart):
+        their next work is sent as new, with the whole block table."""
 
     @property
     def has_work(self) -> bool:
@@ -88,6 +91,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.block_manager.free(request)
         release_swap(self.swap_space, request)
+        self.unknown_to_workers.discard(request.request_id)
         request.status = status
         request.stop_reason = stop_reason
         self.ledger.on_departure(request.tenant)
@@ -138,7 +142,12 @@ class Scheduler:
             if prefill_time is not None:
                 prefill_time.take(request.num_computed_tokens, num_new)  # limited or not
             step.scheduled.add(request.request_id)
-            work = ScheduledWork(request, request.num_computed_tokens, num_new, new_blocks, False)
+            is_new = request.request_id in self.unknown_to_workers
+            if is_new:  # the workers learn its whole block table, as at an admission
+                self.unknown_to_workers.discard(request.request_id)
+                new_blocks = list(request.block_ids)
+            work = ScheduledWork(request, request.num_computed_tokens, num_new, new_blocks,
+                                 is_new)
             (step.decodes if work.is_decode else step.prefills).append(work)
             step.spend(num_new)
 
@@ -180,6 +189,22 @@ class Scheduler:
         if self.swap_space is not None:
             self.swap_space.reset()
         self.forgotten_ids = []  # the new ranks know nothing to forget
+        self.unknown_to_workers.clear()
+
+    def keep_pool_after_restart(self, failed: SchedulerOutput | None) -> bool:
+        """The rank group was replaced by one that maps the same KV memory (a CPU pool outlives
+        its ranks): every block the bookkeeping says is computed still is, so each request
+        keeps its blocks and computed tokens. The failed step had advanced none of them
+        (update never ran), so it is simply run again; the new ranks learn each running
+        request at its next step. False, changing nothing, where host blocks are in play
+        (swap mode: host buffers die with their ranks, and a failed step's copies may not
+        have happened): the caller then requeues everything (requeue_all)."""
+        swapping = failed is not None and (failed.swap_in or failed.swap_out)
+        if swapping or any(r.swapped_block_ids for r in self.requests.values()):
+            return False
+        self.unknown_to_workers = {r.request_id for r in self.running}
+        self.forgotten_ids = []  # the new ranks know nothing to forget
+        return True
 
     def check(self, rehash: bool = True) -> list[str]:
         """What is wrong with the block bookkeeping (empty when nothing is): the block

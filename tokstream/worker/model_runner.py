@@ -17,6 +17,7 @@ from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.grammar import Constraint, Grammars
 from tokstream.worker.sampler import SamplingRow, sample, token_logprobs
+from tokstream.worker import shared_pool
 from tokstream.worker.zeroed_memory import lazily_zeroed
 
 log = logging.getLogger("tokstream.worker")
@@ -248,21 +249,39 @@ def allocate_swap_space(model_config: ModelConfig, num_blocks: int, block_size: 
                         dtype: torch.dtype, pin: bool):
     """Host buffers in the pool's layout for swapped-out blocks; pinned when the pool is on a
     GPU so copies can use DMA. Left uninitialised: only swapped-out blocks are ever read."""
-    shape = (model_config.num_kv_heads // tp, num_blocks, block_size, model_config.head_dim)
+    shape = kv_cache_shape(model_config, num_blocks, block_size, tp)
     return [(torch.empty(shape, dtype=dtype, pin_memory=pin),
              torch.empty(shape, dtype=dtype, pin_memory=pin))
             for _ in range(model_config.num_layers)]
 
 
+def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int,
+                   tp: int) -> tuple[int, int, int, int]:
+    """One layer's K (or V) on one rank: (kv_heads / tp, num_blocks, block_size, head_dim)."""
+    return (model_config.num_kv_heads // tp, num_blocks, block_size, model_config.head_dim)
+
+
+def map_shared_pool(pool_file: str, model_config: ModelConfig, num_blocks: int,
+                    block_size: int, tp: int, dtype: torch.dtype):
+    """The core's memory file for this rank's pool, mapped (shared_pool.py); None if unusable."""
+    shape = kv_cache_shape(model_config, num_blocks, block_size, tp)
+    nbytes = shared_pool.pool_bytes(2 * model_config.num_layers, shape, dtype)
+    return shared_pool.map_pool_file(pool_file, nbytes)
+
+
 def allocate_kv_caches(model_config: ModelConfig, num_blocks: int, block_size: int,
-                       tp: int, dtype: torch.dtype, device: torch.device):
-    shape = (model_config.num_kv_heads // tp, num_blocks, block_size, model_config.head_dim)
+                       tp: int, dtype: torch.dtype, device: torch.device, shared=None):
+    """[(K, V)] per layer (kv_cache_shape); on the host inside shared (map_shared_pool) when
+    given, else in memory of this process's own."""
+    shape = kv_cache_shape(model_config, num_blocks, block_size, tp)
+    count = 2 * model_config.num_layers
     # Zeroed, not empty: padded gathers read unused slots, and NaN garbage would leak through
     # a zero attention weight. On the host, zeros the kernel supplies as pages are first
     # written, so a start (a restart after a fault too) does not wait on writing the pool.
-    if device.type == "cpu":
-        return [(lazily_zeroed(shape, dtype), lazily_zeroed(shape, dtype))
-                for _ in range(model_config.num_layers)]
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(model_config.num_layers)]
+    if device.type != "cpu":
+        tensors = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+    elif shared is not None:
+        tensors = shared_pool.carve(shared, count, shape, dtype)
+    else:
+        tensors = [lazily_zeroed(shape, dtype) for _ in range(count)]
+    return list(zip(tensors[0::2], tensors[1::2]))

@@ -38,6 +38,14 @@ class WorkerReady:
     """How the weights are held: 'dequantized' (in dtype) or 'native' (GGUF blocks)."""
     kv_cache_dtype: str = ""
     """The KV cache's dtype ('' from a worker that predates the choice: dtype's)."""
+    kv_shared: bool = False
+    """The pool lives in the engine core's memory file for this rank (CPU): it outlives the
+    rank, and the rank that replaces it maps the same KV (engine/pool_files.py)."""
+
+    def pool_layout(self) -> tuple:
+        """What the pool's bytes mean: a replacement's pool must match it to be read."""
+        return (self.rank, self.dtype, self.kv_cache_dtype, self.num_blocks, self.block_bytes,
+                self.weights, self.kernels)
 
 
 @dataclass
@@ -58,13 +66,15 @@ def set_threads(config: EngineConfig) -> int:
     return threads
 
 
-def worker_main(conn, config: EngineConfig, rank: int, rendezvous: str | None = None) -> None:
+def worker_main(conn, config: EngineConfig, rank: int, rendezvous: str | None = None,
+                pool_file: str | None = None) -> None:
     """One rank. Plans arrive pickled once by the core and sent to every rank (send_bytes);
-    only rank 0 answers. rendezvous: a file path unique to this rank group (tp > 1)."""
+    only rank 0 answers. rendezvous: a file path unique to this rank group (tp > 1);
+    pool_file: the core's memory file for this rank's KV pool (CPU; None: a pool of its own)."""
     logging.basicConfig(level=envs.LOG.get(),
                         format="%(asctime)s %(name)s: %(message)s")
     try:
-        runner, ready = _load(config, rank, rendezvous)
+        runner, ready = _load(config, rank, rendezvous, pool_file)
     except Exception as exc:  # reported to the core, which turns it into a clean error
         from tokstream.errors import UserInputError
         conn.send(WorkerFailed(rank, f"{type(exc).__name__}: {exc}" if not isinstance(
@@ -124,7 +134,8 @@ def _init_tensor_parallel(config: EngineConfig, rank: int, rendezvous: str, devi
     return all_reduce, all_gather
 
 
-def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
+def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
+          pool_file: str | None = None):
     import torch
 
     from tokstream.model.source import resolve_model
@@ -135,7 +146,8 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
     from tokstream.worker.grammar import Grammars
     from tokstream.worker.model import LlamaModel
     from tokstream.worker.model_runner import (TORCH_DTYPES, ModelRunner, allocate_kv_caches,
-                                               allocate_swap_space, kv_pool_blocks)
+                                               allocate_swap_space, kv_pool_blocks,
+                                               map_shared_pool)
     from tokstream.worker.quant_linear import measure_crossovers
 
     started = time.perf_counter()
@@ -167,8 +179,12 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device.type,
                                       backend.name)
     num_blocks, block_bytes = kv_pool_blocks(config, source.config, kv_dtype, device)
+    shared = None
+    if device.type == "cpu" and pool_file is not None:
+        shared = map_shared_pool(pool_file, source.config, num_blocks, config.cache.block_size,
+                                 config.tp, TORCH_DTYPES[kv_dtype])
     kv_caches = allocate_kv_caches(source.config, num_blocks, config.cache.block_size,
-                                   config.tp, TORCH_DTYPES[kv_dtype], device)
+                                   config.tp, TORCH_DTYPES[kv_dtype], device, shared)
     swap_caches, num_swap_blocks = None, 0
     if config.cache.preemption_mode == "swap":
         num_swap_blocks = config.cache.swap_space // config.tp // block_bytes
@@ -182,7 +198,8 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None):
                          rank=rank, decode_graphs=graphs, grammars=grammars)
     ready = WorkerReady(rank, os.getpid(), dtype, str(device), num_blocks, block_bytes,
                         weight_bytes, time.perf_counter() - started, num_swap_blocks,
-                        backend.name, tuple(graphs.sizes) if graphs else (), weights, kv_dtype)
+                        backend.name, tuple(graphs.sizes) if graphs else (), weights, kv_dtype,
+                        kv_shared=shared is not None)
     return runner, ready
 
 
