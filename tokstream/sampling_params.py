@@ -18,7 +18,10 @@ class SamplingParams:
     max_tokens: int = 256
     """Most output tokens to generate."""
     temperature: float = 1.0
-    """0 means greedy."""
+    """0 means greedy.
+
+    The logits are divided by it after logit_bias and the penalties, before min_p, top_k and
+    top_p drop tokens (vLLM's order; tokstream/worker/sampler.py)."""
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
     top_k: int = 0
