@@ -40,21 +40,37 @@ def hash_key(key: str) -> str:
 
 @dataclass
 class Tenant:
+    """One [[tenant]] of the tenants file: its limits as the file gives them (the fields up to
+    max_concurrent), then what it is using now."""
+
     name: str
+    """Unique in the file; names the tenant in /v1/state, /metrics, events and errors."""
     key_sha256: str
+    """sha256 hex (lower case) of the tenant's API key; the key itself is never stored."""
     weight: float = 1.0
+    """Share of service when backlogged, against the other tenants': the engine's fair queue
+    serves by it, and it is the tenant's share of the admission queue's bounds."""
     priority: int = 0
+    """Tier: lower is admitted first, preempted last."""
     tokens_per_minute: int = 0
-    """Token budget refilled continuously; 0 means unlimited."""
+    """Token budget refilled continuously; 0 means unlimited.
+
+    A request reserves its prompt and max_tokens at admission; settle() refunds what it did
+    not generate."""
     max_concurrent: int = 0
     """Live requests at once; 0 means unlimited."""
     live: int = 0
+    """Requests admitted and not yet settled."""
     tokens: float = field(default=0.0)
     """Current bucket balance (starts full)."""
     refilled_at: float = field(default_factory=time.monotonic)
+    """When the bucket was last topped up (time.monotonic())."""
     prompt_tokens_total: int = 0
+    """Prompt tokens admitted since the server started."""
     output_tokens_total: int = 0
+    """Output tokens of the requests settled since the server started."""
     refusals: int = 0
+    """429s for either limit since the server started."""
 
     def __post_init__(self):
         self.tokens = float(self.tokens_per_minute)
