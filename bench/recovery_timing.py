@@ -8,7 +8,9 @@
    spawn, imports, model + tokenizer, rank processes starting, the slowest rank's load, the rest).
 2. Faults: `tokstream chaos` kill-engine and kill-rank 1, without and with --spare, each on a
    server of its own: per fault, from the signal to each stream's next token (decoding streams
-   and the long prompt caught mid-prefill), and the server's own restart time.
+   and the long prompt caught mid-prefill), and the server's own restart time. For the long
+   prompt also when its first token would have come without the fault (without_fault) and so
+   what the fault added; most_added_by_fault_s is the worst stream's delay by that measure.
 The JSON keeps one entry per --label (a run of this script on one code version), so figures
 taken before and after a change sit side by side; each carries the machine (CPU model and
 flags, cores) and the load average before and after it ran.
@@ -80,17 +82,36 @@ def fault_run(model: str, tp: int, experiment: str, rank: int | None, spare: boo
     fault = report["faults"][0] if report.get("faults") else {}
     streams = [{"stream": row["stream"], "role": row["role"],
                 "state_at_fault": row["state_at_fault"],
-                "next_token_after_s": _round(row["resumed_after_s"])}
+                "next_token_after_s": _round(row["resumed_after_s"]),
+                **without_fault(row)}
                for row in fault.get("in_flight", [])]
     decoding = [s["next_token_after_s"] for s in streams
                 if s["state_at_fault"].startswith("decoding") and s["next_token_after_s"]]
+    waits = [s.get("added_by_fault_s", s["next_token_after_s"]) for s in streams
+             if s["next_token_after_s"] is not None]
     return {"ok": report["ok"], "violations": report.get("violations"),
             "every_stream_next_token_s": _round(fault.get("recovery_s")),
             "decoding_streams_next_token_s": max(decoding) if decoding else None,
+            "most_added_by_fault_s": max(waits) if waits else None,
             "server_recovery_s": fault.get("server_recovery_s"),
             "engine_events": [e for e in fault.get("engine_events", [])
                               if e.get("kind") in ("engine_restarted", "restarted")],
             "streams": streams}
+
+
+def without_fault(row: dict) -> dict:
+    """For a prompt caught mid-prefill, when its first token would have come without the
+    fault: its remaining tokens at the rate it had prefilled until then (from when it was sent,
+    so its wait to be admitted counts as prefill time too), and what the fault added."""
+    state = row["state_at_fault"]
+    if not state.startswith("prefilling ") or row["resumed_after_s"] is None:
+        return {}
+    computed, prompt = map(int, state.split()[1].split("/"))
+    if computed == 0:
+        return {}
+    expected = (prompt - computed) * row["sent_before_fault_s"] / computed
+    return {"expected_without_fault_s": _round(expected),
+            "added_by_fault_s": _round(row["resumed_after_s"] - expected)}
 
 
 def _round(value):

@@ -26,7 +26,8 @@ def around_fault(histories: list[StreamHistory], fault_s: float,
         row = {"stream": history.spec.name, "role": history.spec.role,
                "sampling": history.spec.sampling, "request_id": history.request_id,
                "state_at_fault": _state(engine), "tokens_before": len(before),
-               "tokens_after": len(after), "pause_s": None, "resumed_after_s": None}
+               "tokens_after": len(after), "pause_s": None, "resumed_after_s": None,
+               "sent_before_fault_s": fault_s - history.started}
         if after:
             row["resumed_after_s"] = after[0] - fault_s
             row["pause_s"] = after[0] - (before[-1] if before else fault_s)

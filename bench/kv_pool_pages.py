@@ -1,0 +1,88 @@
+"""Decode attention over a CPU KV pool in private huge-page memory (the pool a rank allocates
+for itself) and in a shared memory file (the pool that outlives its rank: engine/pool_files.py),
+whose pages are 4 KiB where shmem THP is off. Alternated, repeated; ratios, not absolutes.
+
+    .venv/bin/python bench/kv_pool_pages.py --json bench/results/kv_pool_pages.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from recovery_timing import machine  # noqa: E402
+from tokstream.engine.pool_files import PoolFiles  # noqa: E402
+from tokstream.kernels import cpu_attention  # noqa: E402
+from tokstream.worker.shared_pool import carve, map_pool_file, pool_bytes  # noqa: E402
+from tokstream.worker.zeroed_memory import lazily_zeroed  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16  # SmolLM2-135M at --tp 1
+LAYERS = 30
+
+
+def pools(kind: str, num_blocks: int, files: PoolFiles) -> list[torch.Tensor]:
+    shape = (KV_HEADS, num_blocks, BLOCK, HEAD_DIM)
+    if kind == "private":
+        tensors = [lazily_zeroed(shape, torch.float32) for _ in range(2 * LAYERS)]
+    else:
+        nbytes = pool_bytes(2 * LAYERS, shape, torch.float32)
+        tensors = carve(map_pool_file(files.path(0), nbytes), 2 * LAYERS, shape, torch.float32)
+    for tensor in tensors:
+        tensor.normal_()
+    return tensors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--context", type=int, default=600)
+    parser.add_argument("--pool-mib", type=int, default=1300)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    torch.manual_seed(0)
+    num_blocks = args.pool_mib * 2**20 // (2 * LAYERS * KV_HEADS * BLOCK * HEAD_DIM * 4)
+    per_seq = -(-args.context // BLOCK)
+    tables = torch.randperm(num_blocks)[:args.seqs * per_seq].view(args.seqs, per_seq)
+    lens = torch.full((args.seqs,), args.context, dtype=torch.int64)
+    q = torch.randn(args.seqs, HEADS, HEAD_DIM)
+    times: dict[str, list[float]] = {"private": [], "shared": []}
+    for _ in range(args.rounds):
+        for kind in times:
+            files = PoolFiles(1)
+            tensors = pools(kind, num_blocks, files)
+            layers = list(zip(tensors[0::2], tensors[1::2]))
+            for k, v in layers:  # warm
+                cpu_attention.paged_decode_attention(q, k, v, tables.contiguous(), lens, 0.125)
+            started = time.perf_counter()
+            for _ in range(10):
+                for k, v in layers:
+                    cpu_attention.paged_decode_attention(q, k, v, tables.contiguous(), lens,
+                                                         0.125)
+            times[kind].append(round((time.perf_counter() - started) / 10 * 1000, 2))
+            del tensors, layers
+            files.close()
+    result = {"what": "ms per decode step of attention over all layers", "args": vars(args),
+              "machine": machine(), "loadavg_before": load_before,
+              "loadavg_after": os.getloadavg(), "ms": times,
+              "shared_over_private": round(statistics.median(times["shared"])
+                                           / statistics.median(times["private"]), 3)}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
