@@ -19,11 +19,17 @@ class Batch:
     """What a caller has not been sent yet: merged deltas, in delivery order."""
 
     token_ids: list[int] = field(default_factory=list)
+    """The output token ids, as the deltas brought them."""
     indices: list[int] = field(default_factory=list)
+    """Each token's output index (contiguous from its delta's first_index): the integrity
+    extension sends them, the last as the event's `id:` line, so the checker can tell a gap, a
+    repeat or a reorder."""
     step_ids: list[int] = field(default_factory=list)
+    """The engine step that produced each token (its delta's step_id)."""
     request_ids: list[str] = field(default_factory=list)
     """The engine's request id stamped on each token (differs only after a misroute)."""
     text: str = ""
+    """The new text of the merged deltas (complete UTF-8, no partial stop string)."""
     final: RequestDelta | None = None
     """The last delta (finish_reason set), once it has arrived."""
     error: tuple[str, str] | None = None
