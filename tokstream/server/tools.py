@@ -33,9 +33,13 @@ class Tool:
     """One function the model may call."""
 
     name: str
+    """1-64 letters, digits, '_' or '-' (NAME); unique among the request's tools."""
     description: str
+    """What the function does, as the model reads it in the prompt ('' when none was given)."""
     parameters: dict
-    """JSON schema of the call's arguments (an object)."""
+    """JSON schema of the call's arguments (an object; one without properties when none was
+    given), refused when read if the grammar engine cannot compile it: a forced call's grammar
+    holds the arguments to it."""
 
     def template_entry(self) -> dict:
         """As chat templates take it (transformers' `tools=` shape)."""
