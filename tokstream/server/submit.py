@@ -37,12 +37,19 @@ class Prompt:
 
 
 class Submitter:
+    """Admits requests and opens their streams, and settles what each reserved when it ends."""
+
     def __init__(self, registry: StreamRegistry, admission: Admission, metrics: Metrics,
                  events: EventLog, on_change: Callable[[], None]):
         self.registry = registry
+        """The open streams; it calls back here when a stream has its first token, finishes or
+        is cancelled (the hooks are set below)."""
         self.admission = admission
+        """The bounded waiting queue: a request counts in it until its first token (or end)."""
         self.metrics = metrics
+        """Where refusals, admissions, finishes and cancels are counted."""
         self.events = events
+        """Where refused, cancelled and failed requests are recorded (/v1/state's events)."""
         self.on_change = on_change
         """Called when the set of requests changes (the shared core snapshot is then stale)."""
         self._tenant_of: dict[str, TenantShare] = {}
