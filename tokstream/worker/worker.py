@@ -179,6 +179,8 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device.type,
                                       backend.name)
     num_blocks, block_bytes = kv_pool_blocks(config, source.config, kv_dtype, device)
+    if config.tp > 1:
+        num_blocks = _fewest_blocks(num_blocks, device)
     shared = None
     if device.type == "cpu" and pool_file is not None:
         shared = map_shared_pool(pool_file, source.config, num_blocks, config.cache.block_size,
@@ -201,6 +203,19 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
                         backend.name, tuple(graphs.sizes) if graphs else (), weights, kv_dtype,
                         kv_shared=shared is not None)
     return runner, ready
+
+
+def _fewest_blocks(num_blocks: int, device) -> int:
+    """The smallest pool any rank of the group can hold: each sizes its own from the memory
+    free as it starts, which differs by a little between them (on a host, between ranks that
+    share its memory). Only that many blocks are ever used, and a pool kept in the core's
+    memory file must have the same layout for every group that maps it."""
+    import torch
+    import torch.distributed as dist
+
+    fewest = torch.tensor([num_blocks], dtype=torch.int64, device=device)
+    dist.all_reduce(fewest, op=dist.ReduceOp.MIN)
+    return int(fewest.item())
 
 
 def _capture_decode_graphs(config, model, kv_caches, model_config, device):
