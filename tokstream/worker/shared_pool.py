@@ -2,9 +2,9 @@
 that the rank replacing this one after a failure finds every computed block where it was.
 
 The file's pages read as zeros until written and are backed as they are first written, like
-the private pool's (zeroed_memory.py). Measured on the 2-core Xeon: decode attention over a
-shared 4 KiB-page pool and over the private huge-page one took the same time within the noise
-(57-59 vs 54-60 ms for 32 sequences of 600 tokens, 30 layers).
+the private pool's (zeroed_memory.py). Where shmem huge pages are off its pages are 4 KiB,
+not the private pool's 2 MiB; decode attention over either took the same time within the
+noise on the 2-core Xeon (bench/kv_pool_pages.py, bench/results/kv_pool_pages.json).
 """
 
 from __future__ import annotations
