@@ -33,8 +33,11 @@ class BlockMap(Wire):
     runs."""
 
     ref_counts: str = ""
+    """Each block's reference count, one character a block, in block order."""
     owners: dict[str, list[list[int]]] = field(default_factory=dict)
+    """Running request id -> its blocks, as [first, count] runs."""
     cached: list[list[int]] = field(default_factory=list)
+    """The blocks holding a cached prefix (held or evictable), as runs."""
 
 
 @dataclass
@@ -44,12 +47,19 @@ class Kv(Wire):
     block_size: int = 0
     num_blocks: int = 0
     free_blocks: int = 0
+    """Blocks a request can be given now: truly free, or holding a cached prefix no request uses
+    (evictable), which also count in cached_blocks."""
     used_blocks: int = 0
     cached_blocks: int = 0
+    """Blocks registered in the prefix cache (held or evictable)."""
     usage: float = 0.0
+    """used_blocks / num_blocks."""
     prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache since the start (vllm:prefix_cache_queries)."""
     prefix_cache_hits: int = 0
+    """Of those, tokens found (vllm:prefix_cache_hits)."""
     swap_blocks: int = 0
+    """Host swap space in blocks, free_swap_blocks of them free (0 without swap space)."""
     free_swap_blocks: int = 0
     block_map: BlockMap = field(default_factory=BlockMap)
     self_check: list[str] = field(default_factory=list)
@@ -64,8 +74,12 @@ class Event(Wire):
     """Something that happened: a preemption, rank death, restart, refusal, cancel..."""
 
     time: float = 0.0
+    """When, in seconds since the epoch (time.time(), the gateway's and the core's alike, so their
+    events merge in order)."""
     kind: str = ""
+    """preempted, finished, rank_failure, restarted, refused, cancelled, ..."""
     request_id: str | None = None
+    """The request it concerns (None for one about the replica)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The kind's own fields (reason, tenant, ...), and `source` "engine" for the core's."""
 
@@ -81,15 +95,21 @@ class FairnessRow(Wire):
 
     tenant: str = ""
     counter: float = 0.0
+    """Service received: input tokens once and output tokens twice, over the tenant's weight
+    (tokstream/engine/fairness.py); the lowest backlogged tenant goes next."""
     active_requests: int = 0
+    """Its requests waiting or running."""
     served_tokens: int = 0
+    """Input and output tokens served since the start."""
 
 
 @dataclass
 class LastStep(Wire):
     num_tokens: int = 0
+    """Tokens the latest step computed, over num_seqs sequences."""
     num_seqs: int = 0
     step_ms: float | None = None
+    """How long the step took in ms, from scheduling it to its tokens appended."""
 
 
 @dataclass
@@ -97,6 +117,7 @@ class CoreRequestRow(Wire):
     """A request as the engine core sees it."""
 
     id: str = ""
+    """The engine's request id (a choice's own, for n > 1)."""
     state: str = ""
     """The scheduler's status: waiting, running, preempted, ..."""
     phase: str | None = None
@@ -104,6 +125,7 @@ class CoreRequestRow(Wire):
     blocks: int = 0
     preemptions: int = 0
     computed_tokens: int | None = None
+    """Tokens of it in the KV cache."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -112,16 +134,23 @@ class CoreSnapshot(Wire):
     """The engine core's snapshot, as the gateway reads it (only what it uses is named)."""
 
     worker_pids: list[int] = field(default_factory=list)
+    """The rank processes, rank 0 first."""
     step_id: int = 0
+    """Steps the core has run."""
     last_step: LastStep | None = None
     running: int = 0
+    """Requests in the batch; waiting: those waiting to join it."""
     waiting: int = 0
     max_num_seqs: int | None = None
+    """Most requests in one step, and token_budget most tokens (the scheduler's bounds)."""
     token_budget: int | None = None
     num_preemptions: int = 0
+    """Preemptions since the start."""
     kv: Kv | None = None
+    """The KV pool (None from a core that sends none)."""
     requests: list[CoreRequestRow] = field(default_factory=list)
     tenants: list[FairnessRow] | None = None
+    """The fair queue's rows, one per tenant it has seen."""
     events: list[Event] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -134,18 +163,25 @@ class Replica(Wire):
 
     status: ReplicaStatus = ReplicaStatus.READY
     restarts: int = 0
+    """Rank groups and engine cores replaced since the start."""
     restarts_by_kind: dict[str, int] = field(default_factory=dict)
     """rank: the rank group replaced by the core; core: the engine core replaced by the
     gateway."""
     resumed_requests: dict[str, int] = field(default_factory=dict)
+    """Per kind of restart (as restarts_by_kind), the requests resubmitted after it."""
     recovery_s: dict[str, list[float]] = field(default_factory=dict)
+    """Per kind of restart, how long each took: rank, from the core detecting the failure to a ready
+    group; core, from the gateway seeing the core dead to a new one holding every live request."""
     model: str | None = None
     dtype: str | None = None
     device: str | None = None
     tp: int | None = None
     spare: bool = False
+    """A standby rank group is kept loaded (serve --spare)."""
     max_model_len: int | None = None
+    """Most tokens of one request, prompt and output together."""
     uptime_s: float = 0.0
+    """Seconds since the gateway started."""
     error: str | None = None
     """Why the engine core died, while it is dead."""
 
@@ -155,7 +191,9 @@ class Rank(Wire):
     rank: int = 0
     pid: int | None = None
     alive: bool = False
+    """The process runs (it is neither gone nor a zombie)."""
     rss_bytes: int | None = None
+    """Resident memory (None where it could not be read)."""
     cpu_percent: float | None = None
     """Of one core, since the previous snapshot (None on a process's first)."""
 
@@ -171,21 +209,30 @@ class Batch(Wire):
     """The batch: occupancy now, the last step, and the scheduler's settings and totals."""
 
     running: int = 0
+    """From here to num_preemptions, the core's figures (CoreSnapshot's)."""
     waiting: int = 0
     max_num_seqs: int | None = None
     token_budget: int | None = None
     last_step_tokens: int = 0
+    """The latest step's tokens, sequences and duration in ms (0, 0 and None before the first
+    step): the core's last_step, flattened."""
     last_step_seqs: int = 0
     last_step_ms: float | None = None
     step_id: int = 0
     num_preemptions: int = 0
     chunked_prefill: bool | None = ABSENT
+    """Long prompts are prefilled in chunks. This field and the ones below are copied from the
+    core's snapshot when it has them (BATCH_FROM_CORE): ABSENT, and not written, otherwise."""
     max_prefill_chunk: int | None = ABSENT
+    """Most prompt tokens of one request a step (None: prompts go whole)."""
     preemption_mode: str | None = ABSENT
     num_swap_preemptions: int | None = ABSENT
+    """Preemptions that swapped blocks out to the host."""
     policy: str | None = ABSENT
     prefill_tokens_total: int = ABSENT
+    """Tokens computed in prefill chunks since the start."""
     decode_tokens_total: int = ABSENT
+    """Tokens decoded since the start."""
 
 
 @dataclass
@@ -193,6 +240,8 @@ class AdmissionState(Wire):
     """The gateway's admission queue (admitted, no first token yet) and its bounds."""
 
     waiting_requests: int = 0
+    """Admitted requests without a first token yet, and waiting_tokens their prompt tokens, against
+    the bounds below (ServerConfig.admission)."""
     waiting_tokens: int = 0
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
@@ -204,18 +253,26 @@ class StreamRow(Wire):
     """One live request as the gateway sees it: tokens delivered, latencies."""
 
     id: str = ""
+    """The request id (each choice of an n > 1 request has its own)."""
     tenant: str | None = None
+    """None without a tenants file."""
     api: str | None = None
+    """anthropic or openai: the API it came through."""
     prompt_tokens: int = 0
     output_tokens: int = 0
+    """Tokens delivered so far, of max_tokens at most."""
     max_tokens: int | None = None
     ttft_ms: float | None = None
+    """From its arrival at the gateway to its first token (None until then); itl_ms, the mean gap
+    between its tokens since."""
     itl_ms: float | None = None
     tokens_per_s: float | None = None
+    """Output tokens a second since its first token (None before the second)."""
     age_s: float = 0.0
     pending_tokens: int = 0
     """Delivered by the engine, not yet sent to the caller."""
     cancelled: str | None = None
+    """Why the gateway cancelled it (disconnected, slow_client, ...)."""
     resumes: int = 0
     """Times it was resubmitted to a new engine core or rank group."""
 
@@ -227,15 +284,21 @@ class RequestRow(StreamRow):
     state: str = ""
     """The core's state, or finishing (delivered, closing) / submitted (not in the core)."""
     blocks: int = 0
+    """blocks, preemptions and computed_tokens are the core's row's (0, 0 and None while it is not
+    in the core)."""
     preemptions: int = 0
     computed_tokens: int | None = None
     phase: str | None = None
+    """waiting | prefill | decode | preempted | recovering, or the state while it is not in the
+    core."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class RequestParams(Wire):
     max_tokens: int | None = None
+    """The sampling settings as the engine got them: the seed is the one drawn for a request that
+    sent none, plus the choice's index for a choice of n > 1."""
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -254,6 +317,7 @@ class RequestDetail(StreamRow):
     delivered_token_ids: list[int] = field(default_factory=list)
     """The last 64."""
     recent_text: str = ""
+    """Its latest text (the last 2000 characters at most)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -263,12 +327,19 @@ class TenantRow(Wire):
 
     name: str = ""
     weight: float | None = None
+    """The tenants file's settings, from here to max_concurrent (server/tenants.py): its share of
+    service when backlogged, its tier (lower is admitted first), its token budget and its live
+    requests at most (0: no limit)."""
     priority: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
     live: int = 0
+    """Its requests admitted and not yet settled."""
     tokens_available: int | None = None
+    """Tokens in its bucket now (None without a budget)."""
     prompt_tokens: int = 0
+    """Its totals since the start: prompt tokens admitted, output tokens of its settled requests,
+    and 429s for either limit."""
     output_tokens: int = 0
     refusals: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -278,13 +349,17 @@ class TenantRow(Wire):
 class ProcessInfo(Wire):
     pid: int | None = None
     alive: bool = ABSENT
+    """Sent for the engine core; ABSENT, and not written, for the gateway."""
 
 
 @dataclass
 class HostMemory(Wire):
     total_bytes: int = 0
     available_bytes: int = 0
+    """What processes can still be given without swapping (psutil's `available`: free memory plus
+    what the kernel can reclaim)."""
     cpu_count: int | None = None
+    """Logical CPUs."""
 
 
 @dataclass
@@ -293,22 +368,27 @@ class ProcessRow(Wire):
     """gateway, engine, or rankN."""
     pid: int | None = None
     rss_bytes: int | None = None
+    """Resident memory (None where it could not be read)."""
     cpu_percent: float | None = None
 
 
 @dataclass
 class DeviceMemory(Wire):
     index: int = 0
+    """The CUDA device's index (NVML's)."""
     total_bytes: int | None = None
     used_bytes: int | None = None
     utilization_percent: float | None = None
+    """Share of NVML's last sample period in which a kernel ran."""
 
 
 @dataclass
 class Memory(Wire):
     host: HostMemory = field(default_factory=HostMemory)
     processes: list[ProcessRow] = field(default_factory=list)
+    """The gateway, the engine core and each rank."""
     devices: list[DeviceMemory] = field(default_factory=list)
+    """CUDA devices (none on cpu, or without pynvml)."""
 
 
 @dataclass
@@ -316,6 +396,7 @@ class Timing(Wire):
     """What this snapshot cost: waiting for the core, and the gateway's own part."""
 
     core_wait_ms: float = 0.0
+    """Waiting for the core's snapshot (one shared by every reader)."""
     gateway_build_ms: float = 0.0
 
 
@@ -325,14 +406,18 @@ class StateSnapshot(Wire):
 
     replica: Replica = field(default_factory=Replica)
     ranks: list[Rank] = field(default_factory=list)
+    """The current rank group's processes."""
     kv: Kv = field(default_factory=Kv)
     batch: Batch = field(default_factory=Batch)
     admission: AdmissionState = field(default_factory=AdmissionState)
     requests: list[RequestRow] = field(default_factory=list)
+    """Every live request: the gateway's view joined with the core's."""
     tenants: list[TenantRow] = field(default_factory=list)
+    """The tenants file's tenants (none without one)."""
     fairness: list[FairnessRow] | None = None
     """The engine's fair-queue counters per tenant (None before the core's first answer)."""
     events: list[Event] = field(default_factory=list)
+    """The gateway's and the core's recent events, in time order."""
     engine: ProcessInfo = field(default_factory=ProcessInfo)
     gateway: ProcessInfo = field(default_factory=ProcessInfo)
     memory: Memory = field(default_factory=Memory)
