@@ -33,6 +33,9 @@ KERNELS = Switch("TOKSTREAM_KERNELS", "auto",
 CUDA_GRAPHS = Switch("TOKSTREAM_CUDA_GRAPHS", "1", "0 runs every GPU step eagerly (no graphs).")
 CPU_KERNELS = Switch("TOKSTREAM_CPU_KERNELS", "1",
                      "0 never builds or loads the C kernels: the torch reference runs.")
+SHM_ALLREDUCE = Switch("TOKSTREAM_SHM_ALLREDUCE", "1",
+                       "0 sends the CPU ranks' all-reduces through gloo (loopback TCP), not "
+                       "through shared memory (kernels/cpu_shm_allreduce.py).")
 DTYPE_PROBE = Switch("TOKSTREAM_DTYPE_PROBE", "",
                      "always: measure the bfloat16/float32 choice even on a CPU without native "
                      "bfloat16.")
@@ -53,7 +56,7 @@ XDG_CACHE_HOME = Switch("XDG_CACHE_HOME", "",
                         "Root of tokstream's caches (weights, dtype probes, compiled kernels); "
                         "default ~/.cache.")
 
-SWITCHES = (LOG, KERNELS, CUDA_GRAPHS, CPU_KERNELS, DTYPE_PROBE, SELF_CHECK, POISON,
+SWITCHES = (LOG, KERNELS, CUDA_GRAPHS, CPU_KERNELS, SHM_ALLREDUCE, DTYPE_PROBE, SELF_CHECK, POISON,
             DEMUX_MUTATION, CC, XDG_CACHE_HOME)
 
 

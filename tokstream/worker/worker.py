@@ -110,8 +110,11 @@ def resolve_device(device: str):
     return torch.device(device)
 
 
-def _init_tensor_parallel(config: EngineConfig, rank: int, rendezvous: str, device_type: str):
-    """Join this replica's gloo (CPU) or NCCL (CUDA) group; returns (all_reduce, all_gather)."""
+def _init_tensor_parallel(config: EngineConfig, rank: int, rendezvous: str, device_type: str,
+                          hidden_size: int):
+    """Join this replica's gloo (CPU) or NCCL (CUDA) group; returns (all_reduce, all_gather).
+    On the host, the activations' all-reduce goes through shared memory where it can
+    (kernels/cpu_shm_allreduce.py), gloo's loopback TCP otherwise."""
     import datetime
 
     import torch
@@ -121,8 +124,19 @@ def _init_tensor_parallel(config: EngineConfig, rank: int, rendezvous: str, devi
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank,
                             world_size=config.tp,
                             timeout=datetime.timedelta(seconds=config.collective_timeout_s))
+    shm = None
+    if device_type == "cpu" and envs.SHM_ALLREDUCE.get() != "0":
+        from tokstream.kernels import cpu_shm_allreduce
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        shm = cpu_shm_allreduce.connect(
+            rank, config.tp, config.scheduler.max_num_batched_tokens * hidden_size,
+            config.collective_timeout_s,
+            # More ranks than cores: a spinning rank holds the core the last one needs.
+            spins=0 if config.tp > cores else 20000)
 
     def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        if shm is not None and shm.fits(x):
+            return shm.all_reduce(x)
         dist.all_reduce(x)
         return x
 
@@ -156,10 +170,11 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
     if device.type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
+    source = resolve_model(config.model)
     all_reduce = all_gather = None
     if config.tp > 1:
-        all_reduce, all_gather = _init_tensor_parallel(config, rank, rendezvous, device.type)
-    source = resolve_model(config.model)
+        all_reduce, all_gather = _init_tensor_parallel(config, rank, rendezvous, device.type,
+                                                       source.config.hidden_size)
     weights, dtype = resolve_weights(config.weights, config.dtype, source, device.type)
     torch_dtype = TORCH_DTYPES[dtype]
     if weights == "native":
