@@ -210,9 +210,13 @@ SLOW_MAX_TOKENS = 1500
 
 
 def exhausting_max_tokens(facts: ServerFacts, num_streams: int, max_tokens: int) -> int:
-    """max_tokens per stream such that the streams together need at least twice the pool."""
+    """max_tokens per stream such that the streams together need at least twice the pool, and
+    any two at once more than all of it (a stream's output alone is half the pool): on a fast
+    server streams sent together still reach it spread out, and short ones would end before
+    the last has arrived."""
     pool_tokens = facts.num_blocks * facts.block_size
-    needed = math.ceil(2 * pool_tokens / num_streams) - PROMPT_ESTIMATE_TOKENS
+    needed = max(math.ceil(2 * pool_tokens / num_streams) - PROMPT_ESTIMATE_TOKENS,
+                 pool_tokens // 2)
     tokens = max(max_tokens, needed)
     if tokens + PROMPT_ESTIMATE_TOKENS > facts.max_model_len:
         raise UserInputError(

@@ -56,7 +56,8 @@ async def _main(options: Options, target: Target) -> dict:
                     "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
                     "loadavg": os.getloadavg()}
     try:
-        steady = await _steady_state(api, target, clock, violations)
+        steady = await _steady_state(api, target, clock, violations,
+                                     spare=options.spare and target.own)
         report["steady_state"] = steady
         facts = await _facts(api, steady["state"])
         replica = steady["state"].replica
@@ -87,8 +88,9 @@ async def _main(options: Options, target: Target) -> dict:
 
 
 async def _steady_state(api: ServerAPI, target: Target, clock: float,
-                        violations: Violations) -> dict:
-    """Healthy, state readable and ready, and a probe request streams cleanly."""
+                        violations: Violations, spare: bool = False) -> dict:
+    """Healthy, state readable and ready, and a probe request streams cleanly; with spare,
+    the spare engine core loaded too (a fault "with a spare" must find one ready)."""
     started = time.monotonic()
     while (health := await api.health()) != 200:
         # A server that is recovering (503) gets time; one that does not answer at all, less.
@@ -112,9 +114,13 @@ async def _steady_state(api: ServerAPI, target: Target, clock: float,
     await probe.close()
     rows = check_history(probe.histories, violations)
     idle, _ = await api.state_until(lambda s: not s.requests and s.batch.running == 0, 60, 0.1)
+    spare_ready = None
+    if spare:
+        _, spare_ready = await api.state_until(
+            lambda s: any(e.kind == "spare_core_ready" for e in s.events), STEADY_TIMEOUT_S, 0.5)
     return {"health": health, "status": state.replica.status, "model": model,
             "probe": rows[0]["class"], "baseline_used_blocks": idle.kv.used_blocks,
-            "state": idle}
+            "spare_core_ready": spare_ready, "state": idle}
 
 
 async def _facts(api: ServerAPI, state: StateSnapshot) -> ServerFacts:
