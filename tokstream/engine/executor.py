@@ -183,7 +183,8 @@ class Executor:
         """The last restart's group reads the pool the failed one wrote (restart)."""
         self.group = RankGroup(config, run_dir, self.pool_files)
         ready = self.group.wait_ready()
-        # Ranks size their pools alike, but free memory can differ by a little between them.
+        # The ranks of a group agree on one pool size (worker._fewest_blocks); min() holds
+        # for a group of any make.
         self.ready = min(ready, key=lambda r: r.num_blocks)
         # Later groups (the spare, restarts) get exactly this pool size, whatever memory is
         # free when they start.
