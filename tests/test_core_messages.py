@@ -16,11 +16,12 @@ from tokstream.config import EngineConfig
 from tokstream.engine import core_process
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.core_pipe import CorePipe
-from tokstream.engine.messages import (Abort, Add, ArmSpare, Batch, CoreDead, CoreMessage,
-                                       Deltas, EngineRequest, GatewayMessage, ProtocolError,
-                                       Ready, RequestDelta, ScoreQuery, ScoreReply,
-                                       ScoreResult, Shutdown, StartFailed, StartTimes,
-                                       StateQuery, StateReply, StatusChanged)
+from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, Batch, CoreDead,
+                                       CoreMessage, Deltas, EngineRequest, GatewayMessage,
+                                       PoolAdopted, ProtocolError, Ready, RequestDelta,
+                                       ScoreQuery, ScoreReply, ScoreResult, Shutdown,
+                                       StartFailed, StartTimes, StateQuery, StateReply,
+                                       StatusChanged)
 from tokstream.errors import (ErrorKind, OverloadedError, ReplicaError, UserInputError)
 from tokstream.sampling_params import SamplingParams
 from tokstream.state_snapshot import ReplicaStatus
@@ -31,7 +32,7 @@ REQUEST = EngineRequest("r1", [5, 6, 7], SamplingParams(max_tokens=4, temperatur
 DELTA = RequestDelta("r1", [9], 0, "x", num_prompt_tokens=3, num_output_tokens=1, step_id=2)
 SAMPLES = [
     Add(REQUEST), Abort("r1"), ArmSpare(), StateQuery(3), ScoreQuery(4, [1, 2, 3], 1),
-    Shutdown(), Batch([Add(REQUEST), Abort("r1")]),
+    AdoptPool(6), Shutdown(), Batch([Add(REQUEST), Abort("r1")]),
     Ready(start_times=StartTimes(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 2.1), model="m",
           dtype="float32", weights="native", pid=1, worker_pids=[2, 3], num_blocks=64,
           block_size=16, max_model_len=2048, vocab_size=100, capacity="64 blocks"),
@@ -39,6 +40,7 @@ SAMPLES = [
     StateReply(3, {"batch": {"running": 1}}),
     ScoreReply(4, ScoreResult([1.0], [2.0], [7])),
     ScoreReply(5, None, ErrorKind.OVERLOADED, "no room"),
+    PoolAdopted(6, 12), PoolAdopted(7, 0, "the ranks' KV pools are their own"),
     StatusChanged(ReplicaStatus.RECOVERING, "rank 1 died", restarts=1, worker_pids=[4],
                   resumed_requests=2, recoveries=0, recovery_s=None),
     CoreDead("rank group gone"),
@@ -114,14 +116,17 @@ def serve(core, *messages):
     return replies
 
 
-def test_the_core_acts_on_each_message_by_its_class():
+def test_the_core_acts_on_each_message_by_its_class(monkeypatch):
     core = StandInCore()
+    monkeypatch.setattr(core_process.pool_adoption, "adopt", lambda core: (len(core.added), None))
     replies = serve(core, Add(REQUEST), Add(EngineRequest("refused", [1], REQUEST.params)),
-                    ArmSpare(), StateQuery(7), ScoreQuery(8, [1, 2, 3], 1), Abort("r1"))
+                    ArmSpare(), StateQuery(7), ScoreQuery(8, [1, 2, 3], 1), AdoptPool(9),
+                    Abort("r1"))
     assert core.added == ["r1"] and core.armed == 1 and core.aborted == ["r1"]
     assert replies[0] == StateReply(7, {"batch": {"running": 1}})
     assert replies[1] == ScoreReply(8, ScoreResult([2.0, 3.0], [0.0], [0]))
-    (deltas,) = replies[2:]  # the refused add's error and the abort's end, after the read
+    assert replies[2] == PoolAdopted(9, 1, None)
+    (deltas,) = replies[3:]  # the refused add's error and the abort's end, after the read
     assert [(d.request_id, d.finish_reason, d.error_kind) for d in deltas.deltas] == [
         ("refused", "error", ErrorKind.OVERLOADED), ("r1", "abort", None)]
 
@@ -163,6 +168,8 @@ def stand_in_core(conn, unknown: bool = False):
                                         worker_pids=[os.getpid()], resumed_requests=2,
                                         recoveries=0, recovery_s=None))
                 conn.send(StateReply(token, {"ok": True}))
+            case AdoptPool(token):
+                conn.send(PoolAdopted(token, 5))
             case ScoreQuery(token, token_ids, _) if token_ids == [0]:
                 conn.send(ScoreReply(token, None, ErrorKind.USER, "bad ids"))
             case ScoreQuery(token, _, _):
@@ -193,6 +200,7 @@ def test_the_gateway_acts_on_each_message_by_its_class():
         assert statuses == [(ReplicaStatus.RECOVERING, "rank died")]
         assert engine.replica_status is ReplicaStatus.RECOVERING
         assert (engine.restarts, engine.resumed_requests) == (1, 2)
+        assert (await engine.adopt_pool()).blocks == 5
         with pytest.raises(UserInputError, match="bad ids"):
             await engine.score([0])
         with pytest.raises(ReplicaError, match="pass failed"):

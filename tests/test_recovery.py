@@ -202,7 +202,7 @@ def test_recovery_that_keeps_failing_goes_down_then_comes_back(tmp_path, referen
 def test_without_a_shared_pool_every_request_is_recomputed(reference, clean_run, monkeypatch):
     # The path a GPU takes (its memory dies with the rank) and a host without memfd.
     from tokstream.engine.pool_files import PoolFiles
-    monkeypatch.setattr(PoolFiles, "path", lambda self, rank: None)
+    monkeypatch.setattr(PoolFiles, "paths", lambda self: None)
     with LLM(config()) as llm:
         fault = once(mid_decode, kill_rank(1))
         out, _ = collect(llm, requests("r"), fault)

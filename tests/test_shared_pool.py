@@ -15,13 +15,13 @@ def test_a_second_mapping_reads_what_the_first_wrote():
     files = PoolFiles(tp=2)
     try:
         nbytes = pool_bytes(4, SHAPE, torch.float32)
-        first = carve(map_pool_file(files.path(1), nbytes), 4, SHAPE, torch.float32)
+        first = carve(map_pool_file(files.paths().ranks[1], nbytes), 4, SHAPE, torch.float32)
         assert all(int(t.count_nonzero()) == 0 for t in first)  # zero until written
         first[3][1, 2] = 7.5
-        again = carve(map_pool_file(files.path(1), nbytes), 4, SHAPE, torch.float32)
+        again = carve(map_pool_file(files.paths().ranks[1], nbytes), 4, SHAPE, torch.float32)
         assert torch.equal(again[3], first[3]) and float(again[3][1, 2, 0, 0]) == 7.5
         assert int(again[2].count_nonzero()) == 0  # tensors do not overlap
-        other = carve(map_pool_file(files.path(0), nbytes), 4, SHAPE, torch.float32)
+        other = carve(map_pool_file(files.paths().ranks[0], nbytes), 4, SHAPE, torch.float32)
         assert int(other[3].count_nonzero()) == 0  # each rank position has its own file
     finally:
         files.close()
@@ -31,9 +31,9 @@ def test_a_pool_of_another_size_or_a_missing_file_is_refused():
     files = PoolFiles(tp=1)
     try:
         nbytes = pool_bytes(2, SHAPE, torch.float32)
-        assert map_pool_file(files.path(0), nbytes) is not None
-        assert map_pool_file(files.path(0), nbytes * 2) is None
+        assert map_pool_file(files.paths().ranks[0], nbytes) is not None
+        assert map_pool_file(files.paths().ranks[0], nbytes * 2) is None
     finally:
         files.close()
     assert map_pool_file(f"/proc/{os.getpid()}/fd/999999", 4096) is None
-    assert files.path(0) is None  # closed: ranks allocate pools of their own
+    assert files.paths() is None  # closed: ranks allocate pools of their own

@@ -22,10 +22,12 @@ import psutil
 from tokstream.config import EngineConfig
 from tokstream.engine.core_pipe import CorePipe
 from tokstream.engine.core_process import core_main
-from tokstream.engine.messages import (Abort, Add, ArmSpare, CoreDead, CoreMessage, Deltas,
-                                       EngineRequest, ProtocolError, Ready, RequestDelta,
-                                       ScoreQuery, ScoreReply, ScoreResult, Shutdown,
-                                       StartFailed, StateQuery, StateReply, StatusChanged)
+from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, CoreDead, CoreMessage,
+                                       Deltas, EngineRequest, PoolAdopted, ProtocolError, Ready,
+                                       RequestDelta, ScoreQuery, ScoreReply, ScoreResult,
+                                       Shutdown, StartFailed, StateQuery, StateReply,
+                                       StatusChanged)
+from tokstream.engine.pool_files import PoolFiles
 from tokstream.errors import ErrorKind, OverloadedError, ReplicaError, UserInputError
 from tokstream.state_snapshot import ReplicaStatus
 
@@ -39,8 +41,11 @@ SCORE_ERRORS = {ErrorKind.USER: UserInputError, ErrorKind.OVERLOADED: Overloaded
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, pool: PoolFiles | None = None):
         self.config = config
+        self.pool = pool
+        """The KV pool files its ranks map, held by the caller so that they outlive this core
+        (None: the core makes its own)."""
         self.info: dict = {}
         self.dead: str | None = None
         self._sinks: dict[str, DeltaSink] = {}
@@ -78,7 +83,8 @@ class AsyncEngine:
         # Not a daemon: the core must be able to start worker processes of its own.
         self.process = context.Process(target=core_main,
                                        args=(child_conn, self.config, os.getpid(), self.run_dir,
-                                             time.monotonic()),
+                                             time.monotonic(),
+                                             self.pool.paths() if self.pool else None),
                                        name="tokstream-engine-core")
         self.process.start()
         child_conn.close()
@@ -125,7 +131,7 @@ class AsyncEngine:
         match message:
             case Deltas(deltas):
                 self._deliver(deltas)
-            case StateReply(token=token) | ScoreReply(token=token):
+            case StateReply(token=token) | ScoreReply(token=token) | PoolAdopted(token=token):
                 future = self._replies.pop(token, None)
                 if future is not None and not future.done():
                     future.set_result(message)
@@ -234,6 +240,12 @@ class AsyncEngine:
             return await future
         finally:
             self._replies.pop(token, None)
+
+    async def adopt_pool(self) -> PoolAdopted:
+        """Have the core claim the pool files' block index and keep the cached blocks a dead
+        core listed there (engine/pool_adoption.py). Only once no other process maps the files,
+        and before the first request (server/kept_pool.py)."""
+        return await self._ask(AdoptPool)
 
     async def state(self) -> dict:
         """The core's snapshot (scheduler, block map, requests, events, pids); answered

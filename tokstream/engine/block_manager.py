@@ -10,6 +10,9 @@ through the previous block's hash (and a salt, so tenants can be kept apart). A 
 takes every cached block of its prefix read-only (reference counts); a block is only ever
 written by the one request that filled it. Blocks nobody holds keep their content and are
 reused least-recently-freed first, so a popular prefix survives while the pool has room.
+
+With an index attached (block_index.py) every registration and every eviction is mirrored in
+it, so that the engine core taking over after this one dies can adopt the cached blocks.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ class BlockManager:
         """Prompt tokens looked up in the prefix cache (vllm:prefix_cache_queries)."""
         self.prefix_hits = 0
         """Of those, tokens found (vllm:prefix_cache_hits)."""
+        self.index = None
+        """A BlockIndex mirroring the prefix cache's map (attach_index), or None."""
+        self.blocks_handed_out = 0
+        """Blocks given to a request since this manager was made (adopt needs none)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,6 +137,8 @@ class BlockManager:
                 self._block_of[parent] = block_id
                 self._hash_of[block_id] = parent
                 self._cached_marks[block_id] = 1
+                if self.index is not None:
+                    self.index.publish(block_id, parent)
 
     def allocate(self, request: Request, num_new_tokens: int, reserve: int = 0) -> list[int] | None:
         """Grow request's block table for num_new_tokens more tokens; None if the pool is short."""
@@ -163,6 +172,34 @@ class BlockManager:
         self._hash_of.clear()
         self._cached_marks = bytearray(self.num_blocks)
         self._block_of.clear()
+        if self.index is not None:
+            self.index.clear_all()
+
+    def attach_index(self, index, entries: dict[int, bytes]) -> int:
+        """Register the blocks a dead engine core's index listed (entries: {block id: prefix
+        hash}, from BlockIndex.claim) as cached prefixes nobody holds, and mirror the cache in
+        index from now on. Only a manager that has handed out no block can adopt: its ranks
+        have written nothing over what the index describes. Returns the blocks adopted."""
+        if self.blocks_handed_out or self._hash_of or not self.enable_caching:
+            index.clear_all()
+            entries = {}
+            for block_id, block_hash in self._hash_of.items():
+                index.publish(block_id, block_hash)
+        adopted = {}
+        for block_id, block_hash in sorted(entries.items()):
+            if 0 <= block_id < self.num_blocks and block_hash not in self._block_of:
+                self._block_of[block_hash] = block_id
+                adopted[block_id] = block_hash
+        for block_id, block_hash in entries.items():
+            if adopted.get(block_id) != block_hash:
+                index.clear(block_id)  # a duplicate: listed twice, held by nobody here
+        self._hash_of.update(adopted)
+        for block_id in adopted:
+            self._cached_marks[block_id] = 1
+            self._evictable[block_id] = None
+        self._free = deque(b for b in self._free if b not in adopted)
+        self.index = index
+        return len(adopted)
 
     def check(self, holders: Iterable[Request], rehash: bool = True) -> list[str]:
         """What is wrong with the bookkeeping (empty when nothing is), given every request
@@ -213,6 +250,8 @@ class BlockManager:
         if len(self._block_of) != len(self._hash_of) or any(
                 self._block_of.get(h) != b for b, h in self._hash_of.items()):
             problems.append("the prefix cache's hash and block maps disagree")
+        if self.index is not None and self.index.entries() != self._hash_of:
+            problems.append("the block index lists other blocks than the prefix cache")
         return problems
 
     def _hold(self, block_id: int) -> None:
@@ -228,6 +267,11 @@ class BlockManager:
             del self._block_of[self._hash_of.pop(block_id)]
             self._cached_marks[block_id] = 0
         self.ref_counts[block_id] = 1
+        self.blocks_handed_out += 1
+        if self.index is not None:
+            # Unlisted before any rank writes to it: a core that dies from here on must not
+            # leave it named after its old prefix.
+            self.index.clear(block_id)
         return block_id
 
 

@@ -19,6 +19,7 @@ from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.executor import Executor
 from tokstream.engine.messages import (EngineRequest, RequestDelta, ScoreResult, StepPlan,
                                        StepResult, TokenLogprobs, token_digest)
+from tokstream.engine.pool_files import PoolPaths
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduled import SchedulerOutput
 from tokstream.engine.scheduler import Scheduler
@@ -41,13 +42,13 @@ class StepStats:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None,
-                 run_dir: str | None = None):
+                 run_dir: str | None = None, pool: PoolPaths | None = None):
         self.config = config
         source = resolve_model(config.model)
         self.model_config = source.config
         self.tokenizer = tokenizer or load_tokenizer(source)
         self.model_config.check_tp(config.tp)
-        self.executor = Executor(config, run_dir)
+        self.executor = Executor(config, run_dir, pool)
         ready = self.executor.ready
         self.dtype = ready.dtype
         self.weights = ready.weights
@@ -92,6 +93,8 @@ class EngineCore:
         self.self_check_failures = 0
         """Self-checks of the block bookkeeping that found something (see self_check)."""
         self._check_every_step = envs.SELF_CHECK.is_set()
+        self.index_signature: bytes | None = None
+        """The pool layout the block index was claimed for (pool_adoption.adopt)."""
         log.info("%s", self.capacity_summary())
 
     def capacity_summary(self) -> str:

@@ -13,11 +13,13 @@ import time
 
 from tokstream import envs
 from tokstream.config import EngineConfig
+from tokstream.engine import pool_adoption
 from tokstream.engine.child_process import become_child
-from tokstream.engine.messages import (Abort, Add, ArmSpare, Batch, CoreDead, Deltas,
-                                       ProtocolError, Ready, RequestDelta, ScoreQuery,
-                                       ScoreReply, Shutdown, StartFailed, StartTimes,
-                                       StateQuery, StateReply, StatusChanged)
+from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, Batch, CoreDead,
+                                       Deltas, PoolAdopted, ProtocolError, Ready, RequestDelta,
+                                       ScoreQuery, ScoreReply, Shutdown, StartFailed,
+                                       StartTimes, StateQuery, StateReply, StatusChanged)
+from tokstream.engine.pool_files import PoolPaths
 from tokstream.errors import (ErrorKind, OverloadedError, ReplicaError, TokstreamError,
                               UserInputError, error_kind)
 from tokstream.state_snapshot import ReplicaStatus
@@ -29,10 +31,11 @@ GATHER_LIMIT = 5
 
 
 def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None = None,
-              spawned_at: float | None = None) -> None:
+              spawned_at: float | None = None, pool: PoolPaths | None = None) -> None:
     """The core's process: dies with the gateway and leaves SIGTERM to it (child_process);
     its rank groups keep their files under run_dir, which the gateway removes. spawned_at:
-    the gateway's time.monotonic() as it started this process."""
+    the gateway's time.monotonic() as it started this process. pool: the gateway's KV pool
+    files (engine/pool_files.py; None: the core makes its own)."""
     entered = time.monotonic()
     become_child(parent_pid)
     logging.basicConfig(level=envs.LOG.get(),
@@ -44,7 +47,7 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
 
     imported = time.monotonic()
     try:
-        core = EngineCore(config, run_dir=run_dir)
+        core = EngineCore(config, run_dir=run_dir, pool=pool)
     except TokstreamError as exc:
         kind = ErrorKind.USER if isinstance(exc, UserInputError) else ErrorKind.REPLICA
         conn.send(StartFailed(kind, str(exc)))
@@ -133,6 +136,8 @@ def _handle(conn, core, message, out: list[RequestDelta]) -> bool:
                 out.append(delta)
         case StateQuery(token):
             conn.send(StateReply(token, core.snapshot()))
+        case AdoptPool(token):
+            conn.send(PoolAdopted(token, *pool_adoption.adopt(core)))
         case ScoreQuery(token, token_ids, start):
             conn.send(_score(core, token, token_ids, start))
         case _:  # a Batch inside a Batch included

@@ -18,7 +18,7 @@ import time
 from tokstream import envs
 from tokstream.config import EngineConfig
 from tokstream.engine.messages import ScoreRequest, ScoreResult, StepPlan, StepResult
-from tokstream.engine.pool_files import PoolFiles
+from tokstream.engine.pool_files import PoolFiles, PoolPaths
 from tokstream.engine.rank_start import rank_context, rank_main
 from tokstream.errors import ReplicaError, UserInputError
 from tokstream.worker.worker import WorkerFailed, WorkerReady
@@ -58,7 +58,7 @@ class RankGroup:
     """The tensor-parallel ranks of one replica: spawned together, one unit when any fails."""
 
     def __init__(self, config: EngineConfig, run_dir: str | None = None,
-                 pool_files: PoolFiles | None = None):
+                 pool_files: tuple[str, ...] | None = None):
         self.config = config
         context, environment = rank_context(config)
         # A rendezvous file unique to this group: two servers (or a group and its spare)
@@ -75,7 +75,7 @@ class RankGroup:
             parent_conn, child_conn = context.Pipe()
             process = context.Process(target=rank_main,
                                       args=(environment, child_conn, config, rank, rendezvous,
-                                            pool_files and pool_files.path(rank)),
+                                            pool_files and pool_files[rank]),
                                       name=f"tokstream-rank{rank}")
             process.start()
             child_conn.close()
@@ -139,7 +139,7 @@ class RankGroup:
 
     def pool_layout(self) -> list[tuple] | None:
         """Every rank's pool layout (WorkerReady.pool_layout) if every rank's pool is in the
-        core's memory files, else None."""
+        pool files (engine/pool_files.py), else None."""
         if len(self.ready) != self.config.tp or not all(r.kv_shared for r in self.ready):
             return None
         return [r.pool_layout() for r in self.ready]
@@ -173,12 +173,16 @@ class RankGroup:
 class Executor:
     """The engine core's handle on its rank group (and a warm spare, with config.spare)."""
 
-    def __init__(self, config: EngineConfig, run_dir: str | None = None):
+    def __init__(self, config: EngineConfig, run_dir: str | None = None,
+                 pool: PoolPaths | None = None):
         self.config = config
         self.run_dir = run_dir
         """Where rank groups keep their files (None: the system's temp folder)."""
-        self.pool_files = PoolFiles(config.tp)
-        """The ranks' KV pools on the host: every group of this core maps the same ones."""
+        self._own_pool = PoolFiles(config.tp) if pool is None else None
+        self.pool = pool or self._own_pool.paths()
+        """The ranks' KV pools on the host (the gateway's, else this core's own): every group
+        of this core maps the same ones."""
+        self.pool_files = self.pool.ranks if self.pool is not None else None
         self.pool_kept = False
         """The last restart's group reads the pool the failed one wrote (restart)."""
         self.group = RankGroup(config, run_dir, self.pool_files)
@@ -251,4 +255,5 @@ class Executor:
         self.group.shutdown()
         if self.spare is not None:
             self.spare.shutdown()
-        self.pool_files.close()
+        if self._own_pool is not None:
+            self._own_pool.close()

@@ -10,6 +10,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from tokstream.engine import pool_adoption
 from tokstream.engine.messages import RequestDelta, poison_message
 from tokstream.engine.request import RequestStatus
 from tokstream.engine.scheduler import SchedulerOutput
@@ -49,6 +50,7 @@ def recover(core: EngineCore, reason: str,
         kept = core.executor.pool_kept and core.scheduler.keep_pool_after_restart(failed)
         if not kept:
             core.scheduler.requeue_all()  # the pool's contents died with the ranks
+        pool_adoption.follow_restart(core)
         core.restarts += 1
         core.resumed_requests += len(core.scheduler.requests)
         seconds = time.monotonic() - started
@@ -126,6 +128,7 @@ def retry_when_down(core: EngineCore) -> None:
         core.next_retry = time.monotonic() + DOWN_RETRY_S
         core.event("restart_failed", "", reason=str(exc), attempt=0)
         return
+    pool_adoption.follow_restart(core)
     core.restarts += 1
     core.event("restarted", "", seconds=None, pids=core.executor.pids, resumed=0)
     core.set_status("ready", None)

@@ -22,11 +22,13 @@ from starlette.routing import Route
 
 from tokstream.config import EngineConfig, ServerConfig
 from tokstream.engine.async_engine import AsyncEngine
+from tokstream.engine.pool_files import PoolFiles
 from tokstream.server import admin_routes, anthropic_routes, openai_routes, tokenizer_routes
 from tokstream.server.connection_limits import (ConnectionLimits, connection_cap,
                                                 guarded_protocol, raise_descriptor_limit)
 from tokstream.server.cors import cors_middleware
 from tokstream.server.host_check import HostCheck
+from tokstream.server.kept_pool import hand_over
 from tokstream.server.errors import ApiError, api_for_path, error_response
 from tokstream.server.openapi import openapi_schema
 from tokstream.server import health
@@ -74,9 +76,17 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id
               aliases: set[str], tokenizer, url: str | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        engine = await AsyncEngine(engine_config).start()
+        # The KV pool files outlive every engine core (engine/pool_files.py): the gateway holds
+        # them, and each core it starts maps them.
+        pool = PoolFiles(engine_config.tp)
+        try:
+            engine = await AsyncEngine(engine_config, pool).start()
+        except BaseException:
+            pool.close()
+            raise
         server = None
         try:
+            await hand_over(engine)
             server = app.state.server = Server(server_config, engine, tokenizer, model_id,
                                                aliases)
             if url is not None:
@@ -89,6 +99,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id
         finally:
             # The server's engine may be a later one than this (after an engine core restart).
             await (server.close() if server is not None else engine.shutdown())
+            pool.close()
 
     # Outermost first: a foreign Host is refused before anything else looks at the request.
     middleware = [Middleware(HostCheck, allowed_hosts=server_config.allowed_hosts),

@@ -18,13 +18,18 @@ from collections.abc import Callable
 
 from tokstream.config import EngineConfig
 from tokstream.engine.async_engine import AsyncEngine, kill_tree
+from tokstream.engine.pool_files import PoolFiles
 
 log = logging.getLogger("tokstream.server")
 
 
 class SpareCore:
-    def __init__(self, config: EngineConfig, retry_interval_s: float):
+    def __init__(self, config: EngineConfig, retry_interval_s: float,
+                 pool: PoolFiles | None = None):
         self.config = dataclasses.replace(config, spare=False, spare_core=False)
+        self.pool = pool
+        """The gateway's KV pool files: the spare's ranks map them as they load, and write
+        nothing there until it takes over (kept_pool.hand_over)."""
         self.retry_interval_s = retry_interval_s
         self.engine: AsyncEngine | None = None
         """The spare, loading or loaded (None between a take and the next load)."""
@@ -45,7 +50,7 @@ class SpareCore:
 
     async def _start(self, delay_s: float) -> None:
         await asyncio.sleep(delay_s)
-        self.engine = engine = AsyncEngine(self.config)
+        self.engine = engine = AsyncEngine(self.config, self.pool)
         await engine.start()
         engine.on_dead = lambda reason: self._lost(engine, reason)
         if self.on_ready is not None:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 
 from tokstream.config import EngineConfig
 from tokstream.engine.async_engine import AsyncEngine, kill_tree
+from tokstream.server.kept_pool import hand_over
 from tokstream.server.request_failures import RequestFailures
 from tokstream.server.spare_core import SpareCore
 from tokstream.server.streams import StreamRegistry
@@ -81,8 +82,10 @@ class EngineSupervisor:
         """Failed core starts in a row (quick deaths included); reset by a core that lasts."""
         self._request_failures = RequestFailures(registry, self.config.max_request_failures,
                                                  self._event)
-        self.spare = (SpareCore(self.config, retry_interval_s) if self.config.spare_core
-                      else None)
+        self.pool = engine.pool
+        """The KV pool files every core of this replica maps (the gateway's: kept_pool)."""
+        self.spare = (SpareCore(self.config, retry_interval_s, self.pool)
+                      if self.config.spare_core else None)
         self._attach(engine)
         if self.spare is not None:
             self.spare.on_ready = lambda spare: self._event(
@@ -183,12 +186,15 @@ class EngineSupervisor:
         was_down = self.status == ReplicaStatus.DOWN
         self.engine = engine
         self._attach(engine)
+        # Before any resumed request: they find the blocks the dead core left by their prefix.
+        kept = await hand_over(engine)
         with engine.batch():  # one step re-prefills them all
             resumed = self.registry.resubmit(engine)
         seconds = None if was_down else time.monotonic() - started
         self._event("engine_restarted", pid=engine.pid, worker_pids=engine.info["worker_pids"],
                     seconds=seconds, resumed=resumed, spare=swapped is not None,
-                    start_times=engine.info["start_times"].as_dict())
+                    start_times=engine.info["start_times"].as_dict(),
+                    kv_blocks_kept=kept.get("blocks", 0), kv_refused=kept.get("refused"))
         self._count("core", seconds, resumed)
         self._set_status(engine.replica_status, None)
         if self.spare is not None:  # its own task: the replacement is over (see replacing)
@@ -212,7 +218,7 @@ class EngineSupervisor:
             self.spare.load()
 
     async def _start(self) -> tuple[AsyncEngine | None, str | None]:
-        engine = AsyncEngine(self.config)
+        engine = AsyncEngine(self.config, self.pool)
         self._starting = engine
         try:
             await engine.start()

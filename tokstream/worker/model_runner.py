@@ -263,7 +263,7 @@ def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int,
 
 def map_shared_pool(pool_file: str, model_config: ModelConfig, num_blocks: int,
                     block_size: int, tp: int, dtype: torch.dtype):
-    """The core's memory file for this rank's pool, mapped (shared_pool.py); None if unusable."""
+    """This rank's pool file, mapped (shared_pool.py); None if unusable."""
     shape = kv_cache_shape(model_config, num_blocks, block_size, tp)
     nbytes = shared_pool.pool_bytes(2 * model_config.num_layers, shape, dtype)
     return shared_pool.map_pool_file(pool_file, nbytes)

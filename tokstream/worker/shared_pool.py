@@ -1,5 +1,6 @@
-"""A rank's CPU KV pool mapped from the engine core's memory file (engine/pool_files.py), so
-that the rank replacing this one after a failure finds every computed block where it was.
+"""A rank's CPU KV pool mapped from its pool file (engine/pool_files.py), so that the rank
+(or the engine core) replacing this one after a failure finds every computed block where it
+was.
 
 The file's pages read as zeros until written and are backed as they are first written, like
 the private pool's (zeroed_memory.py). Where shmem huge pages are off its pages are 4 KiB,

@@ -39,8 +39,8 @@ class WorkerReady:
     kv_cache_dtype: str = ""
     """The KV cache's dtype ('' from a worker that predates the choice: dtype's)."""
     kv_shared: bool = False
-    """The pool lives in the engine core's memory file for this rank (CPU): it outlives the
-    rank, and the rank that replaces it maps the same KV (engine/pool_files.py)."""
+    """The pool lives in this rank's pool file (CPU, engine/pool_files.py): it outlives the
+    rank, and the rank that replaces it maps the same KV."""
 
     def pool_layout(self) -> tuple:
         """What the pool's bytes mean: a replacement's pool must match it to be read."""
@@ -70,7 +70,7 @@ def worker_main(conn, config: EngineConfig, rank: int, rendezvous: str | None = 
                 pool_file: str | None = None) -> None:
     """One rank. Plans arrive pickled once by the core and sent to every rank (send_bytes);
     only rank 0 answers. rendezvous: a file path unique to this rank group (tp > 1);
-    pool_file: the core's memory file for this rank's KV pool (CPU; None: a pool of its own)."""
+    pool_file: this rank's KV pool file (engine/pool_files.py) (CPU; None: a pool of its own)."""
     logging.basicConfig(level=envs.LOG.get(),
                         format="%(asctime)s %(name)s: %(message)s")
     try:

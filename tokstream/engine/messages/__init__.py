@@ -7,11 +7,11 @@
 - start_times: where an engine core's start goes (in its Ready message).
 """
 
-from tokstream.engine.messages.gateway import (Abort, Add, ArmSpare, Batch, CoreDead,
-                                               CoreMessage, Deltas, GatewayMessage,
-                                               ProtocolError, Ready, ScoreQuery, ScoreReply,
-                                               Shutdown, StartFailed, StateQuery, StateReply,
-                                               StatusChanged)
+from tokstream.engine.messages.gateway import (Abort, Add, AdoptPool, ArmSpare, Batch,
+                                               CoreDead, CoreMessage, Deltas, GatewayMessage,
+                                               PoolAdopted, ProtocolError, Ready, ScoreQuery,
+                                               ScoreReply, Shutdown, StartFailed, StateQuery,
+                                               StateReply, StatusChanged)
 from tokstream.engine.messages.request import (EngineRequest, FinishReason, RequestDelta,
                                                poison_message, token_digest)
 from tokstream.engine.messages.start_times import StartTimes
@@ -19,10 +19,10 @@ from tokstream.engine.messages.worker import (NewRequestData, ScheduledChunk, Sc
                                               ScoreResult, StepPlan, StepResult, TokenLogprobs)
 
 __all__ = [
-    "Abort", "Add", "ArmSpare", "Batch", "CoreDead", "CoreMessage", "Deltas", "EngineRequest",
-    "FinishReason", "GatewayMessage", "NewRequestData", "ProtocolError", "Ready",
-    "RequestDelta", "ScheduledChunk", "ScoreQuery", "ScoreReply", "ScoreRequest",
-    "ScoreResult", "Shutdown", "StartFailed", "StartTimes", "StateQuery", "StateReply",
-    "StatusChanged", "StepPlan", "StepResult", "TokenLogprobs", "poison_message",
+    "Abort", "Add", "AdoptPool", "ArmSpare", "Batch", "CoreDead", "CoreMessage", "Deltas",
+    "EngineRequest", "FinishReason", "GatewayMessage", "NewRequestData", "PoolAdopted",
+    "ProtocolError", "Ready", "RequestDelta", "ScheduledChunk", "ScoreQuery", "ScoreReply",
+    "ScoreRequest", "ScoreResult", "Shutdown", "StartFailed", "StartTimes", "StateQuery",
+    "StateReply", "StatusChanged", "StepPlan", "StepResult", "TokenLogprobs", "poison_message",
     "token_digest",
 ]

@@ -1,9 +1,10 @@
 """What the gateway (AsyncEngine) and its engine core (core_process) say to each other over
 their pipe: one dataclass per message, read with `match` on its class.
 
-gateway -> core: Add | Abort | ArmSpare | StateQuery | ScoreQuery | Shutdown | Batch
+gateway -> core: Add | Abort | ArmSpare | StateQuery | ScoreQuery | AdoptPool | Shutdown |
+                 Batch
 core -> gateway: Ready or StartFailed first, then Deltas | StateReply | ScoreReply |
-                 StatusChanged | CoreDead
+                 PoolAdopted | StatusChanged | CoreDead
 
 A query carries a token of the gateway's choosing; its reply carries the same token. Either
 side raises ProtocolError on a message of any other type.
@@ -73,6 +74,14 @@ class ScoreQuery:
 
 
 @dataclass
+class AdoptPool:
+    """Take over the KV pool files' block index (engine/pool_adoption.py): the gateway sends
+    it once no other process maps the pool, before the first request; a PoolAdopted answers."""
+
+    token: int
+
+
+@dataclass
 class Shutdown:
     """Stop: the core stops its ranks and exits."""
 
@@ -86,7 +95,8 @@ class Batch:
     """Any gateway message but a Batch."""
 
 
-GatewayMessage = Add | Abort | ArmSpare | StateQuery | ScoreQuery | Shutdown | Batch
+GatewayMessage = (Add | Abort | ArmSpare | StateQuery | ScoreQuery | AdoptPool | Shutdown
+                  | Batch)
 
 
 # --- core -> gateway ----------------------------------------------------------------------
@@ -156,6 +166,16 @@ class ScoreReply:
 
 
 @dataclass
+class PoolAdopted:
+    token: int
+    """The AdoptPool's."""
+    blocks: int
+    """Blocks of cached prefixes found in the index and kept (0: none, or see refused)."""
+    refused: str | None = None
+    """Why the core keeps no index (its ranks' pools are their own, ...); None: it keeps it."""
+
+
+@dataclass
 class StatusChanged:
     """The replica's status changed (EngineCore.recover): a rank-group restart began, ended,
     or gave up."""
@@ -183,4 +203,5 @@ class CoreDead:
     reason: str
 
 
-CoreMessage = Ready | StartFailed | Deltas | StateReply | ScoreReply | StatusChanged | CoreDead
+CoreMessage = (Ready | StartFailed | Deltas | StateReply | ScoreReply | PoolAdopted
+               | StatusChanged | CoreDead)
