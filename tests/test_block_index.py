@@ -8,9 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tokstream.engine import pool_adoption
 from tokstream.engine.block_index import BlockIndex, layout_signature
 from tokstream.engine.block_manager import BlockManager
-from tokstream.engine.pool_files import PoolFiles
+from tokstream.engine.pool_files import PoolFiles, PoolPaths
 from tokstream.engine.request import RequestStatus
 from test_scheduler import make_request, make_scheduler
 
@@ -190,3 +191,45 @@ def test_no_request_reads_another_requests_kv_across_core_deaths(index_path, ops
         s.update(out, [9 for w in out.work if w.samples])
         assert s.check() == []
     assert not s.has_work
+
+
+# --- the engine core's side (pool_adoption) ---------------------------------------------------
+
+class StandInCore:
+    """What pool_adoption reads of an EngineCore."""
+
+    def __init__(self, index_path, layout):
+        self.block_manager = BlockManager(16, 4)
+        self.layout = layout
+        self.executor = self
+        self.group = self
+        self.pool = PoolPaths((), index_path)
+        self.config = self
+        self.model, self.dtype, self.weights = "dummy:tiny", "float32", "dequantized"
+        self.index_signature = None
+        self.events = []
+
+    def pool_layout(self):
+        return self.layout
+
+    def event(self, kind, request_id, **fields):
+        self.events.append(kind)
+
+
+def test_a_core_lets_go_of_the_index_when_its_new_ranks_read_another_pool(index_path):
+    core = StandInCore(index_path, [("rank 0", "float32")])
+    assert pool_adoption.adopt(core) == (0, None)
+    served(core.block_manager, make_request("a", prompt=list(range(100, 113))))
+    pool_adoption.follow_restart(core)  # the same layout: the index stays
+    assert core.block_manager.index is not None and len(core.block_manager.index.entries()) == 3
+    core.layout = None  # a restarted rank allocated a pool of its own
+    pool_adoption.follow_restart(core)
+    assert core.block_manager.index is None and core.events[-1] == "pool_index_dropped"
+    # What the index listed was emptied: the next core adopts nothing of it.
+    assert pool_adoption.adopt(StandInCore(index_path, [("rank 0", "float32")])) == (0, None)
+
+
+def test_a_core_whose_ranks_have_pools_of_their_own_keeps_no_index(index_path):
+    core = StandInCore(index_path, None)
+    blocks, refused = pool_adoption.adopt(core)
+    assert blocks == 0 and "their own" in refused and core.block_manager.index is None
