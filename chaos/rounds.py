@@ -139,7 +139,7 @@ async def run_round(ctx: Context, index: int) -> dict:
     fault["server_recovery_s"] = _new_recoveries(before, drained)
     fault["engine_events"] = [
         {k: v for k, v in e.to_wire().items()
-         if k in ("time", "kind", "reason", "resumed", "source", "kv")}
+         if k in ("time", "kind", "reason", "resumed", "source", "kv", "kv_blocks_kept")}
         for e in drained.events if e.time >= fault.get("wall_time", time.time())
         and e.kind in ("rank_failure", "restarted", "restart_failed", "engine_dead",
                           "engine_restarted", "engine_restart_failed", "request_failed")]
