@@ -37,3 +37,23 @@ def test_a_pool_of_another_size_or_a_missing_file_is_refused():
         files.close()
     assert map_pool_file(f"/proc/{os.getpid()}/fd/999999", 4096) is None
     assert files.paths() is None  # closed: ranks allocate pools of their own
+
+
+def test_groups_that_map_one_pool_file_do_not_split_the_kv_budget(monkeypatch):
+    """The spare group and the spare core map the gateway's pool files: the replica's budget
+    is one pool. A pool of every group's own splits it between them."""
+    import psutil
+
+    from tokstream.config import EngineConfig
+    from tokstream.model.source import resolve_model
+    from tokstream.worker.model_runner import kv_pool_blocks
+
+    available = 2**30  # well under the 4 GiB default cap, so the split shows
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("M", (), {"available": available}))
+    config = EngineConfig(model="dummy:tiny", spare=True, spare_core=True)
+    config.scheduler.max_num_seqs = 10**6  # the sequence cap must not bind either
+    model = resolve_model(config.model).config
+    cpu = torch.device("cpu")
+    own, _ = kv_pool_blocks(config, model, "float32", cpu)
+    shared, _ = kv_pool_blocks(config, model, "float32", cpu, shared=True)
+    assert abs(shared - 3 * own) <= 3  # a third each, to the block

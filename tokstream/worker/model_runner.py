@@ -218,8 +218,10 @@ class ModelRunner:
 
 
 def kv_pool_blocks(config: EngineConfig, model_config: ModelConfig, dtype: str,
-                   device: torch.device) -> tuple[int, int]:
-    """(num_blocks, bytes per block on this rank) from the memory budget."""
+                   device: torch.device, shared: bool = False) -> tuple[int, int]:
+    """(num_blocks, bytes per block on this rank) from the memory budget. shared: the pool
+    is in the gateway's pool files (engine/pool_files.py), which every group maps, the spare
+    group and the spare core's too, so the budget need not be split between them."""
     per_token = model_config.kv_bytes_per_token(dtype) // config.tp
     per_block = per_token * config.cache.block_size
     if config.cache.num_blocks is not None:
@@ -234,7 +236,7 @@ def kv_pool_blocks(config: EngineConfig, model_config: ModelConfig, dtype: str,
             # Every rank (and the spares') shares host memory: the budget is the replica's.
             import psutil
             available = psutil.virtual_memory().available
-            groups = 1 + config.spare + config.spare_core
+            groups = 1 if shared else 1 + config.spare + config.spare_core
             budget = min(DEFAULT_CPU_KV_MEMORY,
                          int(available * config.cache.memory_fraction) // groups) // config.tp
         # Without an explicit budget, stop at what the sequence cap could ever fill.

@@ -193,7 +193,8 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
         measure_crossovers(model.quantized_weights())
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device.type,
                                       backend.name)
-    num_blocks, block_bytes = kv_pool_blocks(config, source.config, kv_dtype, device)
+    num_blocks, block_bytes = kv_pool_blocks(config, source.config, kv_dtype, device,
+                                             shared=pool_file is not None)
     if config.tp > 1:
         num_blocks = _fewest_blocks(num_blocks, device)
     shared = None
