@@ -99,6 +99,29 @@ OPS = st.lists(st.one_of(
 ), min_size=1, max_size=60)
 
 
+def apply(s, added: list, op: tuple, on_step=None) -> None:
+    """One operation of OPS on scheduler s; added: every request it added so far. on_step:
+    called with each step's output before its update (what the ranks would run)."""
+    match op:
+        case ("add", prefix, tail, max_tokens):
+            # Prompts from four shared 8-token prefixes, so blocks are shared and cached.
+            prompt = list(range(100 * prefix, 100 * prefix + 8)) + [7] * tail
+            request = make_request(f"r{len(added)}", prompt=prompt, max_tokens=max_tokens,
+                                   ignore_eos=True)
+            added.append(request)
+            s.add_request(request)
+        case ("abort", index):
+            if index < len(added):
+                s.finish(added[index], RequestStatus.FINISHED_ABORTED)
+        case ("step", token):
+            out = s.schedule()
+            if on_step is not None:
+                on_step(out)
+            s.update(out, [3 + token for w in out.work if w.samples])
+        case ("recover",):
+            s.requeue_all()
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, chunked=st.booleans(), swap=st.booleans(), budget=st.integers(8, 40))
 def test_bookkeeping_holds_under_random_sequences(ops, chunked, swap, budget):
@@ -109,21 +132,7 @@ def test_bookkeeping_holds_under_random_sequences(ops, chunked, swap, budget):
                        swap_blocks=6 if swap else None)
     added = []
     for op in ops:
-        match op:
-            case ("add", prefix, tail, max_tokens):
-                prompt = list(range(100 * prefix, 100 * prefix + 8)) + [7] * tail
-                request = make_request(f"r{len(added)}", prompt=prompt, max_tokens=max_tokens,
-                                       ignore_eos=True)
-                added.append(request)
-                s.add_request(request)
-            case ("abort", index):
-                if index < len(added):
-                    s.finish(added[index], RequestStatus.FINISHED_ABORTED)
-            case ("step", token):
-                out = s.schedule()
-                s.update(out, [3 + token for w in out.work if w.samples])
-            case ("recover",):
-                s.requeue_all()
+        apply(s, added, op)
         assert s.check() == [], op
     for _ in range(500):
         if not s.has_work:
