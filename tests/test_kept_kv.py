@@ -18,6 +18,7 @@ from helpers.serving import ServerProcess, openai_body, record
 from tokstream.checker import check_streams
 from tokstream.engine.messages import PoolAdopted
 from tokstream.engine.pool_files import PoolFiles
+from tokstream.errors import ReplicaError
 from tokstream.server import kept_pool
 from tokstream.server.tenants import hash_key
 
@@ -161,4 +162,18 @@ def test_a_process_that_keeps_the_pool_costs_the_kept_blocks(monkeypatch):
     finally:
         other.kill()
         other.wait()
+        pool.close()
+
+
+def test_a_core_that_dies_in_the_hand_over_is_no_error_of_the_hand_over():
+    pool = PoolFiles(tp=1)
+    try:
+        engine = FakeEngine(pool)
+
+        async def dead():
+            raise ReplicaError("engine is down: engine core process exited")
+        engine.adopt_pool = dead
+        reply = asyncio.run(kept_pool.hand_over(engine))
+        assert reply == {"blocks": 0, "refused": "engine is down: engine core process exited"}
+    finally:
         pool.close()

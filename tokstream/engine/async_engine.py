@@ -228,7 +228,7 @@ class AsyncEngine:
             if not finished:
                 self.forget(request.request_id)  # the caller stopped listening
 
-    async def _ask(self, query: Callable[[int], StateQuery | ScoreQuery]):
+    async def _ask(self, query: Callable[[int], StateQuery | ScoreQuery | AdoptPool]):
         """Send query(token) and wait for the reply with that token."""
         if self.dead is not None:
             raise ReplicaError(f"engine is down: {self.dead}")

@@ -20,6 +20,7 @@ import time
 import psutil
 
 from tokstream.engine.async_engine import AsyncEngine
+from tokstream.errors import ReplicaError
 
 log = logging.getLogger("tokstream.server")
 
@@ -51,7 +52,10 @@ async def hand_over(engine: AsyncEngine) -> dict:
                       "the new core keeps none of its blocks", sorted(others), HAND_OVER_WAIT_S)
             return {"blocks": 0, "refused": f"pids {sorted(others)} still map the pool"}
         await asyncio.sleep(HAND_OVER_POLL_S)
-    reply = await engine.adopt_pool()
+    try:
+        reply = await engine.adopt_pool()
+    except ReplicaError as exc:  # the core died meanwhile: its successor is handed the pool
+        return {"blocks": 0, "refused": str(exc)}
     if reply.refused is not None:
         log.warning("the engine core keeps no KV block index: %s", reply.refused)
     return {"blocks": reply.blocks, "refused": reply.refused}

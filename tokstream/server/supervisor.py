@@ -188,6 +188,8 @@ class EngineSupervisor:
         self._attach(engine)
         # Before any resumed request: they find the blocks the dead core left by their prefix.
         kept = await hand_over(engine)
+        if engine.dead is not None:
+            return  # it died meanwhile, and _on_core_dead is replacing it in turn
         with engine.batch():  # one step re-prefills them all
             resumed = self.registry.resubmit(engine)
         seconds = None if was_down else time.monotonic() - started
