@@ -57,5 +57,5 @@ async def hand_over(engine: AsyncEngine) -> dict:
     except ReplicaError as exc:  # the core died meanwhile: its successor is handed the pool
         return {"blocks": 0, "refused": str(exc)}
     if reply.refused is not None:
-        log.warning("the engine core keeps no KV block index: %s", reply.refused)
+        log.info("the engine core keeps no KV block index: %s", reply.refused)
     return {"blocks": reply.blocks, "refused": reply.refused}
