@@ -18,6 +18,7 @@ from tokstream.model.weights import load_native_state_dict, load_state_dict
 from tokstream.tokenizer import load_tokenizer
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.decode_stack import stack_for_step
+from tokstream.worker import dtype_choice
 from tokstream.worker.dtype_choice import has_native_bf16, resolve_weights
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import allocate_kv_caches
@@ -123,14 +124,22 @@ def test_bad_inputs_are_refused():
         cpu_quant.matmul(torch.randn(2, 64), weight.data, 12, 64)
 
 
-def test_weights_auto_and_native_choices():
+def test_weights_auto_and_native_choices(monkeypatch):
     dummy = resolve_model("dummy:tiny")
     assert resolve_weights("auto", "float32", dummy, "cpu") == ("dequantized", "float32")
     assert resolve_weights("bfloat16", "auto", dummy, "cpu") == ("dequantized", "bfloat16")
     with pytest.raises(UserInputError, match="GGUF"):
         resolve_weights("native", "auto", dummy, "cpu")
     smollm2 = resolve_model("smollm2")
+    # auto follows the measurements (the CPU changes between machines: with AMX, bfloat16
+    # dequantised beat the native float32 kernels), so the test sets what they found.
+    monkeypatch.setattr(dtype_choice, "choose_cpu_dtype", lambda config: "float32")
     assert resolve_weights("auto", "auto", smollm2, "cpu") == ("native", "float32")
+    monkeypatch.setattr(dtype_choice, "choose_cpu_dtype", lambda config: "bfloat16")
+    monkeypatch.setattr(dtype_choice, "native_faster_than", lambda dtype, config: True)
+    assert resolve_weights("auto", "auto", smollm2, "cpu") == ("native", "float32")
+    monkeypatch.setattr(dtype_choice, "native_faster_than", lambda dtype, config: False)
+    assert resolve_weights("auto", "auto", smollm2, "cpu") == ("dequantized", "bfloat16")
     assert resolve_weights("float32", "auto", smollm2, "cpu") == ("dequantized", "float32")
     with pytest.raises(UserInputError, match="CPU only"):
         resolve_weights("native", "auto", smollm2, "cuda")
