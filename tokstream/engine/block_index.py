@@ -4,9 +4,9 @@ gateway holds beside the pool files (engine/pool_files.py).
 
 When an engine core dies its bookkeeping dies with it, but the pool it wrote does not: the
 gateway holds the files. The core that takes over reads this index (claim) and registers every
-listed block as a cached prefix nobody holds (BlockManager.adopt), so each resumed stream
-finds its computed blocks by their prefix hash and only what the index does not list is
-prefilled again.
+listed block as a cached prefix nobody holds (BlockManager.attach_index), so each resumed
+stream finds its computed blocks by their prefix hash and only what the index does not list
+is prefilled again.
 
 Why a block listed here is safe to read: the core lists a block only after the step that
 filled it has come back from every rank (Scheduler.update), and a full block is never written

@@ -134,11 +134,7 @@ class BlockManager:
             request.block_hashes.append(parent)
             block_id = request.block_ids[index]
             if parent not in self._block_of and block_id not in self._hash_of:
-                self._block_of[parent] = block_id
-                self._hash_of[block_id] = parent
-                self._cached_marks[block_id] = 1
-                if self.index is not None:
-                    self.index.publish(block_id, parent)
+                self._register(block_id, parent)
 
     def allocate(self, request: Request, num_new_tokens: int, reserve: int = 0) -> list[int] | None:
         """Grow request's block table for num_new_tokens more tokens; None if the pool is short."""
@@ -185,20 +181,16 @@ class BlockManager:
             entries = {}
             for block_id, block_hash in self._hash_of.items():
                 index.publish(block_id, block_hash)
-        adopted = {}
-        for block_id, block_hash in sorted(entries.items()):
-            if 0 <= block_id < self.num_blocks and block_hash not in self._block_of:
-                self._block_of[block_hash] = block_id
-                adopted[block_id] = block_hash
-        for block_id, block_hash in entries.items():
-            if adopted.get(block_id) != block_hash:
-                index.clear(block_id)  # a duplicate: listed twice, held by nobody here
-        self._hash_of.update(adopted)
-        for block_id in adopted:
-            self._cached_marks[block_id] = 1
-            self._evictable[block_id] = None
-        self._free = deque(b for b in self._free if b not in adopted)
         self.index = index
+        adopted = set()
+        for block_id, block_hash in sorted(entries.items()):
+            if block_hash in self._block_of:
+                index.clear(block_id)  # listed twice: the first is kept
+                continue
+            self._register(block_id, block_hash)
+            self._evictable[block_id] = None
+            adopted.add(block_id)
+        self._free = deque(b for b in self._free if b not in adopted)
         return len(adopted)
 
     def check(self, holders: Iterable[Request], rehash: bool = True) -> list[str]:
@@ -253,6 +245,14 @@ class BlockManager:
         if self.index is not None and self.index.entries() != self._hash_of:
             problems.append("the block index lists other blocks than the prefix cache")
         return problems
+
+    def _register(self, block_id: int, block_hash: bytes) -> None:
+        """block_id holds the prefix named block_hash: enter it in the cache (and the index)."""
+        self._block_of[block_hash] = block_id
+        self._hash_of[block_id] = block_hash
+        self._cached_marks[block_id] = 1
+        if self.index is not None:
+            self.index.publish(block_id, block_hash)
 
     def _hold(self, block_id: int) -> None:
         if self.ref_counts[block_id] == 0:
