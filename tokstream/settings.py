@@ -14,7 +14,10 @@ from tokstream.errors import UserInputError
 from tokstream.options import Flag, config_flags, is_bytes
 from tokstream.toml_file import read_toml
 
-PROFILE_DIR = Path(__file__).resolve().parents[1] / "profiles"
+_PACKAGE = Path(__file__).resolve().parent
+PROFILE_DIR = (_PACKAGE / "profiles" if (_PACKAGE / "profiles").is_dir()
+               else _PACKAGE.parent / "profiles")
+"""profiles/: tokstream/profiles in a wheel install, the repository's top folder in a checkout."""
 
 SECTIONS: dict[str, type] = {"engine": EngineConfig, "cache": CacheConfig,
                              "scheduler": SchedulerConfig, "server": ServerConfig,
