@@ -51,6 +51,25 @@ def test_messages_go_through_the_chat_template(server, tokenizer):
     assert text.endswith("<|im_start|>assistant\n")
 
 
+def test_a_tool_history_without_content_tokenises_with_and_without_a_generation_prompt(
+        server, tokenizer):
+    # An assistant turn of calls only (no content), arguments a model cut short: no 500, and
+    # the turn is in the prompt as the chat route shows it, the call as it was written.
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Par'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    without = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert without.status_code == 200, without.text
+    with_prompt = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    text = tokenizer.decode(without.json()["tokens"], skip_special_tokens=False)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par}\n</tool_call>' \
+        in text and "21 C" in text
+    assert with_prompt[:len(without.json()["tokens"])] == without.json()["tokens"]
+    assert tokenizer.decode(with_prompt, skip_special_tokens=False) == \
+        text + "<|im_start|>assistant\n"
+
+
 @pytest.mark.parametrize("path,body,field", [
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": 5}, "prompt"),

@@ -255,7 +255,7 @@ RESULT = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"
     ("/v1/chat/completions", openai_body(messages=[*ASK, {"role": "tool", "content": "x"}]),
      "messages.1.tool_call_id"),
     ("/v1/chat/completions", openai_body(messages=[*ASK, {"role": "assistant", "tool_calls": [
-        {"type": "function", "function": {"name": "f", "arguments": "{bad"}}]}]),
+        {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]),
      "messages.1.tool_calls.0.function.arguments"),
     ("/v1/chat/completions", openai_body(functions=[{"name": "f"}]), "functions"),
 ])

@@ -41,12 +41,14 @@ def _content(value, path: str) -> str:
     raise bad_request(path, f"must be a string or an array of text parts, not {_kind(value)}")
 
 
-def chat_prompt(body: dict, server: Server, tools: ToolRequest | None = None) -> list[int]:
+def chat_prompt(body: dict, server: Server, tools: ToolRequest | None = None,
+                add_generation_prompt: bool = True) -> list[int]:
     """Prompt ids for the messages, with the tools shown to the model (read from the body
     unless given)."""
     tools = tools or tool_request(body)
     try:
-        return encode_chat(server.tokenizer, chat_messages(body), tools.tools if tools else ())
+        return encode_chat(server.tokenizer, chat_messages(body), tools.tools if tools else (),
+                           add_generation_prompt)
     except UserInputError as error:
         raise bad_request("messages", str(error)) from None
 

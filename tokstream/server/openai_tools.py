@@ -76,12 +76,24 @@ def history_call(call, at: str) -> dict:
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise bad_request(f"{at}.function.name", "required")
-    try:
-        arguments = json.loads(function.get("arguments") or "{}")
-    except (TypeError, ValueError):
-        raise bad_request(f"{at}.function.arguments", "must be a JSON text") from None
+    arguments = function.get("arguments")
+    if arguments is not None and not isinstance(arguments, str):
+        raise bad_request(f"{at}.function.arguments", "must be a string (the call's arguments "
+                                                      f"as the model wrote them), not "
+                                                      f"{_kind(arguments)}")
     return {"id": call.get("id"), "type": "function",
-            "function": {"name": function["name"], "arguments": arguments}}
+            "function": {"name": function["name"], "arguments": history_arguments(arguments)}}
+
+
+def history_arguments(text: str | None) -> dict | str:
+    """A past call's arguments: the object they hold, for templates that write them with
+    `tojson`; any other string as it came. Models do write broken arguments and agents send
+    them back (the OpenAI API takes any string here), so the prompt shows what was written."""
+    try:
+        value = json.loads(text or "{}")
+    except (ValueError, RecursionError):
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ToolDeltas:

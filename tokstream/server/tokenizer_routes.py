@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from tokstream.errors import UserInputError
 from tokstream.server.errors import OPENAI, api_route, bad_request
 from tokstream.server.openai_request import chat_prompt
 from tokstream.server.state import Server
@@ -20,9 +19,8 @@ def _tokenize(server: Server, body: dict) -> list[int]:
     if "messages" in body:
         if "prompt" in body:
             raise bad_request("prompt", "give prompt or messages, not both")
-        add_generation_prompt = get_bool(body, "add_generation_prompt", True)
-        ids = chat_prompt(body, server) if add_generation_prompt else \
-            _chat_without_generation_prompt(server, body)
+        ids = chat_prompt(body, server, add_generation_prompt=get_bool(
+            body, "add_generation_prompt", True))
         if get_bool(body, "add_special_tokens", False):
             ids = _with_bos(server, ids)
         return ids
@@ -34,16 +32,6 @@ def _tokenize(server: Server, body: dict) -> list[int]:
         bos = server.tokenizer.bos_token_id
         ids = ids[1:] if ids[:1] == [bos] else ids
     return ids
-
-
-def _chat_without_generation_prompt(server: Server, body: dict) -> list[int]:
-    chat_prompt(body, server)  # the same validation, field by field
-    messages = [{"role": "system" if m["role"] == "developer" else m["role"],
-                 "content": m["content"]} for m in body["messages"]]
-    try:
-        return server.tokenizer.encode_chat(messages, add_generation_prompt=False)
-    except UserInputError as error:
-        raise bad_request("messages", str(error)) from None
 
 
 def _with_bos(server: Server, ids: list[int]) -> list[int]:

@@ -2,15 +2,17 @@
 Hermes fallback documented here.
 
 Messages arrive in transformers' chat shape, whatever the API: an assistant message may hold
-`tool_calls` ([{"id", "type": "function", "function": {"name", "arguments": dict}}]), and a
-result is {"role": "tool", "content": str, "tool_call_id": id}. A template that mentions
+`tool_calls` ([{"id", "type": "function", "function": {"name", "arguments": dict | str}}],
+a str when the arguments are not a JSON object), and a result is {"role": "tool", "content":
+str, "tool_call_id": id}. A template that mentions
 `tools` is handed them as they are, with `tools=`. Any other template (SmolLM2's among them)
 gets plain text turns:
 
 - the system message ends with FALLBACK_PROMPT, which lists each tool's JSON between <tools>
   tags and asks for calls as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`
   (the format Hermes-2-Pro and Qwen2.5 were trained on, and what tool_parser.py reads);
-- an assistant's calls are written in that format after its text;
+- an assistant's calls are written in that format after its text (arguments that are not a
+  JSON object, as a model may have written them, go in as the string they are);
 - results become a user turn of `<tool_response>\\n...\\n</tool_response>` blocks (one turn for
   consecutive results): a user turn is what every template renders.
 """
@@ -41,12 +43,14 @@ def takes_tools(chat_template: str | None) -> bool:
     return chat_template is not None and "tools" in chat_template
 
 
-def encode_chat(tokenizer, messages: list[dict], tools: tuple[Tool, ...] = ()) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], tools: tuple[Tool, ...] = (),
+                add_generation_prompt: bool = True) -> list[int]:
     """Prompt ids for messages and the tools the model is shown."""
     if takes_tools(tokenizer.chat_template):
         own = [{**m, "content": m.get("content") or ""} for m in messages]
-        return tokenizer.encode_chat(own, tools=[t.template_entry() for t in tools] or None)
-    return tokenizer.encode_chat(fallback_messages(messages, tools))
+        return tokenizer.encode_chat(own, add_generation_prompt,
+                                     tools=[t.template_entry() for t in tools] or None)
+    return tokenizer.encode_chat(fallback_messages(messages, tools), add_generation_prompt)
 
 
 def fallback_messages(messages: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
@@ -81,7 +85,10 @@ def message_text(message: dict) -> str:
     parts = [message.get("content") or ""]
     for call in message.get("tool_calls") or ():
         function = call["function"]
-        body = json.dumps({"name": function["name"], "arguments": function["arguments"]},
-                          ensure_ascii=False)
+        arguments = function["arguments"]
+        if not isinstance(arguments, str):  # a string is what the model wrote: kept as it is
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        body = f'{{"name": {json.dumps(function["name"], ensure_ascii=False)}, ' \
+               f'"arguments": {arguments}}}'
         parts.append(f"{OPEN_TAG}\n{body}\n{CLOSE_TAG}")
     return "\n".join(p for p in parts if p)
