@@ -354,6 +354,42 @@ def test_engine_core_killed_mid_decode_keeps_seeds(server, reference):
     assert 'tokstream_recovery_seconds_count{kind="core"}' in metrics
 
 
+def test_a_stopped_engine_core_is_caught_by_its_heartbeat(server, reference):
+    """SIGSTOP the engine core mid-decode (issue 31): its pipe stays open, so only its
+    heartbeat tells. Once it is missed readiness turns 503 at once, the stopped core is
+    killed with its ranks, and every stream resumes on a new core as after a SIGKILL."""
+    started, before = time.time(), server.state()
+    core_pid = before["engine"]["pid"]
+    old_processes = tree(core_pid)
+    seen = {}
+
+    async def fault(client, progress):
+        await progress.until(0, 5)
+        kill(core_pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while (ready := await client.get("/health/ready")).status_code == 200:
+            assert time.monotonic() < deadline, "a stopped core went unnoticed for 60 s"
+            await asyncio.sleep(0.05)
+        seen["ready"] = ready.status_code
+
+    try:
+        report, progress = run(server, fault)
+    finally:
+        try:  # never leave it stopped, whatever happened
+            os.kill(core_pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    after = settled(server, before["replica"]["restarts"] + 1)
+    same_as_reference(report, reference)
+    assert seen["ready"] == 503
+    dead = engine_event(after, "engine_dead", started)
+    assert dead["pid"] == core_pid and "hung" in dead["reason"], dead
+    restarted = engine_event(after, "engine_restarted", dead["time"])
+    interrupted(progress, 0, dead["time"], restarted["time"])
+    assert after["engine"]["pid"] != core_pid
+    assert gone(old_processes)
+
+
 def test_two_kills_in_a_row(server, reference):
     before = server.state()
     restarts = before["replica"]["restarts"]

@@ -22,6 +22,7 @@ import psutil
 from tokstream.config import EngineConfig
 from tokstream.engine.core_pipe import CorePipe
 from tokstream.engine.core_process import core_main
+from tokstream.engine.heartbeat import BEAT_INTERVAL_S, HeartbeatWatch, silence_limit_s
 from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, CoreDead, CoreMessage,
                                        Deltas, EngineRequest, PoolAdopted, ProtocolError, Ready,
                                        RequestDelta, ScoreQuery, ScoreReply, ScoreResult,
@@ -73,6 +74,8 @@ class AsyncEngine:
         """The core's folder for its rank groups' files; removed at shutdown."""
         self._ranks: list[psutil.Process] = []
         """The core's ranks as last reported (psutil checks identity before a kill)."""
+        self._watch: asyncio.Task | None = None
+        """The heartbeat watch, from Ready until the core is dead or shut down."""
 
     async def start(self) -> "AsyncEngine":
         self._loop = asyncio.get_running_loop()
@@ -81,10 +84,12 @@ class AsyncEngine:
         self._pipe = CorePipe(conn)
         self.run_dir = tempfile.mkdtemp(prefix="tokstream-core-")
         # Not a daemon: the core must be able to start worker processes of its own.
+        heartbeat = context.RawValue("Q", 0)
         self.process = context.Process(target=core_main,
                                        args=(child_conn, self.config, os.getpid(), self.run_dir,
                                              time.monotonic(),
-                                             self.pool.paths() if self.pool else None),
+                                             self.pool.paths() if self.pool else None,
+                                             heartbeat),
                                        name="tokstream-engine-core")
         self.process.start()
         child_conn.close()
@@ -102,7 +107,21 @@ class AsyncEngine:
         self._record_ranks(self.info["worker_pids"])
         self._pipe.start_reader(self._loop, self._dispatch)
         self._pipe.start_sender()
+        watch = HeartbeatWatch(heartbeat, silence_limit_s(self.config.step_timeout_s))
+        self._watch = self._loop.create_task(self._watch_heartbeat(watch))
         return self
+
+    async def _watch_heartbeat(self, watch: HeartbeatWatch) -> None:
+        """A core whose heartbeat stops (stopped, frozen) is SIGKILLed and handled as dead:
+        its pipe stays open, so nothing else would notice (engine/heartbeat.py)."""
+        while self.dead is None and not self._closing:
+            await asyncio.sleep(BEAT_INTERVAL_S)
+            if watch.hung and self.dead is None and not self._closing:
+                silent = watch.silent_s()
+                log.error("engine core (pid %s) hung: no heartbeat for %.1f s; killing it",
+                          self.pid, silent)
+                self.process.kill()  # a stopped process dies of SIGKILL too
+                self._died(f"engine core hung: no heartbeat for {silent:.1f} s (killed)")
 
     @property
     def pid(self) -> int | None:

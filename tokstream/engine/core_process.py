@@ -15,6 +15,7 @@ from tokstream import envs
 from tokstream.config import EngineConfig
 from tokstream.engine import pool_adoption
 from tokstream.engine.child_process import become_child
+from tokstream.engine.heartbeat import start_beating
 from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, Batch, CoreDead,
                                        Deltas, PoolAdopted, ProtocolError, Ready, RequestDelta,
                                        ScoreQuery, ScoreReply, Shutdown, StartFailed,
@@ -31,13 +32,17 @@ GATHER_LIMIT = 5
 
 
 def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None = None,
-              spawned_at: float | None = None, pool: PoolPaths | None = None) -> None:
+              spawned_at: float | None = None, pool: PoolPaths | None = None,
+              heartbeat=None) -> None:
     """The core's process: dies with the gateway and leaves SIGTERM to it (child_process);
     its rank groups keep their files under run_dir, which the gateway removes. spawned_at:
     the gateway's time.monotonic() as it started this process. pool: the gateway's KV pool
-    files (engine/pool_files.py; None: the core makes its own)."""
+    files (engine/pool_files.py; None: the core makes its own). heartbeat: the counter this
+    process bumps for as long as it runs (engine/heartbeat.py; None: nobody watches)."""
     entered = time.monotonic()
     become_child(parent_pid)
+    if heartbeat is not None:
+        start_beating(heartbeat)
     logging.basicConfig(level=envs.LOG.get(),
                         format="%(asctime)s %(name)s: %(message)s")
     from tokstream.engine.rank_start import rank_context
