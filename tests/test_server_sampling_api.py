@@ -52,6 +52,39 @@ def test_chat_logprobs_in_the_sdks_shape(client):
     assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content)) < 0.01
 
 
+def chat_entries_and_content(client, stream: bool, **kwargs):
+    """(logprobs.content entries, message content, the choice's end) of one chat answer."""
+    reply = chat(client, temperature=0, logprobs=True, top_logprobs=2, stream=stream, **kwargs)
+    if not stream:
+        choice = reply.choices[0]
+        return choice.logprobs.content, choice.message.content, (choice.finish_reason,
+                                                                 reply.usage)
+    entries, content, finish = [], "", None
+    for chunk in reply:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            entries += choice.logprobs.content if choice.logprobs else []
+            finish = choice.finish_reason or finish
+    return entries, content, (finish, None)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("stop, content", [(None, "Paris is lovely."), (" is", "Paris"),
+                                           ("ari", "P")], ids=["eos", "stop", "stop-in-a-token"])
+def test_chat_logprobs_add_up_to_the_content(client, stream, stop, content):
+    # The grammar ends the turn, so the model's last token is <|im_end|>, which the content
+    # never shows; a stop string's tokens are not shown either ("ari" cuts the token "Paris").
+    entries, text, (finish, usage) = chat_entries_and_content(
+        client, stream, max_tokens=16, stop=stop,
+        extra_body={"structured_outputs": {"regex": "Paris is lovely\\."}})
+    assert text == content and finish == "stop"
+    assert "".join(e.token for e in entries) == content
+    assert b"".join(bytes(e.bytes) for e in entries) == content.encode()
+    assert all("<|im_end|>" != e.token and e.logprob <= 0 for e in entries)
+    if usage is not None and stop is None:
+        assert usage.completion_tokens == len(entries) + 1  # the end-of-turn token
+
+
 def test_completions_logprobs(client):
     reply = client.completions.create(model="smollm2", prompt="The capital of France is",
                                       max_tokens=5, temperature=0, logprobs=2)

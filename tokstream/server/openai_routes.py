@@ -15,7 +15,8 @@ from tokstream.server.api_request import read_request
 from tokstream.server.channel import Batch
 from tokstream.server.choices import Choice, choices_response, collect_choices, merge_bodies
 from tokstream.server.errors import OPENAI, ApiError, api_route
-from tokstream.server.logprobs_format import chat_logprobs, completion_logprobs
+from tokstream.server.content_logprobs import ContentLogprobs
+from tokstream.server.logprobs_format import completion_logprobs
 from tokstream.server.openai_request import parse
 from tokstream.server.openai_tools import (ToolDeltas, finish_reason as tool_finish_reason,
                                            tool_message)
@@ -40,11 +41,13 @@ def usage(stream: Stream) -> dict:
 
 
 def batch_logprobs(stream: Stream, batch: Batch, chat: bool, tokenizer, text_offset: int = 0):
-    """The choice's `logprobs` for these tokens (None when the request did not ask)."""
+    """A whole choice's `logprobs` (None when the request did not ask)."""
     if stream.params.logprobs is None:
         return None
     if chat:
-        return chat_logprobs(tokenizer, batch.token_ids, batch.logprobs)
+        content = ContentLogprobs(tokenizer)
+        entries = content.feed(batch.token_ids, batch.logprobs, batch.text) + content.finish()
+        return {"content": entries, "refusal": None}
     return completion_logprobs(tokenizer, batch.token_ids, batch.logprobs, text_offset)
 
 
@@ -60,6 +63,9 @@ class OpenAIFormatter:
         self.integrity = integrity
         """id: lines and comment pings (the integrity framing); off: OpenAI's own framing."""
         self.tokenizer = tokenizer
+        self.content_logprobs = ContentLogprobs(tokenizer) \
+            if chat and stream.params.logprobs is not None else None
+        """Chat logprobs, listed as the text they stand for is streamed."""
         self.text_offset = 0
         """Characters streamed so far (completions' logprobs.text_offset)."""
         self.model = model
@@ -93,8 +99,7 @@ class OpenAIFormatter:
             return self._tool_chunks(self.tool_deltas.feed(batch.text), batch)
         chunk = self._chunk(batch.text)
         if batch.token_ids and self.stream.params.logprobs is not None:
-            chunk["choices"][0]["logprobs"] = batch_logprobs(
-                self.stream, batch, self.chat, self.tokenizer, self.text_offset)
+            chunk["choices"][0]["logprobs"] = self._logprobs(batch)
         self.text_offset += len(batch.text)
         if batch.token_ids:
             chunk["tokstream"] = integrity(batch)
@@ -110,8 +115,7 @@ class OpenAIFormatter:
         if not chunks:
             chunks.append(self._chunk(None))
         last = chunks[-1]
-        last["choices"][0]["logprobs"] = batch_logprobs(self.stream, batch, True,
-                                                        self.tokenizer)
+        last["choices"][0]["logprobs"] = self._logprobs(batch)
         last["tokstream"] = integrity(batch)
         return b"".join(sse(None, c) for c in chunks[:-1]) + sse(
             None, last, batch.indices[-1] if self.integrity else None)
@@ -125,6 +129,9 @@ class OpenAIFormatter:
             body = self._tool_chunks(self.tool_deltas.finish(), None)
             reason = tool_finish_reason(reason, self.tool_deltas.made_calls)
         chunk = self._chunk(None if self.chat else "", reason)
+        if self.content_logprobs is not None:
+            chunk["choices"][0]["logprobs"] = {"content": self.content_logprobs.finish(),
+                                               "refusal": None}
         chunk["choices"][0]["stop_reason"] = self.stream.final.stop_reason
         chunk["tokstream"] = final_integrity(self.stream)
         body += sse(None, chunk)
@@ -135,6 +142,14 @@ class OpenAIFormatter:
                                "created": self.created, "model": self.model, "choices": [],
                                "usage": usage(self.stream)})
         return body + b"data: [DONE]\n\n"
+
+    def _logprobs(self, batch: Batch) -> dict | None:
+        """These tokens' logprobs (chat: the entries whose text has now been streamed)."""
+        if self.content_logprobs is None:
+            return batch_logprobs(self.stream, batch, self.chat, self.tokenizer,
+                                  self.text_offset)
+        return {"content": self.content_logprobs.feed(batch.token_ids, batch.logprobs,
+                                                      batch.text), "refusal": None}
 
     def error(self, error_type: str, message: str) -> bytes:
         return sse(None, {"error": {"message": message, "type": error_type, "param": None,
