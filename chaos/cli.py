@@ -102,6 +102,7 @@ for _name, _doc, _with_rank in (
          True),
         ("stall-rank", "SIGSTOP rank N (a hang) and leave it to the step deadline.", True),
         ("kill-engine", "SIGKILL the engine core process.", False),
+        ("hang-engine", "SIGSTOP the engine core: its heartbeat catches it.", False),
         ("disconnect-storm", "Half the clients hang up at random moments.", False),
         ("cache-exhaustion", "A KV pool far too small for the load, forcing preemption.", False),
         ("slow-client", "Clients that stop reading.", False),

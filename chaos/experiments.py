@@ -26,7 +26,9 @@ PROMPT_ESTIMATE_TOKENS = 96
 size a KV pool before the server that could count them exists."""
 TRIGGER_WINDOW_S = 1.5
 MAX_LONG_CHUNKS = 64
-SIGNALS = {"kill-rank": "SIGKILL", "stall-rank": "SIGSTOP", "kill-engine": "SIGKILL"}
+SIGNALS = {"kill-rank": "SIGKILL", "stall-rank": "SIGSTOP", "kill-engine": "SIGKILL",
+           "hang-engine": "SIGSTOP"}
+
 STALE_BUDGET = 256
 """stale-prefix's token budget: a long prompt takes a whole step, unchunked."""
 STALE_LONG_PROMPTS = 8
@@ -37,7 +39,8 @@ class Experiment:
     name: str
     summary: str
     fault: str | None
-    """kill-rank | stall-rank | kill-engine: a signal; None: the workload is the fault."""
+    """kill-rank | stall-rank | kill-engine | hang-engine: a signal; None: the workload is the
+    fault."""
     default_streams: int
     serve_args: list[str] = field(default_factory=list)
     """Extra `tokstream serve` flags when the experiment starts its own server."""
@@ -64,6 +67,9 @@ def experiment(name: str, max_tokens: int, step_timeout_s: float) -> Experiment:
                                  "step deadline", "stall-rank", 4, mid_batch),
         "kill-engine": Experiment("kill-engine", "SIGKILL the engine core process",
                                   "kill-engine", 4, mid_batch),
+        "hang-engine": Experiment("hang-engine", "SIGSTOP the engine core (a hang): its "
+                                  "heartbeat stops, the gateway kills it and resumes every "
+                                  "stream on a new core", "hang-engine", 4, mid_batch),
         "disconnect-storm": Experiment("disconnect-storm", "half the clients hang up at "
                                        "random moments", None, 8, reference=None),
         "cache-exhaustion": Experiment("cache-exhaustion", "a KV pool far too small for the "

@@ -17,13 +17,17 @@ from tokstream.state_snapshot import RequestRow, StateSnapshot
 
 TRIGGER_TIMEOUT_S = 300.0
 LONG_PROMPT_TRIES = 3
+STOPPING = {"stall-rank", "hang-engine"}
+"""The faults that stop a process (a hang) rather than kill it."""
+ENGINE_FAULTS = {"kill-engine", "hang-engine"}
+"""The faults that hit the engine core rather than a rank."""
 
 
 def victim(state: StateSnapshot, fault: str, rank: int | None, url: str) -> tuple[str, int]:
     """(what, pid) the fault hits, checked to be a process of the server listening on url (a
     descendant of its gateway), so a stale pid, or one a fake server names, is never
     signalled."""
-    if fault == "kill-engine":
+    if fault in ENGINE_FAULTS:
         what, pid = "engine core", state.engine.pid
     else:
         ranks = state.ranks
@@ -127,7 +131,7 @@ def inject(fault: str, pid: int) -> psutil.Process:
     before any later signal, so a reused pid is never hit)."""
     process = psutil.Process(pid)
     try:
-        process.send_signal(signal.SIGSTOP if fault == "stall-rank" else signal.SIGKILL)
+        process.send_signal(signal.SIGSTOP if fault in STOPPING else signal.SIGKILL)
     except psutil.AccessDenied:
         raise UserInputError(f"not permitted to signal pid {pid} (the server runs as another "
                              "user)") from None

@@ -16,6 +16,7 @@ from tokstream.chaos.api import ServerAPI
 from tokstream.chaos.audit import audit
 from tokstream.chaos.experiments import (SIGNALS, Experiment, ServerFacts, long_prompt_stream,
                                          trigger_point, workload)
+from tokstream.chaos.faults import ENGINE_FAULTS, STOPPING
 from tokstream.chaos.history import Violations, check_history
 from tokstream.chaos.target import Target
 from tokstream.chaos.timeline import around_fault
@@ -143,6 +144,11 @@ async def run_round(ctx: Context, index: int) -> dict:
         for e in drained.events if e.time >= fault.get("wall_time", time.time())
         and e.kind in ("rank_failure", "restarted", "restart_failed", "engine_dead",
                           "engine_restarted", "engine_restart_failed", "request_failed")]
+    if ctx.exp.fault == "hang-engine" and not any(
+            e["kind"] == "engine_dead" and "hung" in (e.get("reason") or "")
+            for e in fault["engine_events"]):
+        violations.add("fault_not_injected", "the stopped engine core was never found hung: "
+                       f"{[e['kind'] for e in fault['engine_events']]}")
     if ctx.exp.name in lifecycle_faults.EXPERIMENTS:
         lifecycle_faults.check_outcome(ctx, fault, rows, violations)
         lifecycle_faults.check_events(ctx, fault, fault["engine_events"], violations)
@@ -177,19 +183,19 @@ async def _signal_fault(ctx: Context, recorder: Recorder, rng: random.Random,
                   "at_s": at_s, "wall_time": wall_time,
                   "state_at_fault": state.rows_by_id(),
                   "old_processes": group})
-    return process if ctx.exp.fault == "stall-rank" else None
+    return process if ctx.exp.fault in STOPPING else None
 
 
 def _group(state: StateSnapshot, fault: str) -> list[psutil.Process]:
     """The processes the fault's recovery must replace: the rank group, or the engine core
     with everything under it."""
-    pids = [state.engine.pid] if fault == "kill-engine" else [r.pid for r in state.ranks]
+    pids = [state.engine.pid] if fault in ENGINE_FAULTS else [r.pid for r in state.ranks]
     group = []
     for pid in pids:
         try:
             process = psutil.Process(pid)
             group.append(process)
-            if fault == "kill-engine":
+            if fault in ENGINE_FAULTS:
                 group += process.children(recursive=True)
         except psutil.NoSuchProcess:
             pass

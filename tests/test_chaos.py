@@ -65,6 +65,21 @@ def test_kill_engine_resumes_every_stream_on_a_new_core(tmp_path):
     assert report["classes"] == {"complete": len(report["streams"])}
 
 
+def test_hang_engine_is_caught_by_the_heartbeat(tmp_path):
+    """SIGSTOP the engine core (issue 31): the gateway finds its heartbeat stopped, kills it
+    and resumes every stream on a new core; the stopped process is gone afterwards."""
+    code, report, output = chaos(tmp_path, "hang-engine", *TINY, *SHORTER,
+                                 "--step-timeout", "5")
+    assert_clean(code, report, output)
+    fault, = report["faults"]
+    assert fault["signal"] == "SIGSTOP" and fault["target"] == "engine core"
+    dead = next(e for e in fault["engine_events"] if e["kind"] == "engine_dead")
+    assert "hung" in dead["reason"], fault["engine_events"]
+    assert fault["stopped_process_after_round"].startswith("gone")
+    assert all(r["tokens_after"] > 0 for r in fault["in_flight"])
+    assert report["classes"] == {"complete": len(report["streams"])}
+
+
 def test_kill_rank_three_times_in_a_row(tmp_path):
     code, report, output = chaos(tmp_path, "kill-rank", "0", *TINY, "--repeat", "3",
                                  "--streams", "3")
