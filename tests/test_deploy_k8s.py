@@ -7,6 +7,8 @@ own arguments and files, answering the probes' paths."""
 from __future__ import annotations
 
 import copy
+import json
+import re
 import shutil
 import subprocess
 
@@ -20,6 +22,9 @@ from helpers.metrics_series import exported_series
 from helpers.serving import ROOT, ServerProcess
 
 K8S = ROOT / "deploy" / "k8s"
+GIE_VERSION = "v1.5.0"
+GIE = ROOT / "tests" / "data" / f"gie-{GIE_VERSION}"
+"""The endpoint picker's flags, config schema, RBAC and parser, vendored at the pinned tag."""
 # The oldest Kubernetes still commonly run (grpc probes and policy/v1 need >= 1.24) and the
 # newest schema kubernetes-validate carries.
 VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
@@ -29,27 +34,14 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def render(directory=K8S) -> list[dict]:
-    """`kubectl kustomize`, or without kubectl the listed resources and generators by hand."""
+    """What `kubectl apply -k` would send: `kubectl kustomize` (kustomize v5 built in)."""
     kubectl = shutil.which("kubectl")
-    if kubectl is not None:
-        result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
-                                text=True, timeout=60)
-        assert result.returncode == 0, result.stderr
-        return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-    kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    docs = [doc for name in kustomization["resources"]
-            for doc in yaml.safe_load_all((directory / name).read_text()) if doc]
-    for kind, key in (("ConfigMap", "configMapGenerator"), ("Secret", "secretGenerator")):
-        for generator in kustomization.get(key, []):
-            data = {}
-            for entry in generator.get("files", []):
-                name, _, path = entry.rpartition("=")
-                data[name or path] = (directory / path).read_text()
-            docs.append({"apiVersion": "v1", "kind": kind,
-                         "metadata": {"name": generator["name"]}, "data": data})
-    for doc in docs:
-        doc["metadata"].setdefault("namespace", kustomization.get("namespace"))
-    return docs
+    if kubectl is None:
+        pytest.skip("kubectl not installed: the manifests are rendered by its kustomize only")
+    result = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
 @pytest.fixture(scope="module")
@@ -167,32 +159,185 @@ def test_pool_picker_and_route_point_at_each_other(objects):
             "name": "tokstream"} in backends
 
 
-def test_picker_reads_series_tokstream_exports(objects):
+def picker_config(objects) -> dict:
+    return yaml.safe_load(generated(objects, "ConfigMap", "tokstream-endpoint-picker")[
+        "data"]["endpoint-picker-config.yaml"])
+
+
+def picker_container(objects) -> dict:
     (epp,) = one(objects, "Deployment", "tokstream-endpoint-picker")[
         "spec"]["template"]["spec"]["containers"]
-    args = args_of(epp)
+    return epp
+
+
+def test_picker_image_is_the_version_the_vendored_facts_describe(objects):
+    image = picker_container(objects)["image"]
+    assert image == f"registry.k8s.io/gateway-api-inference-extension/epp:{GIE_VERSION}"
+
+
+def test_picker_flags_are_ones_it_accepts(objects):
+    """GIE v1.5.0 exits at start on an unknown flag or on one of its rejected metric flags."""
+    flags = json.loads((GIE / "epp-flags.json").read_text())
+    for arg in picker_container(objects)["args"]:
+        name = arg.removeprefix("--").partition("=")[0]
+        assert name in flags["flags"], f"{arg}: not a v1.5.0 flag"
+        assert name not in flags["rejected"], f"{arg}: v1.5.0 refuses to start with it"
+        assert name not in flags["deprecated"], f"{arg}: deprecated, set it in the config"
+
+
+def test_picker_config_follows_the_upstream_schema(objects):
+    schema = json.loads((GIE / "endpoint-picker-config.schema.json").read_text())
+    config = picker_config(objects)
+    jsonschema.validate(config, schema)
+    declared = {}
+    for plugin in config["plugins"]:
+        assert plugin["type"] in schema["pluginTypes"], plugin["type"]
+        declared[plugin.get("name", plugin["type"])] = plugin
+        if plugin["type"] in schema["pluginParameters"]:
+            jsonschema.validate(plugin.get("parameters") or {},
+                                schema["pluginParameters"][plugin["type"]])
+    refs = [p["pluginRef"] for profile in config["schedulingProfiles"]
+            for p in profile["plugins"]]
+    refs += [ref for source in config.get("dataLayer", {}).get("sources", [])
+             for ref in [source["pluginRef"], *(e["pluginRef"] for e in source["extractors"])]]
+    for ref in refs:
+        assert ref in declared, f"pluginRef {ref} names no plugin"
+
+
+def test_picker_scrapes_series_tokstream_exports(objects):
+    config = picker_config(objects)
+    plugins = {p.get("name", p["type"]): p for p in config["plugins"]}
+    (source,) = config["dataLayer"]["sources"]
+    assert plugins[source["pluginRef"]]["type"] == "metrics-data-source"
+    assert plugins[source["pluginRef"]]["parameters"]["path"] == "/metrics"
+    (extractor,) = [plugins[e["pluginRef"]] for e in source["extractors"]]
+    assert extractor["type"] == "core-metrics-extractor"
+    parameters = extractor["parameters"]
+    (engine,) = [e for e in parameters["engineConfigs"]
+                 if e["name"] == parameters["defaultEngine"]]
     exported = exported_series()
-    for flag in ("total-queued-requests-metric", "total-running-requests-metric",
-                 "kv-cache-usage-percentage-metric", "cache-info-metric"):
-        assert args[flag] in exported, f"--{flag}={args[flag]} is not on /metrics"
-    config = yaml.safe_load(generated(objects, "ConfigMap", "tokstream-endpoint-picker")[
-        "data"]["endpoint-picker-config.yaml"])
-    declared = {plugin.get("name", plugin["type"]) for plugin in config["plugins"]}
-    for profile in config["schedulingProfiles"]:
-        for plugin in profile["plugins"]:
-            assert plugin["pluginRef"] in declared
+    for key in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec", "cacheInfoSpec"):
+        assert engine[key] in exported, f"{key}={engine[key]} is not on /metrics"
+    # Left out, it would default to vLLM's vllm:lora_requests_info, which tokstream lacks.
+    assert engine["loraSpec"] in set(exported) | {""}
+    # The prefix scorer reads the pool's geometry from these labels (their default names).
+    assert {"block_size", "num_gpu_blocks"} <= exported[engine["cacheInfoSpec"]]
 
 
-def test_replica_drains_and_is_probed(objects):
+def test_picker_role_covers_what_it_watches(objects):
+    wanted = json.loads((GIE / "rbac.json").read_text())
+    role = one(objects, "Role", "tokstream-endpoint-picker")
+    granted = {(group, resource, verb) for rule in role["rules"]
+               for group in rule["apiGroups"] for resource in rule["resources"]
+               for verb in rule["verbs"]}
+    for watched in wanted["watched"]:
+        for verb in wanted["verbs"]:
+            assert (watched["apiGroup"], watched["resource"], verb) in granted, (watched, verb)
+    binding = one(objects, "RoleBinding", "tokstream-endpoint-picker")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert {"kind": "ServiceAccount", "name": "tokstream-endpoint-picker",
+            "namespace": "tokstream"} in binding["subjects"]
+    picker = one(objects, "Deployment", "tokstream-endpoint-picker")
+    assert picker["spec"]["template"]["spec"]["serviceAccountName"] == "tokstream-endpoint-picker"
+
+
+def route_backend(route: dict, path: str) -> dict | None:
+    """The backend Gateway API sends `path` to: an Exact match first, then the longest
+    PathPrefix (segment-wise, as the spec defines), then rule order."""
+    best = None
+    for order, rule in enumerate(route["spec"]["rules"]):
+        for match in rule.get("matches", [{"path": {"type": "PathPrefix", "value": "/"}}]):
+            kind, value = match["path"]["type"], match["path"]["value"]
+            if kind == "Exact" and path == value:
+                rank = (2, len(value), -order)
+            elif kind == "PathPrefix" and (value.rstrip("/") == "" or path == value.rstrip("/")
+                                           or path.startswith(value.rstrip("/") + "/")):
+                rank = (1, len(value.rstrip("/")), -order)
+            else:
+                continue
+            if best is None or rank > best[0]:
+                (backend,) = rule["backendRefs"]
+                best = (rank, backend)
+    return None if best is None else best[1]
+
+
+def test_route_backend_follows_gateway_api_precedence():
+    """The resolver the next test relies on: longest prefix, segment boundaries."""
+    route = {"spec": {"rules": [{"matches": [{"path": {"type": "PathPrefix", "value": "/v1/"}}],
+                                 "backendRefs": [{"name": "short"}]},
+                                {"matches": [{"path": {"type": "PathPrefix",
+                                                       "value": "/v1/completions"}}],
+                                 "backendRefs": [{"name": "long"}]}]}}
+    assert route_backend(route, "/v1/completions")["name"] == "long"
+    assert route_backend(route, "/v1/completionsX")["name"] == "short"
+    assert route_backend(route, "/v1/messages")["name"] == "short"
+    assert route_backend(route, "/health") is None
+
+
+def test_every_api_path_reaches_a_backend_that_reads_it(objects):
+    """The picker's parser answers 400 to what it cannot read (Anthropic's Messages API):
+    those paths must go to the Service, the rest of the generation paths to the pool."""
+    from tokstream.server.app import routes
+
+    parser = json.loads((GIE / "openai-parser.json").read_text())
+    config = picker_config(objects)
+    assert config.get("parser", {}).get("pluginRef", "openai-parser") == parser["parser"]
+    route = one(objects, "HTTPRoute", "tokstream")
+    service = one(objects, "Service", "tokstream")
+    service_port = service["spec"]["ports"][0]["port"]
+    via_pool = set()
+    for app_route in routes():
+        if not app_route.path.startswith("/v1/") or app_route.path.startswith("/v1/state"):
+            continue  # admin and health routes are not published through the Gateway
+        path = app_route.path.replace("{request_id}", "x")
+        backend = route_backend(route, path)
+        assert backend is not None, path
+        readable = "POST" in app_route.methods and path.endswith(tuple(parser["path_suffixes"]))
+        if backend.get("kind") == "InferencePool":
+            assert readable, f"{path} goes through the picker, whose parser refuses it"
+            via_pool.add(path)
+        else:
+            assert backend["kind"] == "Service" and backend["name"] == "tokstream", path
+            assert backend["port"] == service_port
+    assert {"/v1/chat/completions", "/v1/completions"} <= via_pool
+    assert route_backend(route, "/v1/messages")["kind"] == "Service"
+
+
+def test_rollout_leaves_the_pool_before_it_drains(objects):
+    """preStop turns readiness off (SIGUSR1) while the replica still serves, and waits until
+    the kubelet's probe has failed and the picker has seen it; only then SIGTERM drains. The
+    grace period covers preStop + drain + the error-event flush + a margin."""
+    spec = one(objects, "Deployment", "tokstream")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    readiness = container["readinessProbe"]
+    assert readiness["httpGet"]["path"] == "/health/ready"
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[:2] == ["sh", "-c"]
+    script = pre_stop[2]
+    leave = script.index("kill -USR1 1")
+    sleep_s = int(re.search(r"sleep (\d+)", script[leave:]).group(1))
+    # The kubelet sees the 503 within a probe period (+ its timeout) times the failures it
+    # needs; the pod's Ready condition then reaches the picker's pod watch: 5 s for that.
+    unready_s = (readiness["periodSeconds"] * readiness.get("failureThreshold", 3)
+                 + readiness.get("timeoutSeconds", 1))
+    assert sleep_s >= unready_s + 5, (sleep_s, unready_s)
+    drain_s = float(args_of(container)["shutdown-timeout"])
+    flush_s, margin_s = 5, 10  # server/drain.py FLUSH_TIMEOUT_S; the core and ranks stopping
+    assert spec["terminationGracePeriodSeconds"] >= sleep_s + drain_s + flush_s + margin_s
+    # A stream the Gateway lets run as long as its timeout is one the drain lets finish.
+    route = one(objects, "HTTPRoute", "tokstream")
+    for rule in route["spec"]["rules"]:
+        assert float(rule["timeouts"]["request"].removesuffix("s")) == drain_s, rule
+    # The picker outlives the replicas it routes to while they drain.
+    picker = one(objects, "Deployment", "tokstream-endpoint-picker")["spec"]["template"]["spec"]
+    assert picker["terminationGracePeriodSeconds"] >= spec["terminationGracePeriodSeconds"]
+
+
+def test_replica_is_probed_and_sized(objects):
     spec = one(objects, "Deployment", "tokstream")["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
     assert container["startupProbe"]["httpGet"]["path"] == "/health/live"
-    assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
-    pre_stop_s = int(container["lifecycle"]["preStop"]["exec"]["command"][-1])
-    drain_s = float(args_of(container)["shutdown-timeout"])
-    # Kubernetes kills the pod at the grace period, whatever is still streaming.
-    assert spec["terminationGracePeriodSeconds"] > pre_stop_s + drain_s
     assert {"cpu", "memory"} <= container["resources"]["requests"].keys()
     assert "memory" in container["resources"]["limits"]
     assert spec["securityContext"]["runAsNonRoot"] is True

@@ -6,12 +6,17 @@ shutdown_timeout_s; whatever is still open then ends with an error event. Only t
 uvicorn stop, and the gateway stops the engine core and its ranks (which ignore the signal
 themselves, so a SIGTERM to the whole process group drains the same way). A second signal
 stops at once.
+
+SIGUSR1 comes first on Kubernetes (the pod's preStop hook sends it): readiness turns 503 but
+new requests are still served, so the endpoint picker, which drops a pod only when its
+readiness fails, moves new work elsewhere before SIGTERM starts refusing it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 import uvicorn
 
@@ -33,7 +38,16 @@ class DrainingServer(uvicorn.Server):
 
     async def serve(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        try:
+            self._loop.add_signal_handler(signal.SIGUSR1, self._leave)
+        except (ValueError, RuntimeError, NotImplementedError):
+            pass  # not the main thread (an in-process test server): no signals to take
         await super().serve(sockets)
+
+    def _leave(self) -> None:
+        server = getattr(self.config.app.state, "server", None)
+        if server is not None:
+            leave(server)
 
     def handle_exit(self, sig, frame) -> None:
         if self._drain is not None or self._loop is None or self.should_exit:
@@ -51,6 +65,15 @@ class DrainingServer(uvicorn.Server):
         if server is not None:
             await drain(server, self.shutdown_timeout_s)
         self.should_exit = True
+
+
+def leave(server) -> None:
+    """Leave the load balancers' pools: readiness 503, new requests still served."""
+    if not server.leaving:
+        server.leaving = True
+        log.warning("leaving the pool: readiness is 503, requests are still served until "
+                    "SIGTERM")
+        server.events.record("leaving")
 
 
 async def drain(server, timeout_s: float) -> None:

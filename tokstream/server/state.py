@@ -71,6 +71,8 @@ class Server:
         self.supervisor.on_restart = self.metrics.on_restart
         self.draining = False
         """Set on SIGTERM (server/drain.py): new requests are refused, open streams finish."""
+        self.leaving = False
+        """Set on SIGUSR1 (server/drain.py): readiness fails, new requests are still served."""
 
     @property
     def engine(self) -> AsyncEngine:
