@@ -286,3 +286,37 @@ def test_constrained_streams_stay_valid_through_a_rank_kill(server):
     assert [p for job, s in zip(batch, streams) for p in problems(job, s)] == []
     state = server.wait_idle(timeout=120)
     assert state["replica"]["restarts"] == 1 and state["replica"]["status"] == "ready"
+
+
+MALFORMED_CALLS = {
+    "invalid-escape": '<tool_call>\n{"name": "get_\\q", "arguments": {}}\n</tool_call>',
+    "newline-in-name": '<tool_call>\n{"name": "get\nweather", "arguments": {}}\n</tool_call>',
+    "surrogate-name": '<tool_call>\n{"name": "\\ud800", "arguments": {}}\n</tool_call>',
+    "deep": '<tool_call>\n{"arguments": ' + "[" * 1000 + '</tool_call>',
+}
+"""Model output whose call cannot be read (the last nests past the JSON decoder's recursion
+limit), which a structured_outputs regex makes even a random model write."""
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("kind", MALFORMED_CALLS)
+def test_model_output_that_is_no_readable_call_is_text_not_a_5xx(server, kind, stream):
+    text = MALFORMED_CALLS[kind]
+    # One bare tool: the deep block is 1,000+ byte tokens of dummy:tiny's 2,048 context.
+    body = openai_body(tools=[{"type": "function", "function": {"name": "f"}}],
+                       max_tokens=len(text) + 8, stream=stream,
+                       structured_outputs={"regex": re.escape(text)})
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                      timeout=120) as response:
+        raw = response.read().decode()
+    assert response.status_code == 200, raw[:300]
+    if not stream:
+        choice = json.loads(raw)["choices"][0]
+        assert choice["message"]["content"] == text and choice["finish_reason"] == "stop"
+        return
+    chunks = [json.loads(line[6:]) for line in raw.splitlines()
+              if line.startswith("data: {")]
+    assert raw.rstrip().endswith("data: [DONE]") and not any("error" in c for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks
+                   if c.get("choices")) == text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"

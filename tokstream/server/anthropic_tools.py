@@ -5,11 +5,9 @@ content_block_start, `input_json_delta` pieces, content_block_stop)."""
 
 from __future__ import annotations
 
-import json
-
 from tokstream.server.errors import bad_request
 from tokstream.server.tool_parser import (ArgumentsPiece, CallEnd, CallStart, Event,
-                                          HermesParser, TextPiece)
+                                          HermesParser, TextPiece, json_value)
 from tokstream.server.tools import Tool, ToolRequest, new_call_id, read_function, read_tools
 from tokstream.server.validation import _kind, get_bool, shown
 
@@ -172,7 +170,8 @@ class ToolBlocks:
 
 def content_blocks(events: list[tuple[str, dict]]) -> list[dict]:
     """The finished content of a non-streaming message, from its stream's events (each
-    call's input parsed; a call cut short by max_tokens gets {})."""
+    call's input parsed; a call cut short by max_tokens, or whose JSON cannot be read or sent
+    on, gets {})."""
     blocks, inputs = [], []
     for name, data in events:
         if name == "content_block_start":
@@ -186,11 +185,7 @@ def content_blocks(events: list[tuple[str, dict]]) -> list[dict]:
                 inputs[-1] += delta["partial_json"]
     for block, text in zip(blocks, inputs):
         if block["type"] == "tool_use":
-            try:
-                value = json.loads(text or "{}")
-            except ValueError:
-                value = {}
-            block["input"] = value if isinstance(value, dict) else {}
+            block["input"] = json_value(text or "{}", dict) or {}
     return blocks
 
 

@@ -6,6 +6,8 @@ the next piece decides it, and so is whitespace before it. A call is announced a
 name is read and its arguments stream as they arrive (their end found by a JSON scanner, so a
 `</tool_call>` inside a string does not end them). A block that does not hold a call (not JSON,
 no name) is the model's text after all, and is returned as text, as vLLM's hermes parser does.
+So is a block whose JSON cannot be read or sent on (an invalid escape, a raw newline in the
+name, nesting past the recursion limit, a lone surrogate): model output never raises.
 """
 
 from __future__ import annotations
@@ -152,8 +154,9 @@ class HermesParser:
 
     def _head(self, events: list[Event]) -> bool:
         match = HEAD.match(self.buffer)
-        if match:
-            events.append(CallStart(self.num_calls, json.loads(f'"{match.group(1)}"')))
+        name = json_value(f'"{match.group(1)}"', str) if match else None
+        if name is not None:
+            events.append(CallStart(self.num_calls, name))
             self.num_calls += 1
             self.buffer = self.buffer[match.end():]
             self.arguments = JsonValueEnd()
@@ -199,11 +202,8 @@ class HermesParser:
     def _whole(self, inner: str, close: str = "") -> list[Event]:
         """A block read whole: a call if it is one, else the text it was (close: the closing
         tag it had, if any)."""
-        try:
-            call = json.loads(inner)
-        except ValueError:
-            call = None
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        call = json_value(inner, dict)
+        if call is None or not isinstance(call.get("name"), str):
             return [TextPiece(self.gap + OPEN_TAG + inner + close)]
         index = self.num_calls
         self.num_calls += 1
@@ -211,6 +211,18 @@ class HermesParser:
         return [CallStart(index, call["name"]),
                 ArgumentsPiece(index, json.dumps(arguments, ensure_ascii=False)),
                 CallEnd(index)]
+
+
+def json_value(text: str, kind: type):
+    """The value of type kind that the JSON text holds, or None when it holds none that a
+    response can carry: malformed, nested past the recursion limit, or holding a lone
+    surrogate (a `\\ud800` escape decodes to a str that UTF-8 cannot encode)."""
+    try:
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return None
+    return value if isinstance(value, kind) else None
 
 
 def _emit_text(events: list[Event], text: str) -> None:
