@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import httpx
 
 from tokstream.state_snapshot import RequestDetail, StateSnapshot
+from tokstream.top.printable import printable_reply
 
 COUNTERS = {"vllm:generation_tokens_total": "output_tokens"}
 """Prometheus samples top reads (summed over labels) -> its own names."""
@@ -37,7 +38,8 @@ class HttpSource:
     async def poll(self) -> Frame:
         state, metrics = await asyncio.gather(self._get("/v1/state"), self._get("/metrics"))
         try:
-            return Frame(StateSnapshot.from_wire(state.json()), parse_counters(metrics.text))
+            return Frame(StateSnapshot.from_wire(printable_reply(state.json())),
+                         parse_counters(metrics.text))
         except (ValueError, TypeError, AttributeError) as error:
             raise SourceError(f"unreadable reply: {error}") from error
 
@@ -47,7 +49,7 @@ class HttpSource:
         if response.status_code == 404:
             return None
         try:
-            return RequestDetail.from_wire(response.json())
+            return RequestDetail.from_wire(printable_reply(response.json()))
         except (ValueError, TypeError, AttributeError) as error:
             raise SourceError(f"unreadable reply: {error}") from error
 
