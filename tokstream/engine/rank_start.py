@@ -34,6 +34,11 @@ WORKER_ENV = {
     "MALLOC_TRIM_THRESHOLD_": str(16 * 2**30),  # ...and never hand them back to the OS
     "THP_MEM_ALLOC_ENABLE": "1",  # torch: transparent huge pages for large tensors
 }
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+"""The ranks of a group share one host: every socket between them is on loopback. Without an
+interface named, gloo binds the address the host name resolves to (a pod's IP under
+Kubernetes, where /etc/hosts maps it), open to the cluster and unauthenticated. Not the
+user's to change: no rank talks to another host."""
 RANK_PRELOAD = ["tokstream.engine.forkserver_guard", "torch", "torch.distributed",
                 "tokstream.model.weights", "tokstream.tokenizer", "tokstream.worker.model_runner",
                 "tokstream.worker.quant_linear", "tokstream.worker.dtype_choice",
@@ -57,14 +62,17 @@ def startup_environment(environment: dict[str, str]) -> dict[str, str]:
 
 @contextlib.contextmanager
 def worker_environment(config: EngineConfig):
-    """Set the ranks' environment for the duration of a start; the user's values win."""
+    """Set the ranks' environment for the duration of a start; the user's values win, but
+    LOOPBACK_ENV's."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     wanted = dict(WORKER_ENV)
     if config.tp > cores:
         wanted["OMP_WAIT_POLICY"] = "PASSIVE"  # spinning ranks would starve each other
     saved = {key: os.environ.get(key) for key in wanted}
+    saved |= {key: os.environ.get(key) for key in LOOPBACK_ENV}
     for key, value in wanted.items():
         os.environ.setdefault(key, value)
+    os.environ.update(LOOPBACK_ENV)
     try:
         yield
     finally:
