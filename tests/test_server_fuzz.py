@@ -1,5 +1,6 @@
-"""Fuzzing every POST endpoint with hypothesis: bodies mixing valid fields and junk, and raw
-bytes; and whole requests on every route (methods, paths, query strings, Host, Origin and
+"""Fuzzing every POST endpoint with hypothesis: bodies mixing valid fields and junk (tool
+histories among them: calls without content, arguments that are no JSON or nest deep, results,
+tools and tool_choice), and raw bytes; and whole requests on every route (methods, paths, query strings, Host, Origin and
 content-type headers, lone surrogates). Nothing may produce a 5xx, a streamed answer always ends
 explicitly, and the server is healthy, idle and leak-free afterwards. bench/fuzz_gateway.py
 sends 10,000+ of the same requests (REQUESTS) and writes bench/results/fuzz_gateway.json."""
@@ -31,6 +32,63 @@ message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "
                                  "content": text | st.lists(st.fixed_dictionaries(
                                      {"type": st.sampled_from(["text", "image"]),
                                       "text": text}), max_size=2) | junk})
+names = st.sampled_from(["get_weather", "f", "a b", ""]) | junk
+odd_arguments = st.sampled_from(['{"city": "Par', "", "{}", "null", "[1]", '"\\ud800"',
+                                 '{"a": "\\q"}', '{"a": ' * 1200, "{" * 3]) | text | junk
+"""A past call's arguments: cut, empty, not an object, a lone surrogate, an invalid escape,
+nested past the JSON decoder's recursion limit, any text, not a string."""
+schema = st.sampled_from([{"type": "object", "properties": {"city": {"type": "string"}}},
+                          {"type": "nope"}, {}]) | junk
+openai_call = st.fixed_dictionaries({"id": st.text(max_size=6) | junk, "type": st.just(
+    "function") | junk, "function": st.fixed_dictionaries(
+        {"name": names, "arguments": odd_arguments}) | junk})
+openai_tool_turn = st.fixed_dictionaries(
+    {"role": st.just("assistant"), "tool_calls": st.lists(openai_call, max_size=2) | junk},
+    optional={"content": st.none() | text}) | st.fixed_dictionaries(
+    {"role": st.just("tool"), "content": text | junk},
+    optional={"tool_call_id": st.text(max_size=6) | junk})
+anthropic_tool_turn = st.fixed_dictionaries({"role": st.just("assistant"), "content": st.lists(
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.text(max_size=6) | junk,
+                           "name": names, "input": st.dictionaries(st.text(max_size=4), text,
+                                                                   max_size=2) | junk})
+    | st.fixed_dictionaries({"type": st.just("text"), "text": text}), max_size=2)}) \
+    | st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(
+        st.fixed_dictionaries({"type": st.just("tool_result"),
+                               "tool_use_id": st.text(max_size=6) | junk,
+                               "content": text | junk}, optional={"is_error": junk}),
+        max_size=2)})
+ASK = {"role": "user", "content": "Weather in Paris?"}
+openai_history = st.tuples(
+    st.lists(st.fixed_dictionaries({"id": st.just("call_1"), "type": st.just("function"),
+                                    "function": st.fixed_dictionaries(
+                                        {"name": st.just("f"), "arguments": odd_arguments})}),
+             min_size=1, max_size=2),
+    st.sampled_from([None, "", "Checking."]), st.booleans()).map(lambda t: [
+        ASK, {"role": "assistant", "tool_calls": t[0], **({} if t[1] is None else {
+            "content": t[1]})},
+        *([{"role": "tool", "tool_call_id": "call_1", "content": "21 C"}] if t[2] else [])])
+"""A well-formed history around odd arguments, with or without content and a result."""
+anthropic_history = st.tuples(
+    st.dictionaries(st.text(max_size=4), text | junk, max_size=2), st.booleans()).map(
+    lambda t: [ASK, {"role": "assistant", "content": [
+        *([{"type": "text", "text": "Checking."}] if t[1] else []),
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": t[0]}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": "21 C"}]}])
+openai_messages = st.lists(message, max_size=3) | junk | openai_history | st.lists(
+    openai_tool_turn, max_size=3).map(lambda turns: [ASK, *turns])
+anthropic_messages = st.lists(message, max_size=3) | junk | anthropic_history | st.lists(
+    anthropic_tool_turn, max_size=3).map(lambda turns: [ASK, *turns])
+openai_tools = st.lists(st.fixed_dictionaries({"type": st.just("function") | junk,
+                                               "function": st.fixed_dictionaries(
+                                                   {"name": names, "parameters": schema})}),
+                        max_size=2) | junk
+anthropic_tools = st.lists(st.fixed_dictionaries({"name": names, "input_schema": schema}),
+                           max_size=2) | junk
+openai_choice = st.sampled_from(["auto", "none", "required"]) | junk | st.just(
+    {"type": "function", "function": {"name": "f"}})
+anthropic_choice = st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
+                                    {"type": "tool", "name": "f"}]) | junk
 
 
 def maybe(strategy):
@@ -48,19 +106,28 @@ common = dict(model=st.sampled_from(["dummy:tiny", "other"]) | junk,
               top_p=st.floats(-1, 2) | junk, top_k=st.integers(-3, 100) | junk,
               seed=st.integers(-5, 2**64) | junk, stream=st.booleans() | junk,
               ignore_eos=st.booleans() | junk)
-ANTHROPIC = body(messages=st.lists(message, max_size=3) | junk, system=text | junk,
-                 stop_sequences=st.lists(text, max_size=2) | junk, metadata=junk, **common)
-CHAT = body(messages=st.lists(message, max_size=3) | junk, stop=text | junk,
-            n=st.integers(0, 2) | junk, stream_options=junk, logprobs=junk, **common)
+ANTHROPIC = body(messages=anthropic_messages, system=text | junk,
+                 stop_sequences=st.lists(text, max_size=2) | junk, metadata=junk,
+                 tools=anthropic_tools, tool_choice=anthropic_choice, **common)
+CHAT = body(messages=openai_messages, stop=text | junk,
+            n=st.integers(0, 2) | junk, stream_options=junk, logprobs=junk,
+            tools=openai_tools, tool_choice=openai_choice, **common)
 COMPLETION = body(prompt=text | st.lists(st.integers(-5, 600), max_size=8) | junk,
                   stop=text | junk, echo=junk, **common)
-COUNT = body(model=common["model"], messages=st.lists(message, max_size=3) | junk, system=junk)
+COUNT = body(model=common["model"], messages=anthropic_messages, system=junk,
+             tools=anthropic_tools)
+TOKENIZE = body(model=common["model"], messages=openai_messages, prompt=text | junk,
+                add_generation_prompt=st.booleans() | junk,
+                add_special_tokens=st.booleans() | junk, tools=openai_tools)
+DETOKENIZE = body(model=common["model"], tokens=st.lists(st.integers(-5, 600), max_size=8)
+                  | junk)
 SCORE = body(token_ids=st.lists(st.integers(-5, 600), max_size=12) | junk,
              start=st.integers(-2, 12) | junk, prompt_token_ids=junk, output_token_ids=junk)
 
 
 ROUTES = {"/v1/messages": ANTHROPIC, "/v1/chat/completions": CHAT,
-          "/v1/completions": COMPLETION, "/v1/messages/count_tokens": COUNT, "/v1/score": SCORE}
+          "/v1/completions": COMPLETION, "/v1/messages/count_tokens": COUNT, "/v1/score": SCORE,
+          "/tokenize": TOKENIZE, "/detokenize": DETOKENIZE}
 GET_PATHS = ["/health", "/metrics", "/v1/models", "/v1/state", "/openapi.json",
              "/v1/state/requests/msg_x", "/v1/state/requests/" + "z" * 300, "/", "/v1",
              "/v1/messages/x", "/v1/../v1/state", "/v1/state%00", "/metrics/"]
@@ -69,7 +136,9 @@ VALID = {"/v1/messages": anthropic_body(max_tokens=4),
          "/v1/completions": {"model": "dummy:tiny", "prompt": "hi", "max_tokens": 4},
          "/v1/messages/count_tokens": {"model": "dummy:tiny",
                                        "messages": [{"role": "user", "content": "hi"}]},
-         "/v1/score": {"token_ids": [5, 6, 7]}}
+         "/v1/score": {"token_ids": [5, 6, 7]},
+         "/tokenize": {"messages": [{"role": "user", "content": "hi"}]},
+         "/detokenize": {"tokens": [5, 6, 7]}}
 """A valid body per route: near-valid requests override a few of its fields with fuzz."""
 SURROGATES = st.sampled_from(["\\ud800", "\\udfff", "a\\ud83d", "\\ud83d\\ude00\\udc00"])
 CONTENT_TYPES = st.sampled_from(["application/json"] * 16 + [
@@ -100,6 +169,25 @@ def _surrogate_body(path_and_text) -> bytes:
             f'"content":"{text}"}}]}}').encode()
 
 
+def _history_request(parts) -> dict:
+    """A near-valid body around a tool history, for a route that reads chat messages."""
+    path, openai_turns, anthropic_turns, stream, tools, add_generation_prompt = parts
+    anthropic = path.startswith("/v1/messages")
+    fields = {"model": "dummy:tiny", "messages": anthropic_turns if anthropic else openai_turns}
+    if tools:
+        fields["tools"] = [{"name": "f", "input_schema": {"type": "object"}}] if anthropic \
+            else [{"type": "function", "function": {"name": "f"}}]
+    if path == "/tokenize":
+        fields["add_generation_prompt"] = add_generation_prompt
+    elif path != "/v1/messages/count_tokens":
+        fields.update(max_tokens=4, stream=stream)
+    return {"method": "POST", "path": path, "content": json.dumps(fields).encode()}
+
+
+tool_history_post = st.tuples(
+    st.sampled_from(["/v1/chat/completions", "/tokenize", "/v1/messages",
+                     "/v1/messages/count_tokens"]), openai_history, anthropic_history,
+    st.booleans(), st.booleans(), st.booleans()).map(_history_request)
 json_post = st.one_of(*[st.tuples(st.just(p), strategy) for p, strategy in ROUTES.items()]).map(
     lambda pair: {"method": "POST", "path": pair[0], "content": _json_body(pair)})
 near_valid_post = st.one_of(*[st.tuples(st.just(p), strategy)
@@ -115,8 +203,8 @@ odd_method = st.tuples(st.sampled_from(["PUT", "DELETE", "PATCH", "OPTIONS", "HE
                                         "POST"]), st.sampled_from(list(ROUTES) + GET_PATHS)).map(
     lambda pair: {"method": pair[0], "path": pair[1], "content": b""})
 REQUESTS = st.tuples(
-    st.one_of(json_post, json_post, near_valid_post, near_valid_post, surrogate_post, raw_post,
-              get, odd_method),
+    st.one_of(json_post, json_post, near_valid_post, near_valid_post, tool_history_post,
+              surrogate_post, raw_post, get, odd_method),
     CONTENT_TYPES, HOSTS, ORIGINS).map(
     lambda t: {**t[0], "headers": {k: v for k, v in (("content-type", t[1]), ("host", t[2]),
                                                      ("origin", t[3])) if v is not None}})
@@ -176,7 +264,7 @@ def type_stream(content: bytes):
 @pytest.mark.parametrize("path, strategy", [
     ("/v1/messages", ANTHROPIC), ("/v1/chat/completions", CHAT),
     ("/v1/completions", COMPLETION), ("/v1/messages/count_tokens", COUNT),
-    ("/v1/score", SCORE),
+    ("/v1/score", SCORE), ("/tokenize", TOKENIZE), ("/detokenize", DETOKENIZE),
 ])
 def test_fuzzed_bodies_never_5xx(client, path, strategy):
     @FUZZ
@@ -189,6 +277,12 @@ def test_fuzzed_bodies_never_5xx(client, path, strategy):
         post(client, path, content)
 
     run()
+
+
+@FUZZ
+@given(tool_history_post)
+def test_tool_histories_never_5xx(client, request):
+    post(client, request["path"], request["content"])
 
 
 @FUZZ
