@@ -83,6 +83,7 @@ def connect(rank: int, world: int, slot_floats: int, timeout_s: float,
     if rank == 0 and load() is not None and hasattr(os, "memfd_create"):
         try:
             fd = os.memfd_create("tokstream-allreduce")
+            os.fchmod(fd, 0o600)  # made 0777: the ranks' activations are their owner's alone
             os.ftruncate(fd, nbytes)
             path = f"/proc/{os.getpid()}/fd/{fd}"
         except OSError:

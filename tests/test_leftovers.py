@@ -5,8 +5,11 @@ kills the recorded rank pids of a core that died; a replacement core keeps the p
 
 import dataclasses
 import os
+import shutil
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -27,6 +30,14 @@ def rank_folders(tmp) -> list[str]:
                   if name.startswith(("tokstream-ranks-", "tokstream-core-")))
 
 
+@pytest.fixture
+def short_tmp():
+    """A TMPDIR short enough that the cores' folders go in it (janitor.MAX_PARENT_CHARS)."""
+    path = tempfile.mkdtemp(prefix="tl-", dir="/tmp")
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def wait_for(predicate, timeout=60):
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -35,7 +46,8 @@ def wait_for(predicate, timeout=60):
 
 
 @pytest.mark.startup
-def test_no_rank_folder_or_process_outlives_restarts_and_shutdown(tmp_path):
+def test_no_rank_folder_or_process_outlives_restarts_and_shutdown(short_tmp):
+    tmp_path = short_tmp
     with ServerProcess("--profile", "ci", "--tp", "2", env={"TMPDIR": str(tmp_path)}) as server:
         client = httpx.Client(base_url=server.url, timeout=60)
         state = server.state()
@@ -74,3 +86,47 @@ def test_a_replacement_core_keeps_the_pool_size():
     replaced = replacement_config(config, {"num_blocks": 321})
     assert replaced.cache.num_blocks == 321
     assert dataclasses.replace(replaced, cache=config.cache) == config
+
+
+def memory_files(processes) -> dict[str, set[int]]:
+    """name -> the modes of the memfds the processes hold (KV pools, block index, all-reduce
+    segments)."""
+    found: dict[str, set[int]] = {}
+    for process in processes:
+        for fd in os.listdir(f"/proc/{process.pid}/fd"):
+            path = f"/proc/{process.pid}/fd/{fd}"
+            try:
+                target = os.readlink(path)
+                mode = os.stat(path).st_mode & 0o777
+            except OSError:
+                continue
+            if target.startswith("/memfd:tokstream-"):
+                name = target.removeprefix("/memfd:").split(" ")[0]
+                found.setdefault(name.rstrip("0123456789"), set()).add(mode)
+    return found
+
+
+@pytest.mark.startup
+def test_a_sigkilled_gateway_leaves_nothing_and_its_files_are_owner_only(short_tmp):
+    """Issue 31: the KV pool files, the block index and the all-reduce segments are memfds
+    only their owner may open (made 0777, anyone let into /proc/PID/fd could read every
+    block), the folders 0700; and a gateway SIGKILLed leaves no folder behind (its janitor
+    removes the cores' folders, which hold every temporary file of the cores and ranks)."""
+    tmp_path = short_tmp
+    with ServerProcess("--profile", "ci", "--tp", "2", env={"TMPDIR": str(tmp_path)}) as server:
+        gateway = psutil.Process(server.process.pid)
+        tree = [gateway, *gateway.children(recursive=True)]
+        modes = memory_files(tree)
+        assert set(modes) == {"tokstream-kv-rank", "tokstream-kv-index",
+                              "tokstream-allreduce"}, modes
+        assert all(m == {0o600} for m in modes.values()), modes
+        folders = [os.path.join(root, name) for root, dirs, _ in os.walk(tmp_path)
+                   for name in dirs]
+        assert folders and all(os.stat(f).st_mode & 0o777 == 0o700 for f in folders), folders
+        # Everything lives in the core's folder (with its forkserver's socket folder).
+        assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(rank_folders(
+            tmp_path)[0])], list(tmp_path.iterdir())
+        gateway.kill()
+        _, alive = psutil.wait_procs(tree, timeout=30)
+        assert not alive, alive
+    assert list(tmp_path.iterdir()) == []

@@ -13,7 +13,6 @@ import logging
 import multiprocessing as mp
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -22,6 +21,7 @@ import psutil
 from tokstream.config import EngineConfig
 from tokstream.engine.core_pipe import CorePipe
 from tokstream.engine.core_process import core_main
+from tokstream.engine.janitor import JANITOR, make_core_folder
 from tokstream.engine.heartbeat import BEAT_INTERVAL_S, HeartbeatWatch, silence_limit_s
 from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, CoreDead, CoreMessage,
                                        Deltas, EngineRequest, PoolAdopted, ProtocolError, Ready,
@@ -82,7 +82,8 @@ class AsyncEngine:
         context = mp.get_context("spawn")
         conn, child_conn = context.Pipe()
         self._pipe = CorePipe(conn)
-        self.run_dir = tempfile.mkdtemp(prefix="tokstream-core-")
+        self.run_dir = make_core_folder()
+        JANITOR.watch(self.run_dir)  # removed even if this gateway is SIGKILLed
         # Not a daemon: the core must be able to start worker processes of its own.
         heartbeat = context.RawValue("Q", 0)
         self.process = context.Process(target=core_main,
@@ -310,6 +311,7 @@ class AsyncEngine:
     def _remove_run_dir(self) -> None:
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            JANITOR.forget(self.run_dir)
 
 
 def kill_tree(process) -> None:

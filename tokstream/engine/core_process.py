@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 import time
 
 from tokstream import envs
@@ -43,6 +44,11 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
     become_child(parent_pid)
     if heartbeat is not None:
         start_beating(heartbeat)
+    if run_dir is not None:
+        # Every temporary file of this core and its ranks (the forkserver's socket folder
+        # among them) goes in the folder the gateway removes, even after its own SIGKILL
+        # (engine/janitor.py).
+        os.environ["TMPDIR"] = tempfile.tempdir = run_dir
     logging.basicConfig(level=envs.LOG.get(),
                         format="%(asctime)s %(name)s: %(message)s")
     from tokstream.engine.rank_start import rank_context

@@ -23,6 +23,14 @@ import os
 from dataclasses import dataclass
 
 
+def owner_only(name: str) -> int:
+    """A new memory file only its owner may open: a memfd is made mode 0777, and anyone
+    allowed into the holder's /proc/PID/fd could otherwise read or write every KV block."""
+    fd = os.memfd_create(name)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 @dataclass(frozen=True)
 class PoolPaths:
     """Where a core's ranks open their pool files, and where the core opens the index."""
@@ -40,8 +48,8 @@ class PoolFiles:
         self._fds: list[int] = []
         if hasattr(os, "memfd_create"):
             try:
-                self._fds = [os.memfd_create(f"tokstream-kv-rank{rank}") for rank in range(tp)]
-                self._fds.append(os.memfd_create("tokstream-kv-index"))
+                self._fds = [owner_only(f"tokstream-kv-rank{rank}") for rank in range(tp)]
+                self._fds.append(owner_only("tokstream-kv-index"))
             except OSError:
                 self.close()  # no shared pools: each rank allocates its own, as before
         self.tp = tp
