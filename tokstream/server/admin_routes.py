@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 from tokstream.server.anthropic_routes import chat_messages, encode_messages
 from tokstream.server.auth import presented_key
 from tokstream.server.errors import OPENAI, ApiError, api_route, bad_request
+from tokstream.server.metrics import SCRAPE_WAIT_S
 from tokstream.server.state import Server
 from tokstream.server.validation import _kind, get_int, parse_off_loop, read_json, shown
 from tokstream.state_snapshot import CoreSnapshot, ReplicaStatus, RequestDetail, RequestParams
@@ -34,7 +35,9 @@ async def metrics(request):
         if not (server.config.public_load_metrics and not presented_key(request.headers)):
             raise
         tenants = False  # the load series a router reads, nothing that names a tenant
-    await server.core_snapshot()
+    # A busy core is not waited for: the endpoint picker polls every 50 ms and gives up on a
+    # scrape after 1 s; past SCRAPE_WAIT_S the last snapshot is served.
+    await server.core_snapshot(patience_s=SCRAPE_WAIT_S)
     server.metrics.live.set(len(server.registry))
     return Response(server.metrics.render(tenants=tenants),
                     media_type="text/plain; version=0.0.4; charset=utf-8")

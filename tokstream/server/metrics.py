@@ -4,7 +4,8 @@ servers in one process never collide.
 
 Latency histograms and token counters are updated by the gateway as tokens pass the demux;
 engine-side values (running, waiting, KV blocks, preemptions) come from the core's state
-snapshot, refreshed at each scrape.
+snapshot: a scrape asks for a fresh one but waits at most SCRAPE_WAIT_S for a busy core (it
+answers between steps), then serves the last one; the refresh lands for the next scrape.
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokstream.state_snapshot import CoreSnapshot, Kv, LastStep, ReplicaStatus
+
+SCRAPE_WAIT_S = 0.05
+"""Longest a /metrics scrape waits for the core's newer snapshot (an idle core answers in about
+a millisecond; one in a long step would hold the endpoint picker's 50 ms poll)."""
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)

@@ -3,7 +3,9 @@
 The core answers a snapshot between steps, so each one asked for costs the batch a pause. Here
 concurrent readers share one request in flight, a snapshot is reused while it is fresh (young,
 and no request has started or ended since), and a reader never waits longer than `patience_s`
-for a refresh held up by a slow step: it gets the previous snapshot instead.
+for a refresh held up by a slow step: it gets the previous snapshot instead. A reader that must
+answer fast whatever the core does (/metrics: the endpoint picker polls it every 50 ms and
+gives up after 1 s) passes a short patience of its own.
 """
 
 from __future__ import annotations
@@ -44,15 +46,22 @@ class SharedSnapshot:
     def fresh(self) -> bool:
         return self.value is not None and time.monotonic() - self._fetched_at < self.max_age_s
 
-    async def get(self) -> dict | None:
+    async def get(self, patience_s: float | None = None) -> dict | None:
+        """The latest snapshot, refreshed if it is not fresh; patience_s: the longest this
+        reader waits, with or without a snapshot (default: patience_s, or timeout_s while
+        there is none). A refresh still running then lands for later readers."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.timeout_s if self.value is None else self.patience_s)
+        if patience_s is None:
+            patience_s = self.timeout_s if self.value is None else self.patience_s
+        deadline = loop.time() + patience_s
         # A refresh asked before the latest change comes back stale: then another is asked,
         # until the deadline.
-        while not self.fresh and loop.time() < deadline:
+        while not self.fresh:
             if self._refresh is None:
                 self._refresh = asyncio.ensure_future(self._run())
             refresh = self._refresh
+            if loop.time() >= deadline:
+                break
             # asyncio.wait never cancels what it waits for: it lands for later readers.
             await asyncio.wait({refresh}, timeout=deadline - loop.time())
             if refresh.done() and not refresh.result():

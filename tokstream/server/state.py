@@ -127,10 +127,11 @@ class Server:
 
     # --- state ------------------------------------------------------------------------------
 
-    async def core_snapshot(self) -> dict | None:
-        """The core's latest snapshot, shared; the previous one if the core is slow or gone."""
+    async def core_snapshot(self, patience_s: float | None = None) -> dict | None:
+        """The core's latest snapshot, shared; the previous one if the core is slow or gone
+        (waiting at most patience_s: see SharedSnapshot.get)."""
         if self.engine.dead is None and not self.supervisor.replacing:
-            await self.core_state.get()
+            await self.core_state.get(patience_s)
         self.metrics.engine.snapshot = self.core_state.value
         return self.core_state.value
 
