@@ -22,6 +22,7 @@ import multiprocessing.forkserver as forkserver
 import os
 
 from tokstream.config import EngineConfig
+from tokstream.cpu_budget import usable_cores
 from tokstream.engine.child_process import become_child
 from tokstream.engine.forkserver_guard import GUARD_ENV
 from tokstream.worker.worker import worker_main
@@ -64,9 +65,8 @@ def startup_environment(environment: dict[str, str]) -> dict[str, str]:
 def worker_environment(config: EngineConfig):
     """Set the ranks' environment for the duration of a start; the user's values win, but
     LOOPBACK_ENV's."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     wanted = dict(WORKER_ENV)
-    if config.tp > cores:
+    if config.tp > usable_cores():
         wanted["OMP_WAIT_POLICY"] = "PASSIVE"  # spinning ranks would starve each other
     saved = {key: os.environ.get(key) for key in wanted}
     saved |= {key: os.environ.get(key) for key in LOOPBACK_ENV}

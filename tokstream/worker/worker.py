@@ -60,8 +60,10 @@ class WorkerFailed:
 def set_threads(config: EngineConfig) -> int:
     import torch
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = config.num_threads or max(1, cores // config.tp)
+    from tokstream.cpu_budget import usable_cores
+
+    # The pod's CPU limit (cgroup quota), not the node's cores torch would count.
+    threads = config.num_threads or max(1, usable_cores() // config.tp)
     torch.set_num_threads(threads)
     return threads
 
@@ -126,8 +128,9 @@ def _init_tensor_parallel(config: EngineConfig, rank: int, rendezvous: str, devi
                             timeout=datetime.timedelta(seconds=config.collective_timeout_s))
     shm = None
     if device_type == "cpu" and envs.SHM_ALLREDUCE.get() != "0":
+        from tokstream.cpu_budget import usable_cores
         from tokstream.kernels import cpu_shm_allreduce
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        cores = usable_cores()
         shm = cpu_shm_allreduce.connect(
             rank, config.tp, config.scheduler.max_num_batched_tokens * hidden_size,
             config.collective_timeout_s,
