@@ -2,8 +2,10 @@
 on dummy:tiny (random weights: only the grammar makes a forced call valid, and an `auto` call
 is made by holding the model to a regex of text and calls): OpenAI tools streamed and not,
 `beta.chat.completions.parse` with pydantic models, Anthropic tools with `messages.create` and
-the `messages.stream` helper, tool history on both APIs, count_tokens, clear 400s, and
-constrained streams that stay valid through a rank killed mid-generation."""
+the `messages.stream` helper, Anthropic structured outputs (`messages.parse` and `stream` with
+`output_format`), tool history on both APIs, count_tokens, clear 400s, model output that holds
+no readable call, and constrained streams that stay valid through a rank killed
+mid-generation."""
 
 import asyncio
 import json
@@ -22,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from helpers.serving import module_server
 from tokstream.checker import check_streams
-from helpers.tool_workload import NAMES, SCHEMAS, jobs, problems, record_all
+from helpers.tool_workload import ALL_KINDS, NAMES, SCHEMAS, jobs, problems, record_all
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
@@ -65,6 +67,15 @@ class Weather(BaseModel):
     unit: Literal["c", "f"]
 
 
+class Forecast(BaseModel):
+    """The SDK moves string and number bounds into descriptions for the API (its
+    transform_schema), so only enums and booleans keep a random model's answer short."""
+
+    unit: Literal["c", "f"]
+    rain: bool
+    day: Literal["mon", "tue", "wed"]
+
+
 def sdk_calls(oai, claude) -> dict:
     """Every SDK request the tests below read, by name (each made at once, on its own
     thread: the engine batches them, so the module costs about its longest request)."""
@@ -79,6 +90,12 @@ def sdk_calls(oai, claude) -> dict:
                                     ) as stream:
             kinds = [event.type for event in stream]
             return kinds, stream.get_final_message()
+
+    def anthropic_parse_stream():
+        with claude.messages.stream(model=MODEL, max_tokens=64, messages=ASK,
+                                    output_format=Forecast, extra_body={"temperature": 0}
+                                    ) as stream:
+            return stream.get_final_message()
 
     return {
         "required": lambda: oai.chat.completions.create(
@@ -106,6 +123,10 @@ def sdk_calls(oai, claude) -> dict:
             model=MODEL, max_tokens=256, messages=ASK, tools=ANTHROPIC_TOOLS,
             tool_choice={"type": "any"}, extra_body={"temperature": 1.0, "seed": 7}),
         "anthropic_stream": anthropic_stream,
+        "anthropic_parse": lambda: claude.messages.parse(
+            model=MODEL, max_tokens=64, messages=ASK, output_format=Forecast,
+            extra_body={"temperature": 1.0, "seed": 3}),
+        "anthropic_parse_stream": anthropic_parse_stream,
         "anthropic_history": lambda: claude.messages.create(
             model=MODEL, max_tokens=2, messages=ANTHROPIC_HISTORY, tools=ANTHROPIC_TOOLS,
             extra_body={"temperature": 0}),
@@ -216,6 +237,14 @@ def test_anthropic_history_and_count_tokens(answers, claude):
     assert with_tools.input_tokens > bare.input_tokens + 100
 
 
+def test_anthropic_parse_gives_the_output_format_streamed_and_not(answers):
+    for name in ("anthropic_parse", "anthropic_parse_stream"):
+        message = answers[name]
+        assert isinstance(message.parsed_output, Forecast), message.content
+        assert message.stop_reason == "end_turn" and [b.type for b in message.content] == [
+            "text"]
+
+
 def anthropic_body(**extra):
     return {"model": MODEL, "max_tokens": 8, "messages": ASK, **extra}
 
@@ -224,6 +253,7 @@ def openai_body(**extra):
     return {"model": MODEL, "max_tokens": 8, "messages": ASK, **extra}
 
 
+FORMAT = {"type": "json_schema", "schema": {"type": "object"}}
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}}
 RESULT = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
                                        "content": [{"type": "text", "text": "ok"}, IMAGE]}]}
@@ -258,6 +288,19 @@ RESULT = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"
         {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]),
      "messages.1.tool_calls.0.function.arguments"),
     ("/v1/chat/completions", openai_body(functions=[{"name": "f"}]), "functions"),
+    ("/v1/messages", anthropic_body(output_config={"format": {"type": "xml"}}),
+     "output_config.format.type"),
+    ("/v1/messages", anthropic_body(output_config={"format": {"type": "json_schema"}}),
+     "output_config.format.schema"),
+    ("/v1/messages", anthropic_body(output_config={"format": {
+        "type": "json_schema", "schema": {"type": "nope"}}}), "output_config.format.schema"),
+    ("/v1/messages", anthropic_body(output_config={"effort": "huge"}), "output_config.effort"),
+    ("/v1/messages", anthropic_body(output_format=FORMAT, output_config={"format": FORMAT}),
+     "output_format"),
+    ("/v1/messages", anthropic_body(output_format=FORMAT, messages=[
+        *ASK, {"role": "assistant", "content": "{"}]), "messages.1"),
+    ("/v1/messages", anthropic_body(output_config={"format": FORMAT}, tools=ANTHROPIC_TOOLS,
+                                    tool_choice={"type": "any"}), "tool_choice"),
 ])
 def test_unsupported_is_a_400_naming_the_field(server, route, body, field):
     response = httpx.post(server.url + route, json=body, timeout=30)
@@ -267,10 +310,11 @@ def test_unsupported_is_a_400_naming_the_field(server, route, body, field):
 
 
 def test_constrained_streams_stay_valid_through_a_rank_kill(server):
-    """Forced calls on both APIs and response formats, varied schemas, seeds and
-    temperatures, at once; rank 0 is killed when the first has 20 tokens: every stream
-    resumes, ends once, and parses and validates against its schema."""
-    batch = jobs(12)
+    """Forced calls and output formats on both APIs (response_format,
+    output_config.format), varied schemas, seeds and temperatures, at once; rank 0 is killed
+    when the first has 20 tokens: every stream resumes, ends once, and parses and validates
+    against its schema."""
+    batch = jobs(16, kinds=ALL_KINDS)
     rank = server.state()["ranks"][0]["pid"]
     received = [0] * len(batch)
 

@@ -1,7 +1,8 @@
 """Constrained generations for tests/test_tools_api.py and bench/tool_calls_bench.py: forced
-tool calls on both APIs (OpenAI `required` / a named function, Anthropic `any` / `tool`) and
-OpenAI `response_format` JSON schemas, over varied schemas, seeds and temperatures; what each
-streamed back, read from its recorded SSE events; and the check that it is valid."""
+tool calls on both APIs (OpenAI `required` / a named function, Anthropic `any` / `tool`),
+OpenAI `response_format` JSON schemas and (on request) Anthropic `output_config.format`, over
+varied schemas, seeds and temperatures; what each streamed back, read from its recorded SSE
+events; and the check that it is valid."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ SCHEMAS = [
 ]
 NAMES = ["get_weather", "count", "tag_it", "place", "set_flag"]
 KINDS = ("openai_tool", "anthropic_tool", "response_format")
+"""What jobs() makes by default (the mix bench/tool_calls_bench.py's results were measured on)."""
+ALL_KINDS = (*KINDS, "output_format")
 
 
 @dataclass
@@ -53,11 +56,12 @@ class Job:
     """The function a forced call must name (None: any of the request's tools)."""
 
 
-def jobs(count: int, model: str = "dummy:tiny", max_tokens: int = 256) -> list[Job]:
+def jobs(count: int, model: str = "dummy:tiny", max_tokens: int = 256,
+         kinds: tuple[str, ...] = KINDS) -> list[Job]:
     """count constrained requests, varied by schema, API, tool_choice, seed and temperature."""
     out = []
     for i in range(count):
-        kind = KINDS[i % 3]
+        kind = kinds[i % len(kinds)]
         s = (i // 3) % len(SCHEMAS)
         schema, name = SCHEMAS[s], NAMES[s]
         other = (s + 1) % len(SCHEMAS)
@@ -79,11 +83,15 @@ def jobs(count: int, model: str = "dummy:tiny", max_tokens: int = 256) -> list[J
             body = {**common, "temperature": (0.0, 0.5, 0.8, 1.0)[i % 4], "tools": tools,
                     "tool_choice": choice}
             out.append(Job(kind, "/v1/messages", body, offered, name if named else None))
-        else:
+        elif kind == "response_format":
             body = {**common, "temperature": (0.0, 0.7, 1.2)[i % 3], "response_format": {
                 "type": "json_schema", "json_schema": {"name": "out", "schema": schema,
                                                        "strict": True}}}
             out.append(Job(kind, "/v1/chat/completions", body, {"": schema}, None))
+        else:
+            body = {**common, "temperature": (0.0, 0.5, 1.0)[i % 3], "output_config": {
+                "format": {"type": "json_schema", "schema": schema}}}
+            out.append(Job(kind, "/v1/messages", body, {"": schema}, None))
     return out
 
 
@@ -122,9 +130,10 @@ def streamed(job: Job, stream: RecordedStream) -> tuple[str, list[tuple[str, str
 def problems(job: Job, stream: RecordedStream) -> list[str]:
     """Why the stream is not a valid constrained answer to job (empty: it is)."""
     text, calls, reason = streamed(job, stream)
-    if job.kind == "response_format":
-        values = [text] if reason == "stop" and not calls else []
-        names, wanted = [""], "stop"
+    if job.kind in ("response_format", "output_format"):
+        wanted = "stop" if job.kind == "response_format" else "end_turn"
+        values = [text] if reason == wanted and not calls else []
+        names = [""]
     else:
         names = [name for name, _ in calls]
         values = [arguments for _, arguments in calls]

@@ -8,6 +8,7 @@ from starlette.responses import JSONResponse
 
 from tokstream.engine.messages import FinishReason
 from tokstream.errors import UserInputError
+from tokstream.server.anthropic_output import output_sampling
 from tokstream.server.anthropic_tools import (ToolBlocks, content_blocks, history_messages,
                                               tool_request, tool_stop_reason)
 from tokstream.server.api_request import chat_turns, read_request
@@ -105,11 +106,18 @@ def parse(body: dict, server: Server) -> Prompt:
     ignore_eos = get_bool(body, "ignore_eos")
     stream = get_bool(body, "stream")
     tools = tool_request(body)
-    token_ids = encode_messages(server, chat_messages(body), tools.tools if tools else ())
+    output = output_sampling(body)
+    chat = chat_messages(body)
+    if output and chat[-1]["role"] == "assistant":
+        # The grammar holds the whole output to the schema, and a prefill is its start.
+        raise bad_request(f"messages.{len(body['messages']) - 1}", "a final assistant message "
+                          "(a prefill) cannot be combined with an output format")
+    output.update(tool_sampling(tools, output.get("structured")))
+    token_ids = encode_messages(server, chat, tools.tools if tools else ())
     check_fits(len(token_ids), max_tokens, server.max_model_len, "messages")
-    params = sampling_params({"stop": "stop_sequences"}, max_tokens=max_tokens,
-                             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                             stop=stop, ignore_eos=ignore_eos, **tool_sampling(tools, None))
+    params = sampling_params({"stop": "stop_sequences", "structured": "output_config.format"},
+                             max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                             top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos, **output)
     return Prompt(token_ids, params, stream, tools=tools)
 
 

@@ -23,6 +23,10 @@ ANTHROPIC_TOOLS = {
 """Custom tools only; content may also hold tool_use (assistant) and tool_result (user,
 text only) blocks."""
 
+OUTPUT_FORMAT = {"type": "object", "required": ["type", "schema"], "properties": {
+    "type": {"const": "json_schema"}, "schema": {"type": "object"}}}
+"""Structured outputs: the output is constrained to the JSON schema."""
+
 SAMPLING = {
     "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
     "seed": {"type": "integer", "minimum": 0, "description": "tokstream extension"},
@@ -43,6 +47,10 @@ MESSAGES_BODY = {
         "top_k": {"type": "integer", "minimum": 0},
         "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
         "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
+        "output_config": {"type": "object", "properties": {"format": OUTPUT_FORMAT, "effort": {
+            "enum": ["low", "medium", "high", "xhigh", "max"]}}},
+        "output_format": {**OUTPUT_FORMAT, "description": "the beta's name for "
+                                                          "output_config.format"},
         **ANTHROPIC_TOOLS,
         **SAMPLING,
     },
