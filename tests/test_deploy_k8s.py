@@ -67,7 +67,7 @@ def args_of(container: dict) -> dict[str, str]:
 
 def test_renders_everything_the_issue_lists(objects):
     kinds = {o["kind"] for o in objects}
-    assert {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "Secret",
+    assert {"Deployment", "Service", "PodDisruptionBudget", "ConfigMap",
             "InferencePool", "HTTPRoute"} <= kinds
 
 
@@ -338,14 +338,45 @@ def test_replica_is_probed_and_sized(objects):
     (container,) = spec["containers"]
     assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
     assert container["startupProbe"]["httpGet"]["path"] == "/health/live"
-    assert {"cpu", "memory"} <= container["resources"]["requests"].keys()
-    assert "memory" in container["resources"]["limits"]
+    resources = container["resources"]
+    assert {"cpu", "memory"} <= resources["requests"].keys()
+    assert "memory" in resources["limits"]
+    # The CPU limit is the cgroup quota rank threads are sized from (tokstream/cpu_budget.py):
+    # whole cores, equal to the request, so the threads get the cores the scheduler reserved.
+    assert resources["limits"]["cpu"] == resources["requests"]["cpu"]
+    assert str(resources["limits"]["cpu"]).isdigit()
     assert spec["securityContext"]["runAsNonRoot"] is True
+
+
+PUBLISHED_KEYS = re.compile(r"\b[0-9a-f]{64}\b|sk-example|sk-demo")
+"""What must never reach a cluster from this repository: a sha256 key hash, an example key."""
+
+
+@pytest.mark.parametrize("directory", [K8S, K8S / "monitoring"], ids=["k8s", "monitoring"])
+def test_no_published_key_is_deployed(directory):
+    """`kubectl apply -k` ships no Secret and no key: the operator makes tokstream-keys (the
+    tenants file) and tokstream-metrics-key (README); the pods wait until they exist."""
+    rendered = subprocess.run(["kubectl", "kustomize", str(directory)], capture_output=True,
+                              text=True, timeout=60, check=True).stdout
+    assert not PUBLISHED_KEYS.search(rendered), PUBLISHED_KEYS.search(rendered)
+    assert "kind: Secret" not in rendered
+    example = (K8S / "tenants.example.toml").read_text()
+    assert PUBLISHED_KEYS.search(example), "the checker must know what an example key looks like"
+
+
+def test_replicas_need_the_operators_secret(objects):
+    spec = one(objects, "Deployment", "tokstream")["spec"]["template"]["spec"]
+    (keys,) = [v for v in spec["volumes"] if v["name"] == "keys"]
+    assert keys["secret"]["secretName"] == "tokstream-keys"
+    assert keys["secret"].get("optional", False) is False  # no Secret: the pod does not start
+    (container,) = spec["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "keys"]
+    assert args_of(container)["tenants"].startswith(mount["mountPath"] + "/")
 
 
 def test_monitoring_renders_and_validates():
     objects = render(K8S / "monitoring")
-    assert {o["kind"] for o in objects} == {"Secret", "PodMonitor"}
+    assert {o["kind"] for o in objects} >= {"PodMonitor"}
     for obj in objects:
         if obj["kind"] not in EXTENSION_KINDS:
             kubernetes_validate.validate(obj, VERSIONS[-1], strict=True)
