@@ -5,7 +5,8 @@ healthy and leak-free. Writes JSON.
     .venv/bin/python bench/fuzz_gateway.py --requests 2000 --json /tmp/fuzz.json
 
 Requests are tests/test_server_fuzz.py's REQUESTS strategy (JSON bodies mixing valid fields and
-junk for every POST route, lone surrogates, raw bytes, GETs on every route and unknown paths,
+junk for every POST route, /tokenize and /detokenize included, tool histories with odd call
+arguments and calls without content, tools, tool_choice and output formats, lone surrogates, raw bytes, GETs on every route and unknown paths,
 odd methods, CORS preflights, foreign Host names and wrong content types), sent one at a time
 to a `tokstream serve --profile ci` on 127.0.0.1 by tests/test_server_fuzz.send, which checks
 each answer (no 5xx; streams end with a final or error event; errors in an API's shape). A

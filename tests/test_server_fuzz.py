@@ -106,9 +106,14 @@ common = dict(model=st.sampled_from(["dummy:tiny", "other"]) | junk,
               top_p=st.floats(-1, 2) | junk, top_k=st.integers(-3, 100) | junk,
               seed=st.integers(-5, 2**64) | junk, stream=st.booleans() | junk,
               ignore_eos=st.booleans() | junk)
+output_format = st.fixed_dictionaries({"type": st.just("json_schema") | junk,
+                                       "schema": schema}) | junk
 ANTHROPIC = body(messages=anthropic_messages, system=text | junk,
                  stop_sequences=st.lists(text, max_size=2) | junk, metadata=junk,
-                 tools=anthropic_tools, tool_choice=anthropic_choice, **common)
+                 tools=anthropic_tools, tool_choice=anthropic_choice,
+                 output_config=st.fixed_dictionaries({}, optional={
+                     "format": output_format, "effort": st.just("high") | junk}) | junk,
+                 output_format=output_format, **common)
 CHAT = body(messages=openai_messages, stop=text | junk,
             n=st.integers(0, 2) | junk, stream_options=junk, logprobs=junk,
             tools=openai_tools, tool_choice=openai_choice, **common)
