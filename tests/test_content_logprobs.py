@@ -62,3 +62,16 @@ def test_a_stop_string_ends_the_entries_where_it_cuts_the_text():
 
 def test_nothing_released_lists_nothing():
     assert feed_in_steps([*ids("abc"), EOS], [], 2) == []
+
+
+def test_a_tokenizer_whose_pieces_are_not_the_text_lists_every_token_as_it_comes():
+    # As sentencepiece's "▁" shows as a space: the first mismatch ends the alignment, and no
+    # token is held back or dropped after it (only special tokens are left out).
+    entries = feed_in_steps([*ids("_ab"), EOS, *ids("cd")], [" ab", "", "", "", ""], 1)
+    assert [e["token"] for e in entries] == ["_", "a", "b", "c", "d"]
+
+
+def test_a_stray_byte_shown_as_a_replacement_character_keeps_the_alignment():
+    tokens = [*ids("a"), TOKENIZER.encode("é")[0], *ids("bc")]  # a lone first byte of "é"
+    entries = feed_in_steps(tokens, ["a\ufffdb"], 100)  # "c" held back by a stop string
+    assert [e["token"] for e in entries] == ["a", "\ufffd", "b"]

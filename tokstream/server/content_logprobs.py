@@ -40,6 +40,10 @@ class ContentLogprobs:
     """The text released so far (UTF-8)."""
     covered: int = 0
     """How much of text the listed entries cover."""
+    aligned: bool = True
+    """Whether the tokens' bytes have matched the text so far. A tokenizer whose pieces are
+    not the text's bytes (sentencepiece's "▁" for a space) ends it: from then on every token
+    but the special ones is listed as it comes, as before this alignment existed."""
     specials: frozenset[str] = frozenset()
 
     def __post_init__(self):
@@ -55,7 +59,7 @@ class ContentLogprobs:
     def finish(self) -> list[dict]:
         """The output ended: what is left is never shown, but for a token cut by a stop string."""
         entries = self._covered()
-        if self.pending and self.covered < len(self.text):
+        if self.pending and self.aligned and self.covered < len(self.text):
             entries.append(self._entry(self.pending[0], bytes(self.text[self.covered:])))
         self.pending.clear()
         self.covered = len(self.text)
@@ -72,12 +76,12 @@ class ContentLogprobs:
         while self.pending:
             token = self.pending[0]
             piece = token.text_bytes
-            if piece and not self.text.startswith(piece, self.covered):
+            if piece and self.aligned and not self.text.startswith(piece, self.covered):
                 if piece.startswith(self.text[self.covered:]):
                     break  # its text is still held back (a character or a stop string unsure)
-                # The text shows these bytes otherwise (a stray byte as U+FFFD): listed as they
-                # are, the text they stand for taken as covered.
+                # A stray byte shows as U+FFFD in the text: still aligned past it.
                 piece = piece.decode("utf-8", errors="replace").encode("utf-8")
+                self.aligned = self.text.startswith(piece, self.covered)
             self.pending.popleft()
             if piece:
                 entries.append(self._entry(token))
