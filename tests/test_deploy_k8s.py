@@ -28,7 +28,8 @@ GIE = ROOT / "tests" / "data" / f"gie-{GIE_VERSION}"
 # The oldest Kubernetes still commonly run (grpc probes and policy/v1 need >= 1.24) and the
 # newest schema kubernetes-validate carries.
 VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
-EXTENSION_KINDS = {"InferencePool", "HTTPRoute", "PodMonitor"}
+EXTENSION_KINDS = {"InferencePool", "HTTPRoute", "PodMonitor", "PrometheusRule"}
+"""Custom resources: checked against their own schemas (here and in test_deploy_autoscaling)."""
 
 pytestmark = pytest.mark.timeout(120)
 
