@@ -61,21 +61,25 @@ def build_runner(weights: str, num_blocks: int, block_size: int, kv_cache_dtype:
     from tokstream.model.source import resolve_model
     from tokstream.model.weights import load_native_state_dict, load_state_dict
     from tokstream.worker.backend import TorchBackend
-    from tokstream.worker.dtype_choice import resolve_kv_cache_dtype, resolve_weights
+    from tokstream.worker.dtype_choice import (bfloat16_copies_wanted, copy_budget,
+                                               resolve_kv_cache_dtype, resolve_weights)
     from tokstream.worker.model import LlamaModel
     from tokstream.worker.model_runner import TORCH_DTYPES, ModelRunner, allocate_kv_caches
     from tokstream.worker.quant_linear import measure_crossovers
 
     config = EngineConfig(model="smollm2", weights=weights)
     source = resolve_model(config.model)
-    fmt, dtype = resolve_weights(config.weights, config.dtype, source, "cpu")
+    budget = copy_budget(config)
+    fmt, dtype = resolve_weights(config.weights, config.dtype, source, "cpu", budget)
     torch_dtype = TORCH_DTYPES[dtype]
     model = LlamaModel(source.config, torch_dtype, backend=TorchBackend())
     model.load_weights(load_native_state_dict(source) if fmt == "native"
                        else load_state_dict(source, torch_dtype))
     model.pack_weights_for_cpu()
     if model.quantized_weights():
-        measure_crossovers(model.quantized_weights())
+        measure_crossovers(model.quantized_weights(), budget,
+                           model.decoder_weights() if bfloat16_copies_wanted(
+                               config, fmt, "cpu") else [])
     kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, "cpu")
     caches = allocate_kv_caches(source.config, num_blocks, block_size, 1,
                                 TORCH_DTYPES[kv_dtype], torch.device("cpu"))

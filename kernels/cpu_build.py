@@ -48,6 +48,28 @@ def cpu_model() -> str:
     return line.split(":", 1)[1].strip()
 
 
+def cpu_kind(info: str | None = None) -> str:
+    """A short name for this kind of CPU, for result files that must not overwrite another
+    kind's: vendor, family and model, and its matrix class (amx, bf16 for avx512_bf16
+    without AMX, avx512, avx2), e.g. 'amd-f25m17-bf16', 'intel-f6m143-amx'."""
+    if info is None:
+        try:
+            info = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            info = ""
+    fields: dict[str, str] = {}
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    vendor = {"AuthenticAMD": "amd", "GenuineIntel": "intel"}.get(
+        fields.get("vendor_id", ""), fields.get("vendor_id", "cpu").lower() or "cpu")
+    flags = set(fields.get("flags", "").split())
+    matrix = ("amx" if "amx_tile" in flags else "bf16" if "avx512_bf16" in flags
+              else "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "base")
+    family, model = fields.get("cpu family", "?"), fields.get("model", "?")
+    return f"{vendor}-f{family}m{model}-{matrix}"
+
+
 def cpu_signature() -> str:
     return platform.machine() + " ".join(cpu_flags())
 

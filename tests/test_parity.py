@@ -63,25 +63,25 @@ def hf_model(source, state_dict):
     return model
 
 
+def hf_greedy(hf_model, prompt: list[int], eos: set[int]) -> list[int]:
+    """transformers' greedy tokens for one prompt: a plain loop, no generate() config
+    surprises."""
+    ids, generated, past = torch.tensor([prompt]), [], None
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            out = hf_model(input_ids=ids, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = int(out.logits[0, -1].argmax())
+            generated.append(token)
+            if token in eos:
+                break
+            ids = torch.tensor([[token]])
+    return generated
+
+
 @pytest.fixture(scope="module")
 def hf_outputs(hf_model, prompts, source):
-    outputs = []
-    eos = set(source.config.eos_token_ids)
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            generated = []
-            past = None
-            for _ in range(NEW_TOKENS):  # plain greedy loop: no generate() config surprises
-                out = hf_model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                token = int(out.logits[0, -1].argmax())
-                generated.append(token)
-                if token in eos:
-                    break
-                ids = torch.tensor([[token]])
-            outputs.append(generated)
-    return outputs
+    return [hf_greedy(hf_model, prompt, set(source.config.eos_token_ids)) for prompt in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,27 @@ def llm():
     with LLM(EngineConfig(model="smollm2", dtype="float32", weights="float32",
                           cache=CacheConfig(kv_cache_dtype="float32"))) as engine:
         yield engine
+
+
+FLOAT16_CACHE_CHANGED = ["List three prime numbers.", "Explain paged attention in one sentence."]
+"""Chat prompts whose greedy answer a float16 KV cache changed under an explicit --dtype
+float32 (issue 28 item 4)."""
+
+
+def test_an_explicit_float32_is_float32_throughout(source, tokenizer, prompts, hf_outputs,
+                                                  hf_model):
+    """--dtype float32 alone, the weights and the cache left to auto: the KV cache is float32
+    too, and each prompt alone gives transformers' greedy tokens."""
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+    extra = [tokenizer.encode_chat([{"role": "user", "content": p}])
+             for p in FLOAT16_CACHE_CHANGED]
+    expected = hf_outputs + [hf_greedy(hf_model, p, set(source.config.eos_token_ids))
+                             for p in extra]
+    with LLM(EngineConfig(model="smollm2", dtype="float32")) as engine:
+        assert engine.core.executor.ready.kv_cache_dtype == "float32"
+        for prompt, tokens in zip(prompts + extra, expected):
+            (completion,) = engine.generate([prompt], params)
+            assert completion.token_ids == tokens
 
 
 def test_first_step_logits_match(source, state_dict, hf_model, prompts):

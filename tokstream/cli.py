@@ -22,7 +22,7 @@ from tokstream.plan import PlanSpec  # noqa: E402
 from tokstream.sampling_params import SamplingParams  # noqa: E402
 from tokstream.settings import SERVE_FLAGS, flags_for  # noqa: E402
 
-MODEL_FLAGS = flags_for("model", "dtype", "weights", "device")
+MODEL_FLAGS = flags_for("model", "dtype", "weights", "weight_copies_memory", "device")
 """What generate and bench take of the engine's flags."""
 BENCH_FLAGS = MODEL_FLAGS + flags_for(
     "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory", "block_size", "kv_cache_dtype",

@@ -243,8 +243,16 @@ class EngineConfig:
     float32; decided by measurement)."""
     weights: str = "auto"
     """Weight format: native (a GGUF's quantised blocks multiplied as stored, CPU, float32
-    activations), float32, bfloat16 or float16 (dequantised to that dtype), or auto (native
-    where the file and machine allow it, else dequantised to the serving dtype)."""
+    activations; with copies in faster forms for many-row products where measured to pay),
+    float32, bfloat16 or float16 (dequantised to that dtype), or auto (native where the file
+    and machine allow it, else dequantised to the serving dtype)."""
+    weight_copies_memory: int | None = field(default=None, metadata=BYTES)
+    """Most memory per rank for the copies native weights keep for many-row products (int16,
+    bfloat16), e.g. 512MiB; 0 keeps none (default: a quarter of the memory available at
+    load).
+
+    Copies are kept only for the row counts where they measured faster; a budget too small
+    for a model's bfloat16 copies makes --weights auto choose one format for all steps."""
     device: str = "cpu"
     """cpu, cuda, or auto (cuda when there is one)."""
     tp: int = 1
@@ -287,6 +295,8 @@ class EngineConfig:
         if self.weights == "native" and self.dtype not in ("auto", "float32"):
             raise UserInputError(f"weights native computes in float32, not {self.dtype}")
         _at_least_one(self, "tp")
+        if self.weight_copies_memory is not None and self.weight_copies_memory < 0:
+            raise UserInputError("weight_copies_memory must be >= 0 bytes (0 = no copies)")
         if self.step_timeout_s <= 0 or self.collective_timeout_s <= 0:
             raise UserInputError("step_timeout_s and collective_timeout_s must be > 0")
         if not self.start_timeout_s > 0:

@@ -3,7 +3,8 @@ call's table of weights and caches, built once per set of caches.
 
 It may when the step is decode-only, on CPU at one rank with the torch backend, in float32
 over a float32 or float16 cache, with every layer's products in native GGUF blocks below
-their measured crossover (where the per-layer path would switch to a float matrix product;
+their measured crossover (where the per-layer path would switch to a float or bfloat16 matrix
+product;
 the int16 products below it run in the stack too),
 and the compiled kernels are there.
 Anything else runs the per-layer path, which computes the same thing.
@@ -59,6 +60,6 @@ def _row_limit(model) -> int | None:
         for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
             if not isinstance(w, QuantizedWeight):
                 return None
-            limit = w.crossover if limit is None else min(limit, w.crossover)
+            limit = w.float_from if limit is None else min(limit, w.float_from)
     return limit
 

@@ -21,16 +21,11 @@ from tokstream import envs
 from tokstream.config import ModelConfig
 from tokstream.kernels import cpu_build
 from tokstream.worker import probe_cache
+from tokstream.worker.matrix_units import NATIVE_BF16_FLAGS, has_native_bf16
 
 log = logging.getLogger("tokstream.worker")
 
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 PROBE_ROWS = (1, 32)
-
-
-def has_native_bf16(flags: list[str] | None = None) -> bool:
-    flags = cpu_flags() if flags is None else flags
-    return any(flag in flags for flag in NATIVE_BF16_FLAGS)
 
 
 def cpu_flags() -> list[str]:
@@ -111,9 +106,11 @@ def native_faster_than(dtype: str, model_config: ModelConfig) -> bool:
     return native <= other
 
 
-def resolve_weights(weights: str, dtype: str, source, device_type: str) -> tuple[str, str]:
+def resolve_weights(weights: str, dtype: str, source, device_type: str,
+                    copy_budget: int = 0) -> tuple[str, str]:
     """(format, serving dtype) for --weights/--dtype: format 'native' (quantised GGUF blocks,
-    float32 activations) or 'dequantized'. Raises UserInputError where native cannot apply."""
+    float32 activations, with the copies `copy_budget` bytes allow for many-row products) or
+    'dequantized'. Raises UserInputError where native cannot apply."""
     from tokstream.errors import UserInputError
     from tokstream.kernels import cpu_quant
     from tokstream.model.gguf_file import NATIVE_TYPES, native_weight_types
@@ -136,9 +133,36 @@ def resolve_weights(weights: str, dtype: str, source, device_type: str) -> tuple
     if device_type != "cpu" or not quantized or dtype not in ("auto", "float32") \
             or not cpu_quant.available():
         return "dequantized", serving
-    if serving != "float32" and not native_faster_than(serving, source.config):
+    if serving == "float32" or bfloat16_copies_fit(source.config, copy_budget):
+        return "native", "float32"  # blocks for few rows, bfloat16 copies for many
+    # Too little memory for both forms: the one that serves a mix of 1 and 32 rows best.
+    if not native_faster_than(serving, source.config):
         return "dequantized", serving
     return "native", "float32"
+
+
+def bfloat16_copies_fit(model_config: ModelConfig, copy_budget: int) -> bool:
+    """Whether a bfloat16 copy of every weight fits the budget (the upper bound: copies are
+    kept only where they measure faster)."""
+    return 2 * model_config.num_params <= copy_budget
+
+
+def copy_budget(config) -> int:
+    """Bytes of weight copies one rank may keep (EngineConfig.weight_copies_memory)."""
+    if config.weight_copies_memory is not None:
+        return config.weight_copies_memory
+    import psutil
+
+    return psutil.virtual_memory().available // 4 // config.tp
+
+
+def bfloat16_copies_wanted(config, weights: str, device_type: str) -> bool:
+    """Whether native weights may keep bfloat16 copies: on a CPU with working native
+    bfloat16 products, unless float32 was asked for (--dtype float32 means float32)."""
+    from tokstream.worker.matrix_units import bfloat16_products_work
+
+    return (weights == "native" and device_type == "cpu" and config.dtype == "auto"
+            and bfloat16_products_work())
 
 
 def resolve_dtype(dtype: str, device_type: str, model_config: ModelConfig) -> str:
@@ -151,25 +175,27 @@ def resolve_dtype(dtype: str, device_type: str, model_config: ModelConfig) -> st
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, serving: str, device_type: str,
-                           backend: str = "torch") -> str:
+                           backend: str = "torch", explicit_dtype: bool = False) -> str:
     """The KV cache's dtype for --kv-cache-dtype under a resolved serving dtype.
 
-    auto: float16 on a CPU serving float32 whose C kernels are built and which converts
-    float16 in hardware (f16c): decode attention reads the whole context every step and is
-    bound by those bytes (measured on SmolLM2 at 32 streams, bench/results), and float16 keeps
-    10 mantissa bits (measured: 48 greedy tokens of five chat prompts unchanged, logits within
-    0.034 of a float32 cache; bfloat16 moved them by up to 0.32). Elsewhere the serving dtype.
-    An explicit float16 under float32 is a CPU option; otherwise the cache is the serving
-    dtype. Raises UserInputError for any other pairing (config.KV_CACHE_DTYPES are the
-    names)."""
+    auto: the serving dtype when the dtype was given explicitly (--dtype float32 means a
+    float32 cache too: a float16 one changed greedy answers, "List three prime numbers."
+    among them). Under --dtype auto, float16 on a CPU serving float32 whose C kernels are
+    built and which converts float16 in hardware (f16c): decode attention reads the whole
+    context every step and is bound by those bytes (measured on SmolLM2 at 32 streams,
+    bench/results), and float16 keeps 10 mantissa bits (tests/test_native_weights.py
+    measures it against a float32 cache on the reference prompts). Elsewhere the serving
+    dtype. An explicit float16 under float32 is a CPU option; otherwise the cache is the
+    serving dtype. Raises UserInputError for any other pairing (config.KV_CACHE_DTYPES are
+    the names)."""
     from tokstream.errors import UserInputError
     from tokstream.kernels import cpu_attention, cpu_small_ops
 
     # The C kernels read a float16 cache; Triton's (on CPU under its interpreter) do not.
     half_on_cpu = device_type == "cpu" and serving == "float32" and backend == "torch"
     if kv_cache_dtype == "auto":
-        fast = (half_on_cpu and "f16c" in cpu_flags() and cpu_small_ops.load() is not None
-                and cpu_attention.load() is not None)
+        fast = (half_on_cpu and not explicit_dtype and "f16c" in cpu_flags()
+                and cpu_small_ops.load() is not None and cpu_attention.load() is not None)
         return "float16" if fast else serving
     if kv_cache_dtype == serving or (kv_cache_dtype == "float16" and half_on_cpu):
         return kv_cache_dtype

@@ -19,21 +19,8 @@ from tokstream.kernels.torch_ops import Rotary
 from tokstream.worker.attention import AttentionMetadata
 from tokstream.worker.backend import TorchBackend
 from tokstream.worker.decode_stack import stack_for_step
+from tokstream.worker.onednn_linear import pack, packed_linear, packed_linear_available
 from tokstream.worker.quant_linear import QuantizedWeight, cat_rows, quantized_linear
-
-
-def packed_linear_available(dtype: torch.dtype, device: torch.device) -> bool:
-    # oneDNN's bfloat16 reorder refuses CPUs without avx512bw/vl/dq (or avx_ne_convert).
-    return (dtype == torch.bfloat16 and device.type == "cpu"
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-def _packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,6 +146,12 @@ class LlamaModel(nn.Module):
         unique = {id(w): w for w in found if isinstance(w, QuantizedWeight)}
         return list(unique.values())
 
+    def decoder_weights(self) -> list[QuantizedWeight]:
+        """The decoder layers' quantised weights (not the embedding or the LM head)."""
+        return [w for layer in self.layers for w in (layer.qkv, layer.o_proj, layer.gate_up,
+                                                     layer.down)
+                if isinstance(w, QuantizedWeight)]
+
     def weight_bytes(self) -> int:
         """Bytes of this rank's weights as held: float parameters plus quantised blocks."""
         return (sum(p.numel() * p.element_size() for p in self.parameters())
@@ -175,12 +168,12 @@ class LlamaModel(nn.Module):
             for name in ("qkv", "o_proj", "gate_up", "down"):
                 weight = getattr(layer, name).data
                 delattr(layer, name)
-                setattr(layer, name, torch.ops.mkldnn._reorder_linear_weight(weight, 32))
-            layer.linear = _packed_linear
+                setattr(layer, name, pack(weight))
+            layer.linear = packed_linear
         head = self.lm_head.data
         del self.lm_head
-        self.lm_head = torch.ops.mkldnn._reorder_linear_weight(head.contiguous(), 32)
-        self.head_linear = _packed_linear
+        self.lm_head = pack(head)
+        self.head_linear = packed_linear
         return True
 
     @torch.no_grad()

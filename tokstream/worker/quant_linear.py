@@ -1,15 +1,19 @@
 """Linear layers over GGUF-quantised weights on CPU ("native" weights).
 
-A QuantizedWeight keeps the file's blocks (Q4_0, Q4_1, Q8_0) and has three ways to multiply:
+A QuantizedWeight keeps the file's blocks (Q4_0, Q4_1, Q8_0) and has four ways to multiply:
 - fused (kernels/cpu_quant_matmul.c): each row dequantised on the fly; decode, bound by the
   bytes read per token, reads 5 bits a weight instead of 32;
 - int16 (kernels/cpu_int16_matmul.c): a copy of the quants as int16 and the inputs rounded to
   int16 per block of 32, summed with AVX-512 VNNI at twice float32's multiply-adds a cycle,
   for products with many rows, where multiply-adds are the bottleneck;
 - dense: a float matrix product over the weight dequantised into a scratch buffer (never
-  kept).
+  kept);
+- bfloat16: a kept copy of the dequantised weight in bfloat16, multiplied by torch (oneDNN:
+  AVX-512 bf16 dot products, AMX tiles where the CPU has them) with the inputs rounded to
+  bfloat16 and the outputs widened back, where the CPU has native bfloat16 instructions.
 Which one takes how many rows is measured per weight shape when the model loads
-(`measure_crossovers`), never assumed.
+(`measure_crossovers`), never assumed, so the weight format follows the step size: the file's
+blocks for the few rows of a decode step, a matrix-unit format for a batch or a prefill.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 
 from tokstream.kernels import cpu_int16, cpu_quant
 from tokstream.worker import probe_cache
+from tokstream.worker.onednn_linear import BfloatWeight
 
 log = logging.getLogger("tokstream.worker")
 
@@ -49,6 +54,12 @@ class QuantizedWeight:
     """The int16 copy, kept only where the measurement gave it some rows."""
     int16_from: int = NEVER
     """Products with at least this many input rows (and fewer than crossover) use int16."""
+    bfloat16: BfloatWeight | None = None
+    """The dequantised weight in bfloat16 (oneDNN's layout), kept only where the measurement
+    gave it some rows."""
+    bfloat16_from: int = NEVER
+    """Products with at least this many input rows use the bfloat16 copy (before any other
+    path)."""
 
     @property
     def out_features(self) -> int:
@@ -59,10 +70,23 @@ class QuantizedWeight:
         return self.out_features, self.in_features
 
     def nbytes(self) -> int:
-        return self.data.numel() + (self.int16.nbytes() if self.int16 is not None else 0)
+        return self.data.numel() + self.copy_bytes()
+
+    def copy_bytes(self) -> int:
+        """Bytes of the extra forms kept beside the file's blocks (int16, bfloat16)."""
+        return ((self.int16.nbytes() if self.int16 is not None else 0)
+                + (self.bfloat16.nbytes if self.bfloat16 is not None else 0))
+
+    @property
+    def float_from(self) -> int:
+        """The fewest rows whose product leaves the quantised kernels (dense or bfloat16)."""
+        return min(self.crossover, self.bfloat16_from if self.bfloat16 is not None else NEVER)
 
     def path(self, rows: int) -> str:
-        """'fused', 'int16' or 'dense': how a product with this many input rows is taken."""
+        """'fused', 'int16', 'dense' or 'bfloat16': how a product with this many input rows
+        is taken."""
+        if rows >= self.bfloat16_from and self.bfloat16 is not None:
+            return "bfloat16"
         if rows >= self.crossover:
             return "dense"
         if rows >= self.int16_from and self.int16 is not None:
@@ -108,7 +132,9 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear with a QuantizedWeight: x (T, in) float32 -> (T, out) float32."""
     path = weight.path(x.shape[0])
-    if path == "dense":
+    if path == "bfloat16":
+        out = weight.bfloat16(x)
+    elif path == "dense":
         out = F.linear(x, _dequantized(weight))
     elif path == "int16":
         out = cpu_int16.matmul(x, weight.int16)
@@ -132,36 +158,56 @@ def _dequantized(weight: QuantizedWeight) -> torch.Tensor:
     return cpu_quant.dequantize(weight.data, weight.qtype, weight.in_features, out=out)
 
 
-PATHS = ("fused", "int16", "dense")
+PATHS = ("fused", "int16", "dense", "bfloat16")
+"""In the order they take over as rows grow: a later path's start is never below an
+earlier one's."""
 
 
 def measure_crossover(weight: QuantizedWeight) -> tuple[dict[str, int], list[dict]]:
-    """From how many rows each path takes over ({'int16': rows, 'dense': rows}, NEVER where it
-    never does), and the timings behind it. A path takes over at the smallest probed size
-    where it is the fastest of the three and stays so for every larger probed size; the
-    int16 path is timed only when the weight has its copy. Stops once dense has won at two
-    sizes in a row (its efficiency only grows with rows)."""
-    rows, dense_wins = [], 0
-    timed = [p for p in PATHS if p != "int16" or weight.int16 is not None]
+    """From how many rows each path takes over ({'int16': rows, 'dense': rows, 'bfloat16':
+    rows}, NEVER where it never does), and the timings behind it (see starts_from_timings);
+    int16 and bfloat16 are timed only when the weight has their copy. Stops once the last
+    timed path has won at two sizes in a row (a float matrix product's efficiency only grows
+    with rows)."""
+    rows, last_wins = [], 0
+    timed = [p for p in PATHS if _has_form(weight, p)]
     for m in PROBE_ROWS:
         x = torch.randn(m, weight.in_features)
-        run = {"fused": lambda: cpu_quant.matmul(x, weight.data, weight.qtype,
-                                                 weight.in_features),
-               "int16": lambda: cpu_int16.matmul(x, weight.int16),
-               "dense": lambda: F.linear(x, _dequantized(weight))}
-        times = {p: probe_cache.best_time(run[p]) for p in timed}
-        rows.append({"rows": m, **{f"{p}_ms": round(t * 1e3, 4) for p, t in times.items()},
-                     "fastest": min(times, key=times.get)})
-        dense_wins = dense_wins + 1 if rows[-1]["fastest"] == "dense" else 0
-        if dense_wins == 2:
+        times = {p: probe_cache.best_time(_runner(x, weight, p)) for p in timed}
+        rows.append({"rows": m, **{f"{p}_ms": round(t * 1e3, 4) for p, t in times.items()}})
+        last_wins = last_wins + 1 if min(times, key=times.get) == timed[-1] else 0
+        if last_wins == 2:
             break
-    return {p: _takes_over(rows, p) for p in timed if p != "fused"}, rows
+    return starts_from_timings(rows, timed), rows
 
 
-def _takes_over(rows: list[dict], path: str) -> int:
+def starts_from_timings(rows: list[dict], paths: list[str]) -> dict[str, int]:
+    """Where each of `paths` but fused takes over, among those paths only: at the smallest
+    probed size from which it is the fastest, or a later path is, at every larger size."""
+    fastest = [{"rows": row["rows"], "fastest": min(paths, key=lambda p: row[f"{p}_ms"])}
+               for row in rows if all(f"{p}_ms" in row for p in paths)]
+    return {p: _takes_over(fastest, p, paths) for p in paths if p != "fused"}
+
+
+def _has_form(weight: QuantizedWeight, path: str) -> bool:
+    return getattr(weight, path) is not None if path in COPIES else True
+
+
+def _runner(x: torch.Tensor, weight: QuantizedWeight, path: str):
+    """A call that takes the product by `path` alone (whatever the weight's own choice)."""
+    if path == "fused":
+        return lambda: cpu_quant.matmul(x, weight.data, weight.qtype, weight.in_features)
+    if path == "int16":
+        return lambda: cpu_int16.matmul(x, weight.int16)
+    if path == "dense":
+        return lambda: F.linear(x, _dequantized(weight))
+    return lambda: weight.bfloat16(x)
+
+
+def _takes_over(rows: list[dict], path: str, paths: list[str] | tuple = PATHS) -> int:
     """The smallest probed size from which `path` is the fastest, or a later path (dense
     after int16) is, at every larger probed size; NEVER if none."""
-    later = PATHS[PATHS.index(path):]
+    later = paths[paths.index(path):]
     start = NEVER
     for row in reversed(rows):
         if row["fastest"] not in later:
@@ -172,87 +218,158 @@ def _takes_over(rows: list[dict], path: str) -> int:
 
 
 STREAMED_BELOW = 64
-"""Below this many rows the int16 path is timed over every weight in model order as well: its
-weights take 16 bits where the fused kernel reads 5, so where the bytes read bound the
-product, one weight timed alone (warm in the caches) flatters it (measured: int16 fastest
-from 1 row alone, but a batch-1 step 13.2 ms with it against 9.1 ms without)."""
+"""Below this many rows the int16 and bfloat16 paths are timed over every weight in model
+order as well: their weights take 16 bits where the fused kernel reads 5, so where the bytes
+read bound the product, one weight timed alone (warm in the caches) flatters them (measured:
+int16 fastest from 1 row alone, but a batch-1 step 13.2 ms with it against 9.1 ms without)."""
+COPIES = ("bfloat16", "int16")
+"""The extra forms a weight may keep beside its blocks, in the order a memory budget gives
+them out (bfloat16 serves the many-row steps, prefill among them, where the matrix units
+gain the most)."""
 
 
-def measure_crossovers(weights: list[QuantizedWeight]) -> dict[str, dict]:
-    """Set every weight's crossovers (int16_from, crossover) and give int16 copies to those
-    that use them. Each distinct (format, out, in) shape is measured alone (three paths, hot
-    in the caches); then, below STREAMED_BELOW rows, int16 against fused over all the
-    weights in order, as a forward pass streams them. Measured once per machine (cached
-    beside the compiled kernels; a measurement taken while the machine was busier than its
-    cores is not kept). Returns the measurements, for the log."""
+def measure_crossovers(weights: list[QuantizedWeight], copy_budget: int | None = None,
+                       bfloat16: list[QuantizedWeight] = ()) -> dict[str, dict]:
+    """Set every weight's path starts (int16_from, crossover, bfloat16_from) and give it the
+    copies it uses, within `copy_budget` bytes of copies (None: no limit); only the weights
+    in `bfloat16` may have a bfloat16 copy (a CPU with native bfloat16 instructions, and not
+    the LM head: rounding its weights decides near-ties between tokens directly). Each
+    distinct (format, out, in) shape is timed alone on every path (hot in the caches); then,
+    below STREAMED_BELOW rows, each copy's path against fused over all the weights that may
+    have it, in order, as a forward pass streams them. Timed once per machine (cached beside
+    the compiled kernels; a measurement taken while the machine was busier than its cores is
+    not kept). Returns the measurements, with the copies' bytes, for the log."""
+    may_bfloat16 = {id(w) for w in bfloat16}
     by_shape: dict[tuple, list[QuantizedWeight]] = {}
     for w in weights:
         by_shape.setdefault((w.qtype, w.out_features, w.in_features), []).append(w)
     path = probe_cache.path("crossover", str(torch.get_num_threads()),
                             cpu_quant.SOURCE.read_text(), cpu_int16.SOURCE.read_text(),
-                            repr(sorted(by_shape)), repr(PROBE_ROWS), str(STREAMED_BELOW))
+                            repr(sorted(by_shape)), repr(PROBE_ROWS), str(STREAMED_BELOW),
+                            repr(sorted(_shape_name(s) for s, same in by_shape.items()
+                                        if id(same[0]) in may_bfloat16)))
     report = probe_cache.load(path)
     if report is None or any(_shape_name(s) not in report for s in by_shape):
-        report, load_average = {}, os.getloadavg()[0]
-        with torch.inference_mode():
-            for shape, same in by_shape.items():
-                _give_int16(same[0])
-                starts, rows = measure_crossover(same[0])
-                report[_shape_name(shape)] = {
-                    **{f"{p}_from_rows": None if starts.get(p, NEVER) == NEVER
-                       else starts[p] for p in ("int16", "dense")},
-                    "timings": rows}
-            for w in weights:
-                _give_int16(w)
-            report["streamed"] = measure_streamed(weights)
-        probe_cache.store(path, report, load_average)
-    streamed_from = report["streamed"]["int16_from_rows"]
+        report = _measure(weights, by_shape, may_bfloat16)
+        probe_cache.store(path, report, report.pop("load_average"))
+    _apply(by_shape, report, copy_budget, may_bfloat16)
+    kept = sum(w.copy_bytes() for w in weights)
+    log.info("native weights: %.1f MiB of copies kept beside %.1f MiB of blocks%s",
+             kept / 2**20, sum(w.data.numel() for w in weights) / 2**20,
+             "" if copy_budget is None else f" (budget {copy_budget / 2**20:.1f} MiB)")
+    return {**report, "copy_bytes": kept}
+
+
+def _forms(weight: QuantizedWeight, may_bfloat16: set[int]) -> list[str]:
+    return [f for f in COPIES if f == "int16" or id(weight) in may_bfloat16]
+
+
+def _measure(weights, by_shape, may_bfloat16) -> dict:
+    report, load_average = {}, os.getloadavg()[0]
+    with torch.inference_mode():
+        for shape, same in by_shape.items():
+            forms = _forms(same[0], may_bfloat16)
+            _give(same[0], forms)
+            _, rows = measure_crossover(same[0])
+            report[_shape_name(shape)] = {"timings": rows}
+            _drop(same[0], forms)
+        for form in COPIES:
+            eligible = [w for w in weights if form in _forms(w, may_bfloat16)]
+            for w in eligible:
+                _give(w, [form])
+            report[f"streamed_{form}"] = measure_streamed(eligible, form)
+            for w in eligible:
+                _drop(w, [form])
+    return {**report, "load_average": load_average}
+
+
+def _apply(by_shape, report, copy_budget, may_bfloat16) -> None:
+    """Each weight's starts from its shape's timings, over the paths whose copies it is
+    given: form by form (COPIES' order), each weight in model order that the form would take
+    some rows of, while the budget lasts."""
+    left = NEVER if copy_budget is None else copy_budget
+    held: dict[int, list[str]] = {}
+    for form in COPIES:
+        for shape, same in by_shape.items():
+            rows = report[_shape_name(shape)]["timings"]
+            if not rows or f"{form}_ms" not in rows[0]:
+                continue  # not timed: no such copy at this shape
+            for w in same:
+                if form not in _forms(w, may_bfloat16):
+                    continue
+                mine = held.setdefault(id(w), [])
+                paths = [p for p in PATHS if p not in COPIES or p in mine or p == form]
+                start = _streamed_start(starts_from_timings(rows, paths)[form], report, form)
+                size = _form_bytes(w, form)
+                if start != NEVER and size <= left:
+                    mine.append(form)
+                    left -= size
     for shape, same in by_shape.items():
-        found = report[_shape_name(shape)]
-        int16_from, dense_from = found["int16_from_rows"], found["dense_from_rows"]
-        if int16_from is not None:
-            int16_from = max(int16_from, streamed_from)
+        rows = report[_shape_name(shape)]["timings"]
         for w in same:
-            w.crossover = NEVER if dense_from is None else dense_from
-            if int16_from is None or int16_from >= w.crossover:
-                w.int16, w.int16_from = None, NEVER  # never used: no copy kept
-            else:
-                w.int16_from = int16_from
-                _give_int16(w)
-        log.info("native %s: int16 from %s rows, dequantise + matmul from %s",
-                 _shape_name(shape), int16_from or "no number of", dense_from or "none")
-    return report
+            mine = held.get(id(w), [])
+            starts = starts_from_timings(rows, [p for p in PATHS if p not in COPIES
+                                                or p in mine])
+            _drop(w, COPIES)
+            _give(w, mine)
+            w.crossover = starts["dense"]
+            w.int16_from = _streamed_start(starts.get("int16", NEVER), report, "int16")
+            w.bfloat16_from = _streamed_start(starts.get("bfloat16", NEVER), report, "bfloat16")
+        log.info("native %s: int16 from %s rows, bfloat16 from %s, dequantise + matmul "
+                 "from %s", _shape_name(shape), *(_rows_text(getattr(same[0], a)) for a in
+                                                  ("int16_from", "bfloat16_from", "crossover")))
 
 
-def measure_streamed(weights: list[QuantizedWeight]) -> dict:
-    """The fewest rows below STREAMED_BELOW from which int16 beats fused over every weight
-    that has an int16 copy, taken in order (STREAMED_BELOW if at none), and the timings."""
-    packed = [w for w in weights if w.int16 is not None]
+def _streamed_start(start: int, report: dict, form: str) -> int:
+    streamed = report.get(f"streamed_{form}", {}).get("from_rows", STREAMED_BELOW)
+    return NEVER if start == NEVER else max(start, streamed)
+
+
+def _rows_text(rows: int) -> str:
+    return "none" if rows == NEVER else str(rows)
+
+
+def _form_bytes(weight: QuantizedWeight, form: str) -> int:
+    """Bytes the form's copy of the weight takes (int16: 8-bit quants, float32 scales and
+    Q4_1's offsets, a scale per 32 weights)."""
+    n = weight.out_features * weight.in_features
+    if form == "bfloat16":
+        return 2 * n
+    return n + n // cpu_int16.BLOCK * 4 * (2 if weight.qtype % 100 == 3 else 1)
+
+
+def measure_streamed(weights: list[QuantizedWeight], form: str = "int16") -> dict:
+    """The fewest rows below STREAMED_BELOW from which `form`'s path beats fused over every
+    weight that has that copy, taken in order (STREAMED_BELOW if at none), and the
+    timings."""
+    packed = [w for w in weights if _has_form(w, form)]
     rows, start = [], STREAMED_BELOW
     for m in (m for m in PROBE_ROWS if m < STREAMED_BELOW and packed):
         inputs = {w.in_features: torch.randn(m, w.in_features) for w in packed}
-
-        def fused():
-            for w in packed:
-                cpu_quant.matmul(inputs[w.in_features], w.data, w.qtype, w.in_features)
-
-        def int16():
-            for w in packed:
-                cpu_int16.matmul(inputs[w.in_features], w.int16)
-
-        times = {"fused": probe_cache.best_time(fused, 3),
-                 "int16": probe_cache.best_time(int16, 3)}
+        runs = {p: [_runner(inputs[w.in_features], w, p) for w in packed]
+                for p in ("fused", form)}
+        times = {p: probe_cache.best_time(lambda: [run() for run in calls], 3)
+                 for p, calls in runs.items()}
         rows.append({"rows": m, **{f"{p}_ms": round(t * 1e3, 4) for p, t in times.items()}})
-    for row in reversed(rows):  # int16 must win at every probed size from its start on
-        if row["int16_ms"] >= row["fused_ms"]:
+    for row in reversed(rows):  # the form must win at every probed size from its start on
+        if row[f"{form}_ms"] >= row["fused_ms"]:
             break
         start = row["rows"]
-    return {"int16_from_rows": start, "timings": rows}
+    return {"from_rows": start, "timings": rows}
 
 
-def _give_int16(weight: QuantizedWeight) -> None:
-    if weight.int16 is None:
+def _give(weight: QuantizedWeight, forms) -> None:
+    if "int16" in forms and weight.int16 is None:
         weight.int16 = cpu_int16.pack(weight.data, weight.qtype, weight.in_features)
+    if "bfloat16" in forms and weight.bfloat16 is None:
+        weight.bfloat16 = BfloatWeight(weight.dequantize())
+
+
+def _drop(weight: QuantizedWeight, forms) -> None:
+    if "int16" in forms:
+        weight.int16, weight.int16_from = None, NEVER
+    if "bfloat16" in forms:
+        weight.bfloat16, weight.bfloat16_from = None, NEVER
 
 
 def _shape_name(shape: tuple) -> str:

@@ -159,7 +159,9 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
     from tokstream.model.weights import load_native_state_dict, load_state_dict
     from tokstream.worker.backend import choose_backend
     from tokstream.tokenizer import load_tokenizer
-    from tokstream.worker.dtype_choice import resolve_kv_cache_dtype, resolve_weights
+    from tokstream.worker import matrix_units
+    from tokstream.worker.dtype_choice import (bfloat16_copies_wanted, copy_budget,
+                                               resolve_kv_cache_dtype, resolve_weights)
     from tokstream.worker.grammar import Grammars
     from tokstream.worker.model import LlamaModel
     from tokstream.worker.model_runner import (TORCH_DTYPES, ModelRunner, allocate_kv_caches,
@@ -178,7 +180,8 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
     if config.tp > 1:
         all_reduce, all_gather = _init_tensor_parallel(config, rank, rendezvous, device.type,
                                                        source.config.hidden_size)
-    weights, dtype = resolve_weights(config.weights, config.dtype, source, device.type)
+    budget = copy_budget(config)
+    weights, dtype = resolve_weights(config.weights, config.dtype, source, device.type, budget)
     torch_dtype = TORCH_DTYPES[dtype]
     if weights == "native":
         state_dict = load_native_state_dict(source)
@@ -193,9 +196,15 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
     weight_bytes = model.weight_bytes()
     model.pack_weights_for_cpu()
     if model.quantized_weights():
-        measure_crossovers(model.quantized_weights())
+        if device.type == "cpu":
+            logging.getLogger("tokstream.worker").info(
+                "matrix units: %s", matrix_units.describe())
+        measure_crossovers(model.quantized_weights(), budget,
+                           model.decoder_weights() if bfloat16_copies_wanted(
+                               config, weights, device.type) else [])
+        weight_bytes = model.weight_bytes()
     kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device.type,
-                                      backend.name)
+                                      backend.name, explicit_dtype=config.dtype != "auto")
     num_blocks, block_bytes = kv_pool_blocks(config, source.config, kv_dtype, device,
                                              shared=pool_file is not None)
     if config.tp > 1:

@@ -1,0 +1,205 @@
+"""A weight format per step size (issue 28): the bfloat16 copies native weights keep for
+many-row products, how their rows are chosen from timings, the memory budget that bounds the
+copies, and the safe questions asked before any bfloat16 or AMX product (matrix_units)."""
+
+import ctypes
+import types
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from tokstream.kernels import cpu_build, cpu_int16, cpu_quant
+from tokstream.model.source import resolve_model
+from tokstream.worker import dtype_choice, matrix_units, probe_cache, quant_linear
+from tokstream.worker.decode_stack import _row_limit
+from tokstream.worker.onednn_linear import BfloatWeight
+from tokstream.worker.quant_linear import NEVER, QuantizedWeight, quantized_linear
+
+pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler here")
+
+
+def q4_1(out_features=32, in_features=64, seed=0):
+    rng = np.random.default_rng(seed)
+    weight = rng.normal(0, 0.05, (out_features, in_features)).astype(np.float32)
+    blocks = quantize(weight, GGMLQuantizationType.Q4_1)
+    reference = dequantize(blocks, GGMLQuantizationType.Q4_1).astype(np.float32)
+    return (QuantizedWeight(torch.from_numpy(np.ascontiguousarray(blocks)),
+                            int(GGMLQuantizationType.Q4_1), in_features),
+            torch.from_numpy(reference))
+
+
+def test_the_bfloat16_path_takes_the_rows_from_its_start():
+    weight, reference = q4_1()
+    weight.bfloat16 = BfloatWeight(weight.dequantize())
+    weight.crossover, weight.bfloat16_from = 4, 8
+    assert [weight.path(m) for m in (1, 4, 7, 8, 300)] == [
+        "fused", "dense", "dense", "bfloat16", "bfloat16"]
+    assert weight.float_from == 4
+    x = torch.randn(9, 64)
+    got = quantized_linear(x, weight)
+    exact = (x.double() @ reference.double().T)
+    rounded = x.bfloat16().double() @ reference.bfloat16().double().T
+    # the bfloat16 product: inputs and weights rounded to bfloat16, sums kept wide
+    assert got.dtype == torch.float32 and got.shape == (9, 32)
+    assert (got.double() - rounded).abs().max() < 1e-2
+    assert 0 < (got.double() - exact).abs().max() < 5e-2
+    weight.bfloat16 = None  # without the copy the start means nothing
+    assert weight.path(300) == "dense" and weight.float_from == 4
+
+
+def rows_of(fastest: dict[int, str], paths) -> list[dict]:
+    return [{"rows": m, **{f"{p}_ms": 1.0 if p == best else 2.0 for p in paths}}
+            for m, best in fastest.items()]
+
+
+def test_starts_come_from_the_timings_of_the_paths_a_weight_holds():
+    paths = list(quant_linear.PATHS)
+    ms = {  # rows: fused, int16, dense, bfloat16
+        1: (1, 2, 9, 5), 4: (2, 3, 9, 5), 8: (4, 2, 9, 5), 16: (10, 4, 9, 5),
+        32: (16, 8, 7, 5), 64: (32, 16, 6, 7), 128: (64, 32, 10, 8), 256: (128, 64, 18, 16)}
+    rows = [{"rows": m, **{f"{p}_ms": t for p, t in zip(paths, times)}}
+            for m, times in ms.items()]
+    # dense wins once at 64, but bfloat16 (a later path) wins at every size from 32 on
+    assert quant_linear.starts_from_timings(rows, paths) == {
+        "int16": 8, "dense": 32, "bfloat16": 128}
+    # the same timings for a weight without the bfloat16 copy: dense from where it is fastest
+    without = ["fused", "int16", "dense"]
+    assert quant_linear.starts_from_timings(rows, without) == {"int16": 8, "dense": 32}
+    # and without int16 either
+    assert quant_linear.starts_from_timings(rows, ["fused", "dense"]) == {"dense": 16}
+
+
+def fake_timings(monkeypatch, fastest: dict[int, str]):
+    """measure_crossover and measure_streamed answering from a table, not a clock."""
+    def measure(weight):
+        timed = [p for p in quant_linear.PATHS if quant_linear._has_form(weight, p)]
+        return {}, rows_of(fastest, timed)
+
+    monkeypatch.setattr(quant_linear, "measure_crossover", measure)
+    monkeypatch.setattr(quant_linear, "measure_streamed",
+                        lambda weights, form="int16": {"from_rows": 1, "timings": []})
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+
+
+def test_copies_stay_within_the_budget(monkeypatch, private_cache):
+    fake_timings(monkeypatch, {1: "fused", 8: "int16", 16: "int16", 32: "bfloat16",
+                               64: "bfloat16"})
+    weights = [q4_1(seed=s)[0] for s in range(3)]
+    bf16_bytes = 2 * 32 * 64
+    int16_bytes = quant_linear._form_bytes(weights[0], "int16")
+    assert cpu_int16.pack(weights[0].data, weights[0].qtype, 64) is not None
+    # room for two bfloat16 copies and one int16 copy: bfloat16 goes out first, in model
+    # order, then int16 with what is left
+    report = quant_linear.measure_crossovers(weights, 2 * bf16_bytes + int16_bytes, weights)
+    first, second, third = weights
+    assert first.bfloat16 is not None and second.bfloat16 is not None
+    assert first.int16 is not None and second.int16 is None and third.int16 is None
+    assert [first.path(m) for m in (1, 8, 32)] == ["fused", "int16", "bfloat16"]
+    assert [second.path(m) for m in (1, 8, 32)] == ["fused", "fused", "bfloat16"]
+    assert third.bfloat16 is None and {third.path(m) for m in (1, 8, 32, 500)} == {"fused"}
+    assert report["copy_bytes"] == sum(w.copy_bytes() for w in weights) <= \
+        2 * bf16_bytes + int16_bytes
+    # no budget: every weight holds both; a zero budget: none
+    quant_linear.measure_crossovers(weights, None, weights)
+    assert all(w.bfloat16 is not None and w.int16 is not None for w in weights)
+    assert [weights[2].path(m) for m in (1, 8, 32)] == ["fused", "int16", "bfloat16"]
+    quant_linear.measure_crossovers(weights, 0, weights)
+    assert all(w.copy_bytes() == 0 and w.path(500) == "fused" for w in weights)
+
+
+def test_only_the_weights_listed_may_hold_bfloat16(monkeypatch, private_cache):
+    fake_timings(monkeypatch, {1: "fused", 8: "int16", 32: "bfloat16", 64: "bfloat16"})
+    layer, head = q4_1(seed=1)[0], q4_1(48, 64, seed=2)[0]
+    quant_linear.measure_crossovers([layer, head], None, [layer])
+    assert layer.path(64) == "bfloat16"
+    assert head.bfloat16 is None and head.path(64) != "bfloat16"
+
+
+def test_the_one_call_stack_stops_where_any_float_path_starts():
+    weights = [q4_1(seed=s)[0] for s in range(4)]
+    for w in weights:
+        w.crossover = 64
+    layer = types.SimpleNamespace(qkv_bias=None, qkv=weights[0], o_proj=weights[1],
+                                  gate_up=weights[2], down=weights[3])
+    model = types.SimpleNamespace(layers=[layer])
+    assert _row_limit(model) == 64
+    weights[2].bfloat16, weights[2].bfloat16_from = BfloatWeight(weights[2].dequantize()), 16
+    assert _row_limit(model) == 16
+
+
+def test_tile_permission_is_asked_and_its_answer_believed():
+    assert matrix_units.request_tile_permission(["avx512f", "avx512_bf16"]) == "absent"
+    amx = ["avx512f", "amx_tile", "amx_bf16", "amx_int8"]
+    calls = []
+
+    def refusing(*args):
+        calls.append(args)
+        return -1
+
+    assert matrix_units.request_tile_permission(amx, refusing) == "refused"
+    assert calls[0][1].value == matrix_units.ARCH_REQ_XCOMP_PERM
+
+    def granting(number, code, arg):
+        if code.value == matrix_units.ARCH_GET_XCOMP_PERM:
+            arg._obj.value = 1 << matrix_units.XFEATURE_XTILEDATA
+        return 0
+
+    assert matrix_units.request_tile_permission(amx, granting) == "granted"
+
+    def saying_yes_but_not_granting(number, code, arg):
+        return 0  # the permission mask stays empty
+
+    assert matrix_units.request_tile_permission(amx, saying_yes_but_not_granting) == "refused"
+    # this machine's real answer: never an exception, one of the three
+    assert matrix_units.request_tile_permission() in ("granted", "refused", "absent")
+
+
+def test_a_probe_that_dies_of_an_illegal_instruction_turns_bfloat16_off(monkeypatch,
+                                                                        private_cache):
+    monkeypatch.setattr(matrix_units, "has_native_bf16", lambda flags=None: True)
+    sigill = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+    assert not matrix_units.bfloat16_products_work(lambda: matrix_units._run_probe(sigill))
+    # cached per machine: not asked again
+    assert not matrix_units.bfloat16_products_work(lambda: pytest.fail("probed twice"))
+
+
+def test_the_real_probe_runs_a_bfloat16_product(private_cache):
+    works, detail = matrix_units._run_probe()
+    assert works, detail
+
+
+def test_weights_auto_keeps_both_forms_where_the_copies_fit(monkeypatch):
+    smollm2 = resolve_model("smollm2")
+    monkeypatch.setattr(dtype_choice, "choose_cpu_dtype", lambda config: "bfloat16")
+    monkeypatch.setattr(dtype_choice, "native_faster_than", lambda dtype, config: False)
+    fits = 2 * smollm2.config.num_params
+    assert dtype_choice.resolve_weights("auto", "auto", smollm2, "cpu", fits) == (
+        "native", "float32")
+    # too little memory for the copies: the one format that served the probe's mix best
+    assert dtype_choice.resolve_weights("auto", "auto", smollm2, "cpu", fits - 1) == (
+        "dequantized", "bfloat16")
+
+
+def test_an_explicit_dtype_is_the_caches_too(monkeypatch):
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: ["avx2", "f16c"])
+    resolve = dtype_choice.resolve_kv_cache_dtype
+    assert resolve("auto", "float32", "cpu", explicit_dtype=True) == "float32"
+    assert resolve("auto", "float32", "cpu", explicit_dtype=False) == "float16"
+    assert resolve("float16", "float32", "cpu", explicit_dtype=True) == "float16"
+
+
+def test_cpu_kinds_name_the_vendor_model_and_matrix_class():
+    info = ("vendor_id\t: GenuineIntel\ncpu family\t: 6\nmodel\t\t: 143\n"
+            "flags\t\t: avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    assert cpu_build.cpu_kind(info) == "intel-f6m143-amx"
+    assert cpu_build.cpu_kind(info.replace(" amx_tile amx_bf16", "")) == "intel-f6m143-bf16"
+    zen = "vendor_id : AuthenticAMD\ncpu family : 25\nmodel : 17\nflags : avx2 avx512f\n"
+    assert cpu_build.cpu_kind(zen) == "amd-f25m17-avx512"
+    assert cpu_build.cpu_kind("") == "cpu-f?m?-base"
