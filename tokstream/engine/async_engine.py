@@ -21,6 +21,7 @@ import psutil
 from tokstream.config import EngineConfig
 from tokstream.engine.core_pipe import CorePipe
 from tokstream.engine.core_process import core_main
+from tokstream.engine.step_record import in_flight, new_record
 from tokstream.engine.janitor import JANITOR, make_core_folder
 from tokstream.engine.heartbeat import BEAT_INTERVAL_S, HeartbeatWatch, silence_limit_s
 from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, CoreDead, CoreMessage,
@@ -74,6 +75,8 @@ class AsyncEngine:
         """The core's folder for its rank groups' files; removed at shutdown."""
         self._ranks: list[psutil.Process] = []
         """The core's ranks as last reported (psutil checks identity before a kill)."""
+        self._step_record = None
+        """The shared step record the core writes (engine/step_record.py)."""
         self._watch: asyncio.Task | None = None
         """The heartbeat watch, from Ready until the core is dead or shut down."""
 
@@ -86,11 +89,12 @@ class AsyncEngine:
         JANITOR.watch(self.run_dir)  # removed even if this gateway is SIGKILLed
         # Not a daemon: the core must be able to start worker processes of its own.
         heartbeat = context.RawValue("Q", 0)
+        self._step_record = new_record(context)
         self.process = context.Process(target=core_main,
                                        args=(child_conn, self.config, os.getpid(), self.run_dir,
                                              time.monotonic(),
                                              self.pool.paths() if self.pool else None,
-                                             heartbeat),
+                                             heartbeat, self._step_record),
                                        name="tokstream-engine-core")
         self.process.start()
         child_conn.close()
@@ -123,6 +127,11 @@ class AsyncEngine:
                           self.pid, silent)
                 self.process.kill()  # a stopped process dies of SIGKILL too
                 self._died(f"engine core hung: no heartbeat for {silent:.1f} s (killed)")
+
+    def in_flight(self) -> set[str] | None:
+        """Once the core is dead: the requests of the step it died in (empty: between steps;
+        None: it cannot be told, see engine/step_record.py)."""
+        return in_flight(self._step_record) if self._step_record is not None else None
 
     @property
     def pid(self) -> int | None:

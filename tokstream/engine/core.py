@@ -23,6 +23,7 @@ from tokstream.engine.pool_files import PoolPaths
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduled import SchedulerOutput
 from tokstream.engine.scheduler import Scheduler
+from tokstream.engine.step_record import StepRecord
 from tokstream.errors import OverloadedError, PromptTooLongError, ReplicaError, UserInputError
 from tokstream.model.source import resolve_model
 from tokstream.tokenizer import Tokenizer, load_tokenizer
@@ -93,6 +94,9 @@ class EngineCore:
         self.self_check_failures = 0
         """Self-checks of the block bookkeeping that found something (see self_check)."""
         self._check_every_step = envs.SELF_CHECK.is_set()
+        self.step_record: StepRecord | None = None
+        """Where the gateway reads which requests a step computes if this core dies in it
+        (engine/step_record.py; None: in process, nobody reads it)."""
         self.index_signature: bytes | None = None
         """The pool layout the block index was claimed for (pool_adoption.adopt)."""
         log.info("%s", self.capacity_summary())
@@ -168,10 +172,21 @@ class EngineCore:
         if not scheduled.work and not scheduled.forgotten_ids:
             return deltas
         try:
-            result = self.executor.execute(self._plan(scheduled))
+            result = self._execute(scheduled)
         except ReplicaError as exc:
             return deltas + self._failed(scheduled, str(exc))
         return deltas + self._advance(scheduled, result, started)
+
+    def _execute(self, scheduled: SchedulerOutput) -> StepResult:
+        """Run the step on the ranks, with its requests in the step record while it runs."""
+        record = self.step_record
+        if record is not None:
+            record.begin([work.request.request_id for work in scheduled.work])
+        try:
+            return self.executor.execute(self._plan(scheduled))
+        finally:
+            if record is not None:
+                record.end()
 
     def _failed(self, scheduled: SchedulerOutput, reason: str) -> list[RequestDelta]:
         """The rank group failed in the step: settle the requests it was computing, then

@@ -17,6 +17,7 @@ from tokstream.config import EngineConfig
 from tokstream.engine import pool_adoption
 from tokstream.engine.child_process import become_child
 from tokstream.engine.heartbeat import start_beating
+from tokstream.engine.step_record import StepRecord
 from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, Batch, CoreDead,
                                        Deltas, PoolAdopted, ProtocolError, Ready, RequestDelta,
                                        ScoreQuery, ScoreReply, Shutdown, StartFailed,
@@ -34,12 +35,13 @@ GATHER_LIMIT = 5
 
 def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None = None,
               spawned_at: float | None = None, pool: PoolPaths | None = None,
-              heartbeat=None) -> None:
+              heartbeat=None, step_record=None) -> None:
     """The core's process: dies with the gateway and leaves SIGTERM to it (child_process);
     its rank groups keep their files under run_dir, which the gateway removes. spawned_at:
     the gateway's time.monotonic() as it started this process. pool: the gateway's KV pool
     files (engine/pool_files.py; None: the core makes its own). heartbeat: the counter this
-    process bumps for as long as it runs (engine/heartbeat.py; None: nobody watches)."""
+    process bumps for as long as it runs (engine/heartbeat.py; None: nobody watches).
+    step_record: where it writes the requests of the step it computes (engine/step_record.py)."""
     entered = time.monotonic()
     become_child(parent_pid)
     if heartbeat is not None:
@@ -63,6 +65,8 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
         kind = ErrorKind.USER if isinstance(exc, UserInputError) else ErrorKind.REPLICA
         conn.send(StartFailed(kind, str(exc)))
         return
+    if step_record is not None:
+        core.step_record = StepRecord(step_record)
     conn.send(Ready(
         start_times=_start_times(core.executor.group, spawned_at or entered, entered, imported),
         model=core.model_config.name, dtype=core.dtype, weights=core.weights, pid=os.getpid(),

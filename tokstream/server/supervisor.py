@@ -17,7 +17,9 @@ before any stream got a token from it, counts as a failed start too, so a core t
 dying at once cannot restart forever.
 
 A request in flight at `max_request_failures` core deaths in a row (no token between them) is
-ended with an error instead of being resubmitted (request_failures).
+ended with an error instead of being resubmitted (request_failures: only the requests of the
+step a core died in are charged). Deaths no request explains keep being resumed, up to
+RAPID_DEATHS_LIMIT quick ones in a row: the replica is then down.
 
 With `spare_core` (serve --spare-core) a second core stands by loaded (spare_core): a death
 swaps it in, and the next spare loads once the resumed streams have their next token.
@@ -46,6 +48,10 @@ KINDS = ("rank", "core")
 STABLE_CORE_S = 30.0
 """A core that dies sooner than this after it started, having streamed nothing, counts as a
 failed start."""
+RAPID_DEATHS_LIMIT = 5
+"""Engine-core deaths in a row, each within STABLE_CORE_S of that core's start, with no
+request to blame for them, before the replica is down (live streams end with an
+overloaded_error): the host is failing, not a request."""
 SPARE_RELOAD_WAIT_S = 60.0
 """The longest the spares wait for the resumed streams' next tokens before loading anyway."""
 SPARE_RELOAD_POLL_S = 0.05
@@ -80,6 +86,11 @@ class EngineSupervisor:
         self._closing = False
         self._failed_starts = 0
         """Failed core starts in a row (quick deaths included); reset by a core that lasts."""
+        self._rapid_deaths = 0
+        """Core deaths in a row, each within STABLE_CORE_S of that core's start, that no
+        request was ended for (streams or not); reset by a core that lasts."""
+        self._down_reason: str | None = None
+        """Why the replica goes down at the next replacement, when it is not failed starts."""
         self._request_failures = RequestFailures(registry, self.config.max_request_failures,
                                                  self._event)
         self.pool = engine.pool
@@ -146,13 +157,23 @@ class EngineSupervisor:
         if self._closing:
             return
         log.error("engine core (pid %s) died: %s; starting another", self.engine.pid, reason)
-        quick = (time.monotonic() - self._attached_at < STABLE_CORE_S
-                 and not self._progressed())
-        culprits = self._request_failures.count_death()
+        rapid = time.monotonic() - self._attached_at < STABLE_CORE_S
+        quick = rapid and not self._progressed()
+        culprits = self._request_failures.count_death(self.engine.in_flight())
         if not quick:
             self._failed_starts = 0
         elif not culprits:  # a death a request explains is no failed start: it is gone now
             self._failed_starts += 1
+        if not rapid:
+            self._rapid_deaths = 0
+        elif not culprits:  # one a request explains says nothing of the host
+            self._rapid_deaths += 1
+        if self._rapid_deaths >= RAPID_DEATHS_LIMIT:
+            # The host, not a request, is failing: down now, and tried again later.
+            self._failed_starts = max(self._failed_starts, self.config.max_recovery_attempts)
+            self._down_reason = (f"the engine core died {self._rapid_deaths} times in a row, "
+                                 f"each within {STABLE_CORE_S:g} s of starting, with no "
+                                 f"request to blame (last: {reason})")
         self.registry.paused = True
         self._event("engine_dead", reason=reason, pid=self.engine.pid)
         self._set_status(ReplicaStatus.RECOVERING, f"engine core died: {reason}")
@@ -171,11 +192,14 @@ class EngineSupervisor:
         self._reaping = asyncio.get_running_loop().create_task(self.engine.shutdown())
         attempts = self.config.max_recovery_attempts
         last_error = "the engine core kept dying as soon as it started"
-        swapped = engine = await self.spare.take() if self.spare is not None else None
+        down_reason, self._down_reason = self._down_reason, None
+        swapped = engine = (await self.spare.take()
+                            if self.spare is not None and down_reason is None else None)
         while engine is None:
             if self._failed_starts >= attempts:
                 if self.status != ReplicaStatus.DOWN:
-                    self._go_down(last_error)
+                    self._go_down(down_reason or f"the engine core failed to start "
+                                                 f"{attempts} times: {last_error}")
                 await asyncio.sleep(self.retry_interval_s)
             engine, error = await self._start()
             if engine is not None:
@@ -190,8 +214,8 @@ class EngineSupervisor:
         kept = await hand_over(engine)
         if engine.dead is not None:
             return  # it died meanwhile, and _on_core_dead is replacing it in turn
-        with engine.batch():  # one step re-prefills them all
-            resumed = self.registry.resubmit(engine)
+        with engine.batch():  # one step re-prefills them all (suspects come later)
+            resumed = self._request_failures.resubmit(engine)
         seconds = None if was_down else time.monotonic() - started
         self._event("engine_restarted", pid=engine.pid, worker_pids=engine.info["worker_pids"],
                     seconds=seconds, resumed=resumed, spare=swapped is not None,
@@ -232,8 +256,7 @@ class EngineSupervisor:
         return engine, None
 
     def _go_down(self, error: str) -> None:
-        attempts = self.config.max_recovery_attempts
-        message = f"replica down: the engine core failed to start {attempts} times: {error}"
+        message = f"replica down: {error}"
         self._set_status(ReplicaStatus.DOWN, message)
         failed = self.registry.fail_live(message)
         log.error("%s; %d live requests ended; retrying every %g s", message, failed,
@@ -246,6 +269,7 @@ class EngineSupervisor:
     async def close(self) -> None:
         """Stop supervising and shut the engine down (and one still starting, and the spare)."""
         self._closing = True
+        self._request_failures.close()
         starting = self._starting
         if self._spares_task is not None:
             self._spares_task.cancel()
