@@ -109,6 +109,8 @@ for _name, _doc, _with_rank in (
         ("drain", "SIGTERM the gateway mid-stream: every stream runs to its end.", False),
         ("poison-request", "A request that kills rank 0 at every step is ended alone.", False),
         ("hang-on-start", "SIGKILL the engine core, SIGSTOP its replacement.", False),
+        ("rapid-core-deaths", "SIGKILL the engine core and each replacement as it serves.",
+         False),
         ("stale-prefix", "SIGKILL a rank while a waiting request holds cached prefix "
          "blocks.", False)):
     app.command(_name)(_command(_name, _doc, _with_rank))

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from tokstream.errors import UserInputError
 
-from tokstream.chaos.lifecycle_faults import POISON_TOKEN, START_TIMEOUTS_PER_STEP
+from tokstream.chaos.lifecycle_faults import (POISON_TOKEN, RAPID_DEATHS,
+                                              START_TIMEOUTS_PER_STEP)
 from tokstream.chaos.workload import StreamSpec
 
 TOPICS = ("the sea", "a lighthouse keeper", "prime numbers", "a city at night", "bees",
@@ -91,6 +92,12 @@ def experiment(name: str, max_tokens: int, step_timeout_s: float) -> Experiment:
             "hang-on-start", "SIGKILL the engine core, SIGSTOP its replacement: the start "
             "deadline kills it and another takes over", None, 4,
             [*mid_batch, "--start-timeout", str(START_TIMEOUTS_PER_STEP * step_timeout_s)]),
+        "rapid-core-deaths": Experiment(
+            "rapid-core-deaths", f"SIGKILL the engine core, then each replacement as soon as "
+            f"it serves, {RAPID_DEATHS} times: no request is blamed, every stream completes",
+            # No block is adopted: each new core re-prefills the streams over several steps,
+            # so it serves one while the others still wait (what blamed them, issue 31).
+            None, 4, [*mid_batch, "--no-prefix-caching"]),
         "stale-prefix": Experiment(
             "stale-prefix", "SIGKILL rank 0 while a waiting request holds cached prefix "
             "blocks behind long unchunked prompts", None, STALE_LONG_PROMPTS + 2,

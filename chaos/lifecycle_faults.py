@@ -27,7 +27,9 @@ START_TIMEOUTS_PER_STEP = 3
 30 s; a core starts in seconds here)."""
 NEW_CORE_TIMEOUT_S = 60.0
 DRAIN_EXIT_TIMEOUT_S = 60.0
-EXPERIMENTS = ("drain", "poison-request", "hang-on-start", "stale-prefix")
+EXPERIMENTS = ("drain", "poison-request", "hang-on-start", "stale-prefix", "rapid-core-deaths")
+RAPID_DEATHS = 3
+"""rapid-core-deaths: engine cores SIGKILLed in a row (below the replica's limit of 5)."""
 
 
 async def run(ctx, recorder: Recorder, specs: list[StreamSpec], rng: random.Random,
@@ -58,6 +60,8 @@ async def run(ctx, recorder: Recorder, specs: list[StreamSpec], rng: random.Rand
                       "target": "rank 0, at each step that prefills it"})
     elif name == "hang-on-start":
         return await _hang_on_start(ctx, recorder, fault, violations)
+    elif name == "rapid-core-deaths":
+        await _rapid_core_deaths(ctx, recorder, fault, violations)
     return None
 
 
@@ -147,6 +151,53 @@ async def _hang_on_start(ctx, recorder: Recorder, fault: dict,
     return None
 
 
+async def _rapid_core_deaths(ctx, recorder: Recorder, fault: dict,
+                             violations: Violations) -> None:
+    """SIGKILL the engine core, then each core that replaces it as soon as it has served a
+    token, RAPID_DEATHS times in all: no request caused these deaths, so none may be ended
+    for them."""
+    state = await ctx.api.state()
+    _mark(ctx, recorder, fault, state)
+    fault.update({"signal": f"SIGKILL x{RAPID_DEATHS}", "target": "engine core", "pids": [],
+                  "old_processes": []})
+    for death in range(RAPID_DEATHS):
+        if death:
+            served = sum(len(h.tokens) for h in recorder.histories)
+            state = await _poll_state(ctx, lambda s: s.engine.pid not in fault["pids"]
+                                      and s.engine.alive)
+            # Its first token, seen on the streams themselves (sooner than a state poll).
+            deadline = time.monotonic() + NEW_CORE_TIMEOUT_S
+            while (state is not None and time.monotonic() < deadline
+                   and sum(len(h.tokens) for h in recorder.histories) == served):
+                await asyncio.sleep(0.001)
+            if state is None or sum(len(h.tokens) for h in recorder.histories) == served:
+                violations.add("fault_not_injected", f"death {death + 1}: no new core served "
+                               f"within {NEW_CORE_TIMEOUT_S:.0f} s")
+                return
+        what, pid = faults.victim(state, "kill-engine", None, ctx.target.url)
+        core = psutil.Process(pid)
+        fault["old_processes"] += [core, *core.children(recursive=True)]
+        faults.inject("kill-engine", pid)
+        fault["pids"].append(pid)
+        ctx.say(f"SIGKILL {what} (pid {pid}), death {death + 1} of {RAPID_DEATHS}")
+    fault["pid"] = fault["pids"][0]
+
+
+async def _poll_state(ctx, predicate) -> StateSnapshot | None:
+    """The first /v1/state snapshot that satisfies predicate within NEW_CORE_TIMEOUT_S (a
+    poll that fails while a core is replaced is tried again); None if none did."""
+    deadline = time.monotonic() + NEW_CORE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            state = await ctx.api.state()
+        except Exception:  # noqa: BLE001 - mid-restart; the next poll answers
+            state = None
+        if state is not None and predicate(state):
+            return state
+        await asyncio.sleep(0.01)
+    return None
+
+
 def _is_core(process: psutil.Process) -> bool:
     """Not the resource tracker multiprocessing starts beside a spawned child."""
     try:
@@ -214,5 +265,13 @@ def check_events(ctx, fault: dict, events: list[dict], violations: Violations) -
                                                                              or "")
             for e in events):
         violations.add("fault_not_injected", f"no start was seen to hang: {kinds}")
+    if ctx.exp.name == "rapid-core-deaths":
+        if kinds.count("engine_dead") < RAPID_DEATHS:
+            violations.add("fault_not_injected", f"fewer than {RAPID_DEATHS} core deaths: "
+                                                 f"{kinds}")
+        blamed = [e for e in events if e["kind"] == "request_failed"]
+        if blamed:
+            violations.add("wrongly_failed", f"requests ended for deaths they did not cause: "
+                                             f"{blamed}")
     if ctx.exp.name == "poison-request" and kinds.count("restarted") < 1:
         violations.add("fault_not_injected", f"the poison never broke a step: {kinds}")

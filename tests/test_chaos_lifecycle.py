@@ -35,3 +35,15 @@ def test_drain_refuses_a_server_it_did_not_start(tmp_path):
     code, report, output = chaos(tmp_path, "drain", "--url", "http://127.0.0.1:9",
                                  timeout=60)
     assert code == 2 and "needs a server of its own" in output, output
+
+
+def test_rapid_core_deaths_blame_no_request(tmp_path):
+    """Issue 31: the engine core SIGKILLed, then each replacement as soon as it serves, three
+    times: every stream completes and no request is ended as a poison request."""
+    code, report, output = chaos(tmp_path, "rapid-core-deaths", *TINY, "--max-tokens", "64")
+    assert_clean(code, report, output)
+    fault, = report["faults"]
+    assert len(fault["pids"]) == 3 and len(set(fault["pids"])) == 3
+    kinds = [e["kind"] for e in fault["engine_events"]]
+    assert kinds.count("engine_dead") >= 3 and "request_failed" not in kinds, kinds
+    assert report["classes"] == {"complete": len(report["streams"])}
