@@ -5,7 +5,7 @@ prints a markdown table of the ratios for the README.
 
     bash scripts/setup_vllm_peer.sh                 # once: vLLM's venv outside the repo
     bash scripts/setup_llamacpp_peer.sh             # once: llama-server built from source
-    .venv/bin/python bench/compare_vllm.py          # -> bench/results/compare_vllm.json
+    .venv/bin/python bench/compare_vllm.py          # -> bench/results/compare_vllm-<cpu kind>.json
     .venv/bin/python bench/compare_vllm.py --quick  # smoke test: every contender, tiny load
 
 Contenders, in this order:
@@ -56,6 +56,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tokstream.kernels import cpu_build  # noqa: E402
 from tokstream.serve_process import ServeProcess  # noqa: E402
 from tokstream.stats import percentile  # noqa: E402
 from compare_report import (best_of, defaults_are_fast, evaluate_targets,  # noqa: E402
@@ -178,7 +179,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--work-dir", default=None,
                    help="logs and raw results (default: a fresh temp folder)")
     p.add_argument("--out", "--json", dest="out", default=None,
-                   help="the JSON (default bench/results/compare_vllm.json; --quick: "
+                   help="the JSON (default bench/results/compare_vllm-<cpu kind>.json, the kind as "
+                        "tokstream.kernels.cpu_build.cpu_kind names it; --quick: "
                         "WORK_DIR/compare_vllm_quick.json)")
     args = p.parse_args()
 
@@ -878,7 +880,8 @@ def main() -> int:
     work = args.work_dir or tempfile.mkdtemp(prefix="compare_vllm-")
     os.makedirs(work, exist_ok=True)
     out_path = args.out or (os.path.join(work, "compare_vllm_quick.json") if args.quick else
-                            os.path.join(ROOT, "bench", "results", "compare_vllm.json"))
+                            os.path.join(ROOT, "bench", "results",
+                                         f"compare_vllm-{cpu_build.cpu_kind()}.json"))
     log(f"logs and raw results in {work}")
 
     # A SIGTERM/SIGHUP/SIGINT to this script still runs every finally (servers stopped).

@@ -7,8 +7,9 @@ whose step time minus the runner's is the core's scheduling and IPC share.
     .venv/bin/python bench/step_profile.py --batch 32 --context 192 --weights native
     .venv/bin/python bench/step_profile.py --batch 1 --weights native --weights float32
 
-Writes bench/results/step_profile.json (one entry per --weights and --batch), with the CPU
-model, its kernel-relevant flags and the load average before each measurement.
+Writes bench/results/step_profile-<cpu kind>.json (one entry per --weights and --batch; the
+kind as tokstream.kernels.cpu_build.cpu_kind names it, so another CPU's results stay), with
+the CPU model, its kernel-relevant flags and the load average before each measurement.
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=192, help="tokens already cached")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--engine", action="store_true", help="also time the offline engine")
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "step_profile.json"))
+    parser.add_argument("--out", default=None, help="default bench/results/"
+                        "step_profile-<cpu kind>.json")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(os.cpu_count() or 1)
@@ -238,8 +240,11 @@ def main() -> None:
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     result = {"machine": machine(), "command": " ".join(sys.argv), "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    from tokstream.kernels import cpu_build
+
+    out = Path(args.out or ROOT / "bench" / "results" / f"step_profile-{cpu_build.cpu_kind()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

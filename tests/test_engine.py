@@ -183,8 +183,9 @@ def test_swap_preemption_leaves_outputs_unchanged(reference, swap_blocks):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
     config = tiny(num_blocks=24)
-    # a block's bytes in the cache dtype the worker will choose (float16 on most CPUs)
-    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, "float32", "cpu")
+    # a block's bytes in the cache dtype the worker will choose (float32: the dtype is given)
+    kv_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, "float32", "cpu",
+                                      explicit_dtype=config.dtype != "auto")
     block_bytes = 4 * resolve_model("dummy:tiny").config.kv_bytes_per_token(kv_dtype)
     config.cache.preemption_mode = "swap"
     config.cache.swap_space = swap_blocks * block_bytes
