@@ -55,6 +55,10 @@ class SamplingParams:
     logprobs: int | None = None
     """Return each output token's log-probability under the model (raw logits, float32
     log-softmax) with this many most likely alternatives (0-20); None returns none."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's log-probability given the tokens before it (the first's is
+    None), with this many most likely alternatives (0-20), computed in the prompt's own prefill;
+    None returns none. Such a request takes no prefix-cache hits until its prompt is scored."""
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -91,6 +95,11 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise UserInputError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], "
                                  f"got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (isinstance(self.prompt_logprobs, bool)
+                                                 or not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise UserInputError(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                                 f"got {self.prompt_logprobs!r}")
 
     @property
     def needs_history(self) -> bool:

@@ -100,7 +100,7 @@ class BlockManager:
         """Give a request with no blocks every cached block of its prefix; returns the tokens
         now counted as computed. At least one token is always left to compute, so the model
         produces the logits of the next one."""
-        if not self.enable_caching or request.block_ids:
+        if not self.enable_caching or request.block_ids or request.scores_prompt:
             return 0
         usable = (request.num_tokens - 1) // self.block_size
         self.prefix_queries += request.num_tokens

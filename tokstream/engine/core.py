@@ -217,6 +217,7 @@ class EngineCore:
     def _advance(self, scheduled: SchedulerOutput, result: StepResult,
                  started: float) -> list[RequestDelta]:
         """The step ran: append the sampled tokens, emit their deltas, learn its cost."""
+        _keep_prompt_logprobs(self.scheduler.requests, result)
         advanced = self.scheduler.update(scheduled, result.sampled_token_ids)
         # A failure streak ends at a token, as the gateway counts core deaths: a prefill chunk
         # that ran proves nothing, and a resumed request keeps its last-chance isolation (no
@@ -260,14 +261,22 @@ class EngineCore:
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, step.stop)
         elif request.status.is_finished:
             text += detokenizer.finish()
+        # The prompt's log-probabilities go out once, with the first token.
+        prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+        if request.params.prompt_logprobs is not None and request.num_output_tokens == 1:
+            prompt_logprobs = prompt_logprobs or [None] * len(request.prompt_token_ids)
         if request.status.is_finished:
-            return self.final_delta(request, text, last_token=True, logprobs=logprobs)
-        index = request.num_output_tokens - 1
-        return RequestDelta(request.request_id, request.output_token_ids[-1:], index, text,
-                            num_prompt_tokens=len(request.prompt_token_ids),
-                            num_output_tokens=request.num_output_tokens, step_id=self.step_id,
-                            logprobs=[logprobs] if logprobs else None,
-                            num_cached_tokens=self.cached_tokens.get(request.request_id, 0))
+            delta = self.final_delta(request, text, last_token=True, logprobs=logprobs)
+        else:
+            index = request.num_output_tokens - 1
+            delta = RequestDelta(
+                request.request_id, request.output_token_ids[-1:], index, text,
+                num_prompt_tokens=len(request.prompt_token_ids),
+                num_output_tokens=request.num_output_tokens, step_id=self.step_id,
+                logprobs=[logprobs] if logprobs else None,
+                num_cached_tokens=self.cached_tokens.get(request.request_id, 0))
+        delta.prompt_logprobs = prompt_logprobs
+        return delta
 
     def final_delta(self, request: Request, text: str, last_token: bool = False,
                      logprobs: TokenLogprobs | None = None) -> RequestDelta:
@@ -291,6 +300,19 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _keep_prompt_logprobs(requests: dict[str, Request], result: StepResult) -> None:
+    """File the prompt positions the step scored under their requests, by prompt index (a
+    position computed again after a preemption replaces its first value)."""
+    for part in result.prompt_logprobs:
+        request = requests.get(part.request_id)
+        if request is None or not request.scores_prompt:
+            continue
+        if request.prompt_logprobs is None:
+            request.prompt_logprobs = [None] * len(request.prompt_token_ids)
+        end = part.first_index + len(part.logprobs)
+        request.prompt_logprobs[part.first_index:end] = part.logprobs
 
 
 def _logprobs_by_request(scheduled: SchedulerOutput,

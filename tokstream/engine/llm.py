@@ -28,6 +28,9 @@ class Completion:
     """Beside token_ids when the request asked for them (SamplingParams.logprobs)."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """One per prompt token, the first None, when the request asked (SamplingParams.
+    prompt_logprobs)."""
 
 
 class LLM:
@@ -74,6 +77,8 @@ class LLM:
             completion = results[delta.request_id]
             completion.token_ids.extend(delta.token_ids)
             completion.logprobs.extend(delta.logprobs or [])
+            if delta.prompt_logprobs is not None:
+                completion.prompt_logprobs = delta.prompt_logprobs
             completion.num_cached_tokens = delta.num_cached_tokens
             completion.text += delta.text
             if delta.finished:

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokstream.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokstream.engine.messages import TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):
@@ -73,6 +77,17 @@ class Request:
     swapped_block_ids: list[int] = field(default_factory=list)
     """Host blocks holding this request's computed KV while it is swapped out (swap-mode
     preemption); block i of the cache is swapped_block_ids[i]. Empty otherwise."""
+
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """The prompt tokens scored so far, by prompt index (a request that asked, until its first
+    token carries them out); a position scored again after a preemption is overwritten."""
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's log-probabilities are still to be computed: it asked and has no output
+        yet (a resumed request's caller got them with its first token). Such a request takes
+        no prefix-cache hits, whose positions were never computed for it (as vLLM does)."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def is_swapped(self) -> bool:

@@ -68,9 +68,11 @@ class SchedulerOutput:
             if work.is_new:
                 plan.new_requests.append(new_request_data(request, work.start))
             end = work.start + work.num_tokens
+            scores = request.scores_prompt and end < len(request.prompt_token_ids)
             plan.chunks.append(ScheduledChunk(
                 request.request_id, request.token_slice(work.start, end), work.start,
-                work.new_block_ids, request.num_output_tokens if work.samples else None))
+                work.new_block_ids, request.num_output_tokens if work.samples else None,
+                request.prompt_token_ids[end] if scores else None))
         return plan
 
 
@@ -89,4 +91,5 @@ def new_request_data(request: Request, start: int) -> NewRequestData:
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, logprobs=p.logprobs,
         num_prompt_tokens=len(request.prompt_token_ids), grammar=p.grammar,
+        prompt_logprobs=p.prompt_logprobs if request.scores_prompt else None,
         history=request.token_slice(0, start) if p.needs_history else [])

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from tokstream.config import EngineConfig, ModelConfig
-from tokstream.engine.messages import (NewRequestData, ScoreRequest, ScoreResult, StepPlan,
-                                       StepResult)
+from tokstream.engine.messages import (NewRequestData, PromptLogprobs, ScheduledChunk,
+                                       ScoreRequest, ScoreResult, StepPlan, StepResult)
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.grammar import Constraint, Grammars
-from tokstream.worker.sampler import SamplingRow, sample, token_logprobs
+from tokstream.worker.sampler import SamplingRow, sample, scored_logprobs, token_logprobs
 from tokstream.worker import shared_pool
 from tokstream.worker.zeroed_memory import lazily_zeroed
 
@@ -30,6 +30,38 @@ SCORE_LOGIT_ROWS = 256
 """Rows of (rows, vocab) logits materialised at once while scoring."""
 DEFAULT_CPU_KV_MEMORY = 4 * 2**30
 """Default KV pool on CPU when no budget is given (as vLLM's CPU backend defaults to 4 GiB)."""
+
+
+@dataclass
+class PromptRows:
+    """One chunk's prompt positions to score (prompt logprobs): hidden rows of the step and
+    the prompt token each predicts."""
+
+    request_id: str
+    first_index: int
+    """Prompt index of the first target."""
+    rows: list[int]
+    targets: list[int]
+    num_top: int
+
+
+def prompt_rows(chunk: ScheduledChunk, state: "RequestState", query_start: int):
+    """The chunk's positions that predict a prompt token, for a request scoring its prompt
+    (None otherwise): position p predicts prompt token p + 1, so the last prompt position
+    (which predicts the first output token) is not among them."""
+    num_top, num_prompt = state.sampling.prompt_logprobs, state.sampling.num_prompt_tokens
+    start, n = chunk.start_position, len(chunk.token_ids)
+    end = min(start + n, num_prompt - 1)  # positions [start, end) are scored
+    if num_top is None or end <= start:
+        return None
+    following = chunk.token_ids[1:] + ([chunk.next_prompt_token]
+                                       if chunk.next_prompt_token is not None else [])
+    targets = following[:end - start]
+    if len(targets) != end - start:
+        raise ValueError(f"request {chunk.request_id}: chunk at {start} lacks the prompt token "
+                         "after it (next_prompt_token)")
+    rows = list(range(query_start, query_start + end - start))
+    return PromptRows(chunk.request_id, start + 1, rows, targets, num_top)
 
 
 @dataclass
@@ -76,17 +108,42 @@ class ModelRunner:
         if not plan.chunks:
             return StepResult(plan.step_id, [])
         input_ids, positions, meta, sample_rows, rows = self.prepare(plan)
-        if self.decode_graphs is not None and self.decode_graphs.fits(meta):
+        scored, prompt_logprobs = self.prompt_positions(plan), []
+        if not scored and self.decode_graphs is not None and self.decode_graphs.fits(meta):
             logits = self.decode_graphs.run(input_ids, positions, meta)[sample_rows]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (T, hidden)
             logits = self.model.compute_logits(hidden[sample_rows])  # (S, vocab)
+            # Prompt logprobs from this same pass's hidden states (every rank: the head's
+            # shards are gathered), a bounded number of logit rows at a time.
+            prompt_logprobs = [self._score_prompt(hidden, part) for part in scored]
         if self.rank != 0:
             return None
         logits = logits.cpu()
         tokens = sample(logits, rows)
         return StepResult(plan.step_id, tokens, time.perf_counter() - started,
-                          token_logprobs(logits, rows, tokens))
+                          token_logprobs(logits, rows, tokens), prompt_logprobs)
+
+    def prompt_positions(self, plan: StepPlan) -> list[PromptRows]:
+        """The step's prompt positions to score, per chunk of a request that asked (rows
+        counted as prepare lays the chunks out)."""
+        scored, query_start = [], 0
+        for chunk in plan.chunks:
+            part = prompt_rows(chunk, self.requests[chunk.request_id], query_start)
+            if part is not None:
+                scored.append(part)
+            query_start += len(chunk.token_ids)
+        return scored
+
+    def _score_prompt(self, hidden: torch.Tensor, part: PromptRows) -> PromptLogprobs:
+        scored = []
+        for at in range(0, len(part.rows), SCORE_LOGIT_ROWS):
+            rows = torch.tensor(part.rows[at:at + SCORE_LOGIT_ROWS], dtype=torch.int64,
+                                device=hidden.device)
+            logits = self.model.compute_logits(hidden[rows]).cpu()  # (R, vocab)
+            targets = torch.tensor(part.targets[at:at + SCORE_LOGIT_ROWS], dtype=torch.int64)
+            scored += scored_logprobs(logits, targets, part.num_top)
+        return PromptLogprobs(part.request_id, part.first_index, scored)
 
     @torch.inference_mode()
     def score(self, request: ScoreRequest) -> ScoreResult:

@@ -127,6 +127,22 @@ def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
     return out
 
 
+def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                    num_top: int) -> list[TokenLogprobs]:
+    """logits (R, vocab) and the token each row is scored on (R,) -> each target's float32
+    log-softmax, its rank in the vocabulary and the num_top most likely tokens (prompt
+    logprobs)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (R, vocab)
+    chosen = logprobs.gather(1, targets[:, None])  # (R, 1)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # (R,)
+    top = torch.topk(logprobs, num_top) if num_top else None
+    out = []
+    for i, (value, rank) in enumerate(zip(chosen[:, 0].tolist(), ranks.tolist())):
+        out.append(TokenLogprobs(value, top.indices[i].tolist() if top is not None else [],
+                                 top.values[i].tolist() if top is not None else [], rank))
+    return out
+
+
 def process(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """One row's logits (vocab,) after the grammar's mask, logit_bias and the penalties (a new
     tensor)."""

@@ -15,13 +15,15 @@ from tokstream.engine.messages.gateway import (Abort, Add, AdoptPool, ArmSpare, 
 from tokstream.engine.messages.request import (EngineRequest, FinishReason, RequestDelta,
                                                poison_message, token_digest)
 from tokstream.engine.messages.start_times import StartTimes
-from tokstream.engine.messages.worker import (NewRequestData, ScheduledChunk, ScoreRequest,
-                                              ScoreResult, StepPlan, StepResult, TokenLogprobs)
+from tokstream.engine.messages.worker import (NewRequestData, PromptLogprobs, ScheduledChunk,
+                                              ScoreRequest, ScoreResult, StepPlan, StepResult,
+                                              TokenLogprobs)
 
 __all__ = [
     "Abort", "Add", "AdoptPool", "ArmSpare", "Batch", "CoreDead", "CoreMessage", "Deltas",
     "EngineRequest", "FinishReason", "GatewayMessage", "NewRequestData", "PoolAdopted",
-    "ProtocolError", "Ready", "RequestDelta", "ScheduledChunk", "ScoreQuery", "ScoreReply",
+    "PromptLogprobs", "ProtocolError", "Ready", "RequestDelta", "ScheduledChunk", "ScoreQuery",
+    "ScoreReply",
     "ScoreRequest", "ScoreResult", "Shutdown", "StartFailed", "StartTimes", "StateQuery",
     "StateReply", "StatusChanged", "StepPlan", "StepResult", "TokenLogprobs", "poison_message",
     "token_digest",

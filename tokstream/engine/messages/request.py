@@ -80,6 +80,9 @@ class RequestDelta:
     """Beside token_ids, for a request that asked for log-probabilities."""
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache at first scheduling."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On the delta of output index 0, for a request that asked (SamplingParams.
+    prompt_logprobs): one entry per prompt token, the first None (nothing precedes it)."""
 
     @property
     def finished(self) -> bool:

@@ -31,6 +31,10 @@ class NewRequestData:
     so a request re-prefilled after a preemption or a restart counts the same tokens."""
     grammar: str = ""
     """The llguidance grammar the output must follow ('' when free)."""
+    prompt_logprobs: int | None = None
+    """Alternatives to return with each prompt token's log-probability (prompt logprobs),
+    scored from the prefill's own hidden states; None: none (also once the request has
+    output: its prompt was scored before its first token)."""
     history: list[int] = field(default_factory=list)
     """For a penalised or constrained request: its tokens at the positions before its first
     chunk (a cached prefix the worker is not sent), so the worker knows every token the
@@ -50,6 +54,9 @@ class ScheduledChunk:
     """Blocks appended to this request's block table before this step runs."""
     sample_index: int | None
     """Output index of the token to sample after this chunk; None for a non-final prefill chunk."""
+    next_prompt_token: int | None = None
+    """The prompt token right after this chunk, for a request scoring its prompt: what the
+    chunk's last position predicts (None when the chunk ends the prompt or nobody asked)."""
 
 
 @dataclass
@@ -79,6 +86,20 @@ class TokenLogprobs:
     logprob: float
     top_token_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    rank: int | None = None
+    """1-based rank of the token among the vocabulary by log-probability (prompt tokens; None
+    where not computed)."""
+
+
+@dataclass
+class PromptLogprobs:
+    """A chunk's prompt tokens scored: the log-probability of prompt token first_index + i
+    given the tokens before it is logprobs[i]."""
+
+    request_id: str
+    first_index: int
+    """Prompt index of logprobs[0]'s token (at least 1: the first token has no context)."""
+    logprobs: list[TokenLogprobs]
 
 
 @dataclass
@@ -91,6 +112,8 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     """Beside sampled_token_ids where any request asked for log-probabilities (None for the
     others); empty when none did."""
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    """The prompt positions this step scored, per chunk of a request that asked."""
 
 
 @dataclass
