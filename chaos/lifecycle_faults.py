@@ -162,10 +162,11 @@ async def _rapid_core_deaths(ctx, recorder: Recorder, fault: dict,
                   "old_processes": []})
     for death in range(RAPID_DEATHS):
         if death:
-            served = sum(len(h.tokens) for h in recorder.histories)
             state = await _poll_state(ctx, lambda s: s.engine.pid not in fault["pids"]
-                                      and s.engine.alive)
-            # Its first token, seen on the streams themselves (sooner than a state poll).
+                                      and s.engine.alive and s.replica.status == "ready")
+            # Its first token, seen on the streams themselves (sooner than a state poll);
+            # counted from now, so that a token the dead core sent last is not taken for one.
+            served = sum(len(h.tokens) for h in recorder.histories)
             deadline = time.monotonic() + NEW_CORE_TIMEOUT_S
             while (state is not None and time.monotonic() < deadline
                    and sum(len(h.tokens) for h in recorder.histories) == served):
