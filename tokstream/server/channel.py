@@ -36,11 +36,16 @@ class Batch:
     """(error type, message) when the gateway ends the stream with an error."""
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     """Beside token_ids, for a request that asked for log-probabilities."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """One per prompt token (the first None), from the first token's delta, for a request
+    that asked (SamplingParams.prompt_logprobs)."""
 
     def add(self, delta: RequestDelta) -> None:
         n = len(delta.token_ids)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         if n:
             self.token_ids.extend(delta.token_ids)
             self.indices.extend(range(delta.first_index, delta.first_index + n))
@@ -57,6 +62,7 @@ class Batch:
         self.step_ids += later.step_ids
         self.request_ids += later.request_ids
         self.logprobs += later.logprobs
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.text += later.text
 
     @property

@@ -4,8 +4,10 @@ token ids, and the sampling parameters (POST /v1/chat/completions and /v1/comple
 from __future__ import annotations
 
 from tokstream.errors import UserInputError
+from tokstream.sampling_params import MAX_LOGPROBS
 from tokstream.server.api_request import chat_turns
 from tokstream.server.choices import num_choices
+from tokstream.server.echo import Echo
 from tokstream.server.errors import bad_request
 from tokstream.server.openai_tools import tool_fields, tool_request
 from tokstream.server.sampling_options import sampling_extras
@@ -20,10 +22,10 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 UNSUPPORTED = {
     "best_of": lambda v: v != 1,
-    "echo": bool,
     "suffix": bool,
     "functions": bool,
 }
+CHAT_UNSUPPORTED = {**UNSUPPORTED, "echo": bool}
 
 
 def _content(value, path: str) -> str:
@@ -90,9 +92,12 @@ def completion_prompt(body: dict, server: Server) -> list[int]:
 
 def parse(body: dict, server: Server, chat: bool) -> Prompt:
     server.check_model(body.get("model"))
-    reject_unsupported(body, UNSUPPORTED)
+    reject_unsupported(body, CHAT_UNSUPPORTED if chat else UNSUPPORTED)
+    echo = not chat and get_bool(body, "echo")
     max_tokens = get_int(body, "max_completion_tokens", None, minimum=1) if chat else None
-    max_tokens = get_int(body, "max_tokens", max_tokens, minimum=1)
+    max_tokens = get_int(body, "max_tokens", max_tokens, minimum=1 if chat else 0)
+    if max_tokens == 0 and not echo:  # vLLM's rule: 0 only to score an echoed prompt
+        raise bad_request("max_tokens", "must be >= 1 (0 only with echo: true), got 0")
     temperature = get_number(body, "temperature", 1.0, minimum=0.0, maximum=2.0)
     top_p = get_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True)
     top_k = get_int(body, "top_k", 0, minimum=-1)
@@ -106,10 +111,36 @@ def parse(body: dict, server: Server, chat: bool) -> Prompt:
     extras = sampling_extras(body, chat, server.tokenizer.vocab_size)
     tools = tool_request(body) if chat else None
     extras.update(tool_sampling(tools, extras["structured"]))
+    prompt_logprobs = None if chat else completion_prompt_logprobs(body, echo, stream,
+                                                                   extras["logprobs"])
     token_ids = chat_prompt(body, server, tools) if chat else completion_prompt(body, server)
-    max_tokens = check_fits(len(token_ids), max_tokens, server.max_model_len,
-                            "messages" if chat else "prompt")
+    # max_tokens 0 (echo only): the prompt alone, from a request that samples one token
+    # nobody is shown (as vLLM does), so the prompt is scored in its one prefill.
+    prompt_only = echo and max_tokens == 0
+    max_tokens = check_fits(len(token_ids), 1 if prompt_only else max_tokens,
+                            server.max_model_len, "messages" if chat else "prompt")
     params = sampling_params({"structured": "response_format"}, max_tokens=max_tokens,
                              temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
-                             seed=seed, stop=stop, ignore_eos=ignore_eos, **extras)
-    return Prompt(token_ids, params, stream, tools=tools, n=n)
+                             seed=seed, stop=stop, ignore_eos=ignore_eos,
+                             prompt_logprobs=prompt_logprobs, **extras)
+    shown = Echo(echoed_prompt(body, token_ids, server), prompt_only) if echo else None
+    return Prompt(token_ids, params, stream, tools=tools, n=n, echo=shown)
+
+
+def completion_prompt_logprobs(body: dict, echo: bool, stream: bool,
+                               logprobs: int | None) -> int | None:
+    """The prompt logprobs a completion asks for: vLLM's `prompt_logprobs`, else, with echo,
+    as many alternatives as `logprobs` (the echoed prompt's tokens lead its lists)."""
+    wanted = get_int(body, "prompt_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    if wanted and stream:
+        raise bad_request("prompt_logprobs", "not available when stream is true (as in vLLM)")
+    return logprobs if wanted is None and echo else wanted
+
+
+def echoed_prompt(body: dict, token_ids: list[int], server: Server) -> str:
+    """The prompt as echoed: the caller's string, or its token ids decoded."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else server.tokenizer.decode(
+        token_ids, skip_special_tokens=False)

@@ -16,6 +16,7 @@ from tokstream.server.channel import Batch
 from tokstream.server.choices import Choice, choices_response, collect_choices, merge_bodies
 from tokstream.server.errors import OPENAI, ApiError, api_route
 from tokstream.server.content_logprobs import ContentLogprobs
+from tokstream.server.echo import Echo, echoed, prompt_logprobs_field
 from tokstream.server.logprobs_format import completion_logprobs
 from tokstream.server.openai_request import parse
 from tokstream.server.openai_tools import (ToolDeltas, finish_reason as tool_finish_reason,
@@ -54,8 +55,11 @@ def batch_logprobs(stream: Stream, batch: Batch, chat: bool, tokenizer, text_off
 class OpenAIFormatter:
     def __init__(self, stream: Stream, model: str, chat: bool, include_usage: bool,
                  tokenizer=None, integrity: bool = True, tools: ToolRequest | None = None,
-                 choice: Choice | None = None):
+                 choice: Choice | None = None, echo: Echo | None = None):
         self.stream = stream
+        self.echo = echo
+        """Completions: the prompt to show before the output, in the first chunk with tokens
+        (set to None once shown)."""
         self.choice = choice or Choice(stream.request_id)
         """The choice this writes (its index; the response's id, shared by every choice)."""
         self.tool_deltas = ToolDeltas(tools) if tools is not None else None
@@ -97,6 +101,8 @@ class OpenAIFormatter:
     def tokens(self, batch: Batch) -> bytes:
         if self.tool_deltas is not None:
             return self._tool_chunks(self.tool_deltas.feed(batch.text), batch)
+        if self.echo is not None and batch.token_ids:
+            return self._echo_chunk(batch)
         chunk = self._chunk(batch.text)
         if batch.token_ids and self.stream.params.logprobs is not None:
             chunk["choices"][0]["logprobs"] = self._logprobs(batch)
@@ -105,6 +111,20 @@ class OpenAIFormatter:
             chunk["tokstream"] = integrity(batch)
             return sse(None, chunk, batch.indices[-1] if self.integrity else None)
         return sse(None, chunk)
+
+    def _echo_chunk(self, batch: Batch) -> bytes:
+        """The first chunk with tokens of an echoing completion: the prompt, then the output
+        (none for a prompt_only echo)."""
+        echo, params = self.echo, self.stream.params
+        text, logprobs = echoed(echo, self.tokenizer, self.stream.prompt_token_ids,
+                                params.logprobs, batch.prompt_logprobs, batch.token_ids,
+                                batch.logprobs, batch.text)
+        self.echo = None  # a prompt_only echo samples one token: this batch holds it
+        chunk = self._chunk(text)
+        chunk["choices"][0]["logprobs"] = logprobs
+        self.text_offset += len(text)
+        chunk["tokstream"] = integrity(batch)
+        return sse(None, chunk, batch.indices[-1] if self.integrity else None)
 
     def _tool_chunks(self, deltas: list[dict], batch: Batch | None) -> bytes:
         """A chunk per delta; the last carries the batch's tokens (with an empty delta when
@@ -163,7 +183,7 @@ class OpenAIFormatter:
 
 
 def response_body(stream: Stream, batch: Batch, model: str, chat: bool, tokenizer,
-                  tools: ToolRequest | None = None) -> dict:
+                  tools: ToolRequest | None = None, echo: Echo | None = None) -> dict:
     reason = finish_reason(stream)
     logprobs = batch_logprobs(stream, batch, chat, tokenizer)
     message = {"role": "assistant", "content": batch.text}
@@ -175,8 +195,16 @@ def response_body(stream: Stream, batch: Batch, model: str, chat: bool, tokenize
                   "logprobs": logprobs, "finish_reason": reason,
                   "stop_reason": stream.final.stop_reason}
     else:
-        choice = {"index": 0, "text": batch.text, "logprobs": logprobs, "finish_reason": reason,
+        text, params = batch.text, stream.params
+        if echo is not None:
+            text, logprobs = echoed(echo, tokenizer, stream.prompt_token_ids, params.logprobs,
+                                    batch.prompt_logprobs, batch.token_ids, batch.logprobs,
+                                    batch.text)
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason,
                   "stop_reason": stream.final.stop_reason}
+        if params.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_field(
+                tokenizer, stream.prompt_token_ids, batch.prompt_logprobs)
     return {"id": stream.request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(stream.created), "model": model, "choices": [choice],
             "usage": usage(stream),
@@ -194,7 +222,7 @@ async def _complete(request, chat: bool):
         integrity = wants_integrity(request.headers, server.config.stream_integrity)
         formatters = [OpenAIFormatter(stream, body["model"], chat, include_usage,
                                       server.tokenizer, integrity, prompt.tools,
-                                      Choice(request_id, index, len(streams)))
+                                      Choice(request_id, index, len(streams)), prompt.echo)
                       for index, stream in enumerate(streams)]
         return choices_response(streams, formatters, usage, server.registry,
                                 server.config.ping_interval_s, headers)
@@ -203,7 +231,8 @@ async def _complete(request, chat: bool):
     if failure is not None:
         raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
     return JSONResponse(merge_bodies([
-        response_body(stream, batch, body["model"], chat, server.tokenizer, prompt.tools)
+        response_body(stream, batch, body["model"], chat, server.tokenizer, prompt.tools,
+                      prompt.echo)
         for stream, batch in zip(streams, batches)]), headers=headers)
 
 

@@ -20,6 +20,7 @@ from tokstream.server.events import EventLog
 from tokstream.server.metrics import Metrics
 from tokstream.server.streams import Stream, StreamRegistry
 from tokstream.server.tenants import Tenant
+from tokstream.server.echo import Echo
 from tokstream.server.tools import ToolRequest
 
 
@@ -34,6 +35,8 @@ class Prompt:
     """The functions the model may call (its output is then parsed for calls)."""
     n: int = 1
     """Choices to generate from the prompt (OpenAI's `n`)."""
+    echo: Echo | None = None
+    """How a completion shows its prompt before the output (`echo`); None: it does not."""
 
 
 class Submitter:
