@@ -39,7 +39,8 @@ def test_short_prompts_pass_long_ones_waiting_ahead_of_them():
     s = long_scheduler()
     for rid, length in (("long1", 300), ("long2", 300), ("chat", 10)):
         s.add_request(make_request(rid, prompt_len=length))
-    assert chunks(run_step(s)) == [("long1", 0, 32), ("chat", 0, 10)]
+    # The short prompt is admitted first (issue 29: short prompts before long chunks).
+    assert chunks(run_step(s)) == [("chat", 0, 10), ("long1", 0, 32)]
     # The second long prompt starts once nothing short waits.
     assert chunks(run_step(s)) == [("chat", 10, 1), ("long1", 32, 63)]
     assert chunks(run_step(s)) == [("chat", 11, 1), ("long1", 95, 63)]

@@ -180,9 +180,16 @@ class SchedulerConfig:
     long_prefill_tokens: int = 2048
     """A prefill with more than this many prompt tokens still to compute is a long prefill."""
     long_prefill_share: float = 0.5
-    """While a shorter prompt waits, long prefills together take at most this share of a
-    step's token budget, so a chat request behind a 50k-token prompt starts at once instead
-    of after it (1 = no limit); with nothing short waiting they take the whole budget."""
+    """Long prefills' guaranteed share of the prefill time over the last second: behind it
+    they go before short prompts, else short prompts' prefill goes first; and while a
+    shorter prompt waits, long prefills take at most this share of a step's token budget
+    (1 = first come, first served)."""
+    long_prefill_step_ms: float = 0.0
+    """Under the ITL target, a step carrying a long prefill's chunk is held to this many ms
+    by the measured step cost, streams decoding or not (0 = itl_target_ms, and never past
+    it), so a short prompt arriving during it waits at most this long; short prompts'
+    prefill goes first in a step, long chunks take what is left, and a long prefill behind
+    long_prefill_share of the prefill time over the last second goes first instead."""
     itl_target_ms: float = 150.0
     """Inter-token latency target while streams decode (0 = off): a step that carries decodes
     gets only the prefill the measured step cost predicts will fit under it; a step with
@@ -224,6 +231,8 @@ class SchedulerConfig:
                                  "in (0, 1]")
         if self.itl_target_ms < 0:
             raise UserInputError("itl_target_ms must be >= 0 (0 = off)")
+        if self.long_prefill_step_ms < 0:
+            raise UserInputError("long_prefill_step_ms must be >= 0 (0 = itl_target_ms)")
         if not 0 <= self.itl_min_prefill_share <= 1:
             raise UserInputError("itl_min_prefill_share must be in [0, 1]")
         if self.long_request_tokens < 1 or self.max_long_requests_per_tenant < 0:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from tokstream.config import SchedulerConfig
 from tokstream.engine.block_manager import BlockManager
-from tokstream.engine.prefill_share import PrefillTime, is_long_prefill, limit_for, time_share
+from tokstream.engine.prefill_share import PrefillTime, is_long_prefill, limit_for
 from tokstream.engine.preemption import release_swap
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduled import ScheduledWork
@@ -27,16 +27,17 @@ def running_order(request: Request) -> tuple:
     return (request.priority, request.arrival)
 
 
-def admit_waiting(scheduler: Scheduler, step: StepDraft) -> None:
-    """Start waiting requests until the next one does not fit this step. None start in a step
-    that had to preempt: the pool is tight."""
+def admit_waiting(scheduler: Scheduler, step: StepDraft, long_prompts: bool = True) -> None:
+    """Start waiting requests until the next one does not fit this step; long prompts too
+    only if long_prompts (short ones are admitted before long prefills' chunks). None start
+    in a step that had to preempt: the pool is tight."""
     config = scheduler.config
     prefill_time = step.prefill_time(config, scheduler.step_cost)
     held = groups_prefilling(scheduler.running, scheduler.block_manager)
     while scheduler.waiting and step.budget > 0 and not step.out.preempted:
         if len(scheduler.running) >= config.max_num_seqs:
             break
-        request = _next_request(scheduler, step, held)
+        request = _next_request(scheduler, step, held, long_prompts)
         if request is None:
             break
         if can_never_fit(config, scheduler.block_manager, request):
@@ -47,15 +48,18 @@ def admit_waiting(scheduler: Scheduler, step: StepDraft) -> None:
             break
 
 
-def _next_request(scheduler: Scheduler, step: StepDraft, held: set[str]) -> Request | None:
+def _next_request(scheduler: Scheduler, step: StepDraft, held: set[str],
+                  long_prompts: bool) -> Request | None:
     """The request to start next; None when the rest wait for a later step."""
     config = scheduler.config
     request = scheduler.waiting.peek(
         lambda r: may_start(config, scheduler.running, r)
-        and (step.long_left > 0 or not is_long_prefill(config, r))
+        and ((long_prompts and step.long_left > 0) or not is_long_prefill(config, r))
         and not (step.suspect_taken and scheduler.is_suspect(r)) and r.prompt_group not in held)
     if request is None:
         return None
+    if not long_prompts and is_long_prefill(config, request):
+        return None  # a preempted long prompt, first in line: it comes back in order
     if request.prompt_group in held:
         return None  # a preempted member: those come back in order, after its prompt's blocks
     if scheduler.is_suspect(request):
@@ -75,12 +79,13 @@ def _start(scheduler: Scheduler, step: StepDraft, request: Request,
         blocks.match_prefix(request)  # cached prefix blocks count as computed
     start = request.num_computed_tokens
     num_new = scheduler.num_new_tokens(request, step.budget)
-    limit = limit_for(config, request, prefill_time, step.decodes)
+    long = is_long_prefill(config, request)  # its cached prefix counted
+    limit = limit_for(config, request, prefill_time, step.decodes, long)
     if limit is not None:
-        num_new = limit.tokens(start, num_new, time_share(config, request, step.long_left))
+        num_new = prefill_time.tokens(start, num_new, limit)
         if num_new == 0:  # deeper into its prompt (a cached prefix) than time allows
             return _stay_waiting(blocks, request, swapped)
-    if is_long_prefill(config, request):
+    if long:
         num_new = min(num_new, step.long_left)
         step.long_left -= num_new
     if num_new > step.budget and step.prefills:
@@ -96,6 +101,10 @@ def _start(scheduler: Scheduler, step: StepDraft, request: Request,
         step.out.swap_in += zip(request.swapped_block_ids, request.block_ids)
         release_swap(scheduler.swap_space, request)
     scheduler.waiting.remove(request)
+    if long:
+        scheduler.long_prompts.add(request.request_id)
+    else:
+        scheduler.long_prompts.discard(request.request_id)
     bisect.insort(scheduler.running, request, key=running_order)
     request.status = RequestStatus.RUNNING
     if request.first_scheduled is None:

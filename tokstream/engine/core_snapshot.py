@@ -12,6 +12,7 @@ from tokstream.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from tokstream.engine.core import EngineCore
+    from tokstream.engine.scheduler import Scheduler
 
 REF_COUNT_CHARS = "0123456789"
 
@@ -76,7 +77,34 @@ def snapshot(core: EngineCore) -> dict:
         "requests": requests,
         "tenants": scheduler.ledger.snapshot(),
         "policy": core.config.scheduler.policy,
+        "prefill_policy": prefill_policy(scheduler),
         "events": list(core.events),
+    }
+
+
+def prefill_policy(scheduler: Scheduler) -> dict:
+    """The two latency classes now (prefill_share.py): the settings, the long prefills' share
+    of the prefill time over the last second, whether they go first (owed their share) or are
+    held back behind short prompts, and each long prefill."""
+    config = scheduler.config
+    short_waiting = any(not scheduler.is_long(r) for r in scheduler.waiting) or any(
+        r.num_tokens - r.num_computed_tokens > 1 and not scheduler.is_long(r)
+        for r in scheduler.running)
+    held = not scheduler.long_first and short_waiting
+    long_step_ms = (min(config.itl_target_ms, config.long_prefill_step_ms or config.itl_target_ms)
+                    if config.itl_target_ms and config.chunked_prefill else None)
+    return {
+        "long_prefill_tokens": config.long_prefill_tokens,
+        "long_prefill_share": config.long_prefill_share,
+        # The step time a long chunk is held to (None: the ITL target is off).
+        "long_step_ms": long_step_ms,
+        "long_share": scheduler.long_share.share,
+        "long_first": scheduler.long_first,
+        "long_prefills": [
+            {"id": r.request_id, "tenant": r.tenant, "prompt_tokens": len(r.prompt_token_ids),
+             "left_tokens": r.num_tokens - r.num_computed_tokens,
+             "state": r.status.name.lower(), "held": held}
+            for r in list(scheduler.running) + list(scheduler.waiting) if scheduler.is_long(r)],
     }
 
 

@@ -1,11 +1,18 @@
-"""The prefill a step may carry beside the streams already decoding: under the ITL target, what
-the learned step cost says fits (PrefillTime); which prompts the target holds back (limit_for);
-and the share long prefills may take while a shorter prompt waits (long_prefill_allowance,
-time_share). Pure Python, no torch.
+"""The prefill a step may carry, in two latency classes. Short prompts (at most
+long_prefill_tokens left to compute) are the interactive class: a step gives them its prefill
+before any long prompt's chunk, so a chat prompt's first token never waits behind a long
+prefill. Long prefills are the bulk class: their chunks take what the short prompts leave, a
+step carrying one is held to long_prefill_step_ms by the learned step cost whether or not
+streams decode (a short prompt arriving mid-step waits at most that long), and while they are
+behind their guaranteed share of the prefill time per second (LongPrefillShare) they go first
+instead, so they always finish. Under the ITL target a step that carries decodes takes only the
+prefill the step cost says fits (PrefillTime); limit_for says whom it holds back. Pure Python,
+no torch.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -15,28 +22,37 @@ from tokstream.engine.request import Request
 from tokstream.engine.scheduled import ScheduledWork
 from tokstream.engine.step_cost import StepCostModel, attended_tokens
 
+SHARE_WINDOW_S = 1.0
+"""The long prefills' share of prefill time is counted over about this many seconds (an
+exponential decay with this time constant): a guarantee per second, not per step."""
+
 
 @dataclass
 class PrefillTime:
-    """The prefill a step may still take under the ITL target, in predicted seconds."""
+    """The step's prefill under the ITL target, in predicted seconds."""
 
     cost: StepCostModel
-    seconds_left: float
+    step_s: float
+    """Predicted seconds of the step so far: its decodes (or its fixed cost), chunks given."""
+    short_limit_s: float | None
+    """What a step whose short prompts are held may take in all (None: nothing decodes, so
+    short prompts are limited by the token budget alone)."""
+    long_limit_s: float
+    """What a step that carries a long prefill's chunk may take in all."""
     num_decodes: int = 0
     """The step's decodes, which cost more in a step that carries prefill."""
     granted: int = 0
     """Prefill tokens given so far this step."""
 
-    def tokens(self, start: int, wanted: int, share: float = 1.0) -> int:
-        """Tokens of a chunk from position start that fit in share of the time left (the
+    def tokens(self, start: int, wanted: int, limit_s: float) -> int:
+        """Tokens of a chunk from position start that keep the step within limit_s (the
         first chunk gets at least one, so a prompt progresses every step however far the
         decodes alone are over)."""
-        fits = self.cost.prefill_tokens_within(
-            (self.seconds_left - self._step_cost()) * share, start)
+        fits = self.cost.prefill_tokens_within(limit_s - self.step_s - self._step_cost(), start)
         return min(wanted, fits if self.granted else max(fits, 1))
 
     def take(self, start: int, num_tokens: int) -> None:
-        self.seconds_left -= self.cost.prefill_seconds(start, num_tokens) + self._step_cost()
+        self.step_s += self.cost.prefill_seconds(start, num_tokens) + self._step_cost()
         self.granted += num_tokens
 
     def _step_cost(self) -> float:
@@ -47,57 +63,51 @@ class PrefillTime:
 def prefill_allowance(config: SchedulerConfig, step_cost: StepCostModel,
                       decodes: list[ScheduledWork]) -> PrefillTime | None:
     """The step's prefill allowance under the ITL target; None (the budget alone limits)
-    with the target off, chunking off, nothing decoding, or no step measured yet."""
+    with the target off, chunking off, or no step measured yet."""
     target_s = config.itl_target_ms / 1000
-    if not (target_s and config.chunked_prefill and decodes
-            and step_cost.num_observations):
+    if not (target_s and config.chunked_prefill and step_cost.num_observations):
         return None
     decode_s = step_cost.decode_seconds(
         len(decodes), sum(attended_tokens(w.start, w.num_tokens) for w in decodes))
-    floor_s = target_s * config.itl_min_prefill_share
-    return PrefillTime(step_cost, max(target_s - decode_s, floor_s), len(decodes))
+    floor_s = decode_s + target_s * config.itl_min_prefill_share if decodes else 0.0
+    long_s = min(target_s, long_step_seconds(config))
+    return PrefillTime(step_cost, decode_s, max(target_s, floor_s) if decodes else None,
+                       max(long_s, floor_s), len(decodes))
+
+
+def long_step_seconds(config: SchedulerConfig) -> float:
+    return (config.long_prefill_step_ms or config.itl_target_ms) / 1000
 
 
 def limit_for(config: SchedulerConfig, request: Request, prefill_time: PrefillTime | None,
-               decodes: list[ScheduledWork]) -> PrefillTime | None:
-    """prefill_time where the ITL target holds request's prefill back: for streams whose
-    first token was out before it arrived, and always for a long prompt. Streams that
-    arrived with a short prompt (a burst of prompts) or after it are behind it, first come
-    first served: their next tokens wait for its prefill, as a burst's prompts all going
-    in first gives every one of them its first token soonest. A long prompt's chunks would
-    hold every stream decoding beside it for the many steps of its prefill (measured,
-    long-prompt-flood on SmolLM2: chat ITL p99 7 s behind 8k-token prompts)."""
+              decodes: list[ScheduledWork], long: bool) -> float | None:
+    """The step time request's chunk must keep within (None: the budget alone limits it).
+    A long prefill always: its chunks would otherwise fill step after step, holding every
+    stream decoding beside it and every short prompt arriving during one (measured,
+    long-prompt-flood on SmolLM2: chat ITL p99 7 s behind 8k-token prompts). A short prompt
+    for streams whose first token was out before it arrived: streams that arrived with it
+    (a burst of prompts) or after it are behind it, first come first served, as a burst's
+    prompts all going in first gives every one of them its first token soonest. long: request
+    is in the long class (Scheduler.is_long)."""
     if prefill_time is None:
         return None
-    if len(request.prompt_token_ids) > config.long_prefill_tokens and decodes:
-        return prefill_time
-    if request.recovering:
+    if long:
+        return prefill_time.long_limit_s
+    if request.recovering or prefill_time.short_limit_s is None:
         # A failure's recomputation: every stream it stalled, those decoding again included,
         # is better off with it done at once than spread thin over the steps of a target
         # the decodes alone may pass (measured, kill-engine at --tp 3 on 2 cores: a 558-token
         # prompt's re-prefill took 16 steps of 32 tokens, its first token 9 s after the kill).
-        # A long prompt stays held: its re-prefill would hold the resumed streams as long.
         return None
     if not any(w.request.first_token_at is not None
                and w.request.first_token_at < request.arrival for w in decodes):
         return None
-    return prefill_time
-
+    return prefill_time.short_limit_s
 
 
 def is_long_prefill(config: SchedulerConfig, request: Request) -> bool:
     return (request.num_tokens - request.num_computed_tokens
             > config.long_prefill_tokens)
-
-
-def time_share(config: SchedulerConfig, request: Request, long_left: int) -> float:
-    """The share of the step's prefill time request's chunk may take: long prefills take
-    long_prefill_share of it while a shorter prompt waits (as of the token budget), or a
-    long prompt mid-prefill would take all of it step after step, and a chat prompt
-    behind it would wait for its whole prefill."""
-    if long_left != sys.maxsize and is_long_prefill(config, request):
-        return config.long_prefill_share
-    return 1.0
 
 
 def long_prefill_allowance(config: SchedulerConfig, budget: int, num_running: int,
@@ -110,3 +120,37 @@ def long_prefill_allowance(config: SchedulerConfig, budget: int, num_running: in
             and any(not is_long_prefill(config, r) for r in waiting)):
         return max(1, int(budget * share))
     return sys.maxsize
+
+
+@dataclass
+class LongPrefillShare:
+    """The prefill time long and short prompts got lately (predicted seconds, decayed with
+    SHARE_WINDOW_S), which says whether long prefills are owed their share."""
+
+    long_s: float = 0.0
+    short_s: float = 0.0
+    at: float | None = None
+    """The clock when last counted."""
+
+    def count(self, now: float, long_s: float, short_s: float) -> None:
+        if self.at is not None:
+            keep = math.exp(-max(0.0, now - self.at) / SHARE_WINDOW_S)
+            self.long_s, self.short_s = self.long_s * keep, self.short_s * keep
+        self.at = now
+        self.long_s += long_s
+        self.short_s += short_s
+
+    @property
+    def share(self) -> float | None:
+        """Long prefills' share of the prefill time lately (None: no prefill lately)."""
+        total = self.long_s + self.short_s
+        return self.long_s / total if total > 1e-9 else None
+
+    def owed(self, config: SchedulerConfig) -> bool:
+        """Long prefills are behind long_prefill_share of the prefill time: they go before
+        the short prompts this step (always at share 1, or without chunking: first come,
+        first served). With no prefill lately they are not behind."""
+        if config.long_prefill_share >= 1 or not config.chunked_prefill:
+            return True
+        share = self.share
+        return share is not None and share < config.long_prefill_share

@@ -21,11 +21,11 @@ from tokstream.engine.admission import admit_waiting, running_order  # noqa: F40
 from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.fairness import FairnessLedger
 from tokstream.engine.preemption import allocate_or_preempt, release_swap
-from tokstream.engine.prefill_share import (is_long_prefill, limit_for, long_prefill_allowance,
-                                            time_share)
+from tokstream.engine.prefill_share import (LongPrefillShare, is_long_prefill, limit_for,
+                                            long_prefill_allowance)
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduled import ScheduledWork, SchedulerOutput, step_shape
-from tokstream.engine.step_cost import StepCostModel
+from tokstream.engine.step_cost import MIN_PREFILL_TOKEN_S, StepCostModel
 from tokstream.engine.step_draft import StepDraft
 from tokstream.engine.waiting_queue import WaitingQueue
 
@@ -56,6 +56,16 @@ class Scheduler:
         """Of the preemptions, those that kept their KV in host memory."""
         self.step_cost = StepCostModel()
         """Fitted from every step the engine reports (observe_step), target on or off."""
+        self.long_share = LongPrefillShare()
+        """The prefill time long and short prompts got lately: long prefills behind their
+        share go before short prompts (prefill_share.py)."""
+        self.long_prompts: set[str] = set()
+        """Requests whose prefill was long when admitted (is_long_prefill after their cached
+        prefix): their chunks stay in the long class to the end of the prefill, whose last
+        tokens, deep in the prompt, cost the most."""
+        self.long_first = False
+        """The latest step gave long prefills' chunks before short prompts (they were owed
+        their share)."""
         self.clock = time.monotonic
         """Requests' arrivals are on this clock (tests give both a fake one)."""
         self.forgotten_ids: list[str] = []
@@ -92,6 +102,7 @@ class Scheduler:
         self.block_manager.free(request)
         release_swap(self.swap_space, request)
         self.unknown_to_workers.discard(request.request_id)
+        self.long_prompts.discard(request.request_id)
         request.status = status
         request.stop_reason = stop_reason
         self.ledger.on_departure(request.tenant)
@@ -100,19 +111,56 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step: running requests' next tokens, then waiting requests while room is
         left, and what the workers should forget."""
-        budget = self.config.max_num_batched_tokens
-        step = StepDraft(budget, long_prefill_allowance(self.config, budget, len(self.running),
+        budget, config = self.config.max_num_batched_tokens, self.config
+        step = StepDraft(budget, long_prefill_allowance(config, budget, len(self.running),
                                                         self.waiting))
-        self._continue_running(step)
-        admit_waiting(self, step)
+        self.long_first = self.long_share.owed(config)
+        long = self.is_long
+
+        def short(request: Request) -> bool:
+            return self._is_prefilling(request) and not long(request)
+
+        self._continue_running(step, lambda r: not self._is_prefilling(r))  # decodes
+        if self.long_first:  # behind their share of the prefill time: in running order
+            self._continue_running(step, long)
+            self._continue_running(step, short)
+        else:  # short prompts, running and waiting, then long chunks get what is left
+            self._continue_running(step, short)
+            admit_waiting(self, step, long_prompts=False)
+            self._continue_running(step, long)
+        admit_waiting(self, step, long_prompts=True)
+        self._count_prefill_time(step)
         forgotten, self.forgotten_ids = self.forgotten_ids, []
         return step.done(forgotten)
 
-    def _continue_running(self, step: StepDraft) -> None:
-        """The first pass: running requests' next tokens, preempting where the pool is dry.
-        Decodes before prefill chunks, each group in running order: a long prompt that
-        arrived first must not take the budget from streams already generating."""
-        for request in sorted(self.running, key=self._is_prefilling):
+    def is_long(self, request: Request) -> bool:
+        """request's prefill is in the long class: long when it was admitted, or waiting with
+        a long prefill ahead of it."""
+        if request.status == RequestStatus.RUNNING:
+            return request.request_id in self.long_prompts and self._is_prefilling(request)
+        return is_long_prefill(self.config, request)
+
+    def _count_prefill_time(self, step: StepDraft) -> None:
+        """Count the step's predicted prefill seconds per class (for long_share)."""
+        long_s = short_s = 0.0
+        for work in step.prefills:
+            # Tokens at the least a token may cost, before the fit knows better.
+            seconds = max(self.step_cost.prefill_seconds(work.start, work.num_tokens),
+                          MIN_PREFILL_TOKEN_S * work.num_tokens)
+            if self.is_long(work.request):
+                long_s += seconds
+            else:
+                short_s += seconds
+        if long_s or short_s:
+            self.long_share.count(self.clock(), long_s, short_s)
+
+    def _continue_running(self, step: StepDraft, which) -> None:
+        """A pass over the running requests which(request) picks: their next tokens,
+        preempting where the pool is dry, in running order. schedule() passes decodes
+        first, then prefill chunks, short prompts' before long ones' unless those are owed
+        their share: a long prompt that arrived first must not take the budget from streams
+        already generating, nor from a chat prompt behind it."""
+        for request in [r for r in self.running if which(r)]:
             if step.budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
@@ -125,13 +173,13 @@ class Scheduler:
             prefill_time = None
             if self._is_prefilling(request):
                 prefill_time = step.prefill_time(self.config, self.step_cost)
-                limit = limit_for(self.config, request, prefill_time, step.decodes)
+                limit = limit_for(self.config, request, prefill_time, step.decodes,
+                                  self.is_long(request))
                 if limit is not None:
-                    num_new = limit.tokens(request.num_computed_tokens, num_new,
-                                           time_share(self.config, request, step.long_left))
+                    num_new = prefill_time.tokens(request.num_computed_tokens, num_new, limit)
                     if num_new == 0:
                         continue
-            if is_long_prefill(self.config, request):
+            if self.is_long(request):
                 num_new = min(num_new, step.long_left)
                 if num_new == 0:
                     continue

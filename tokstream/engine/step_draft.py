@@ -44,7 +44,10 @@ class StepDraft:
         self.budget = max(0, self.budget - num_tokens)
 
     def done(self, forgotten_ids: list[str]) -> SchedulerOutput:
-        """The finished step: decodes (one token) first, then prefill chunks."""
-        self.out.work = self.decodes + self.prefills
+        """The finished step: decodes (one token) first, then prefill chunks: those of
+        running requests in running order, then those admitted, in admission order."""
+        prefills = sorted(self.prefills, key=lambda w: (
+            (1, 0, 0) if w.is_new else (0, w.request.priority, w.request.arrival)))
+        self.out.work = self.decodes + prefills
         self.out.forgotten_ids = forgotten_ids
         return self.out
