@@ -162,3 +162,25 @@ def test_logprobs_are_transformers_log_softmax(llm, prompts, hf_model):
         top = torch.topk(row, 5)
         assert got.top_token_ids == top.indices.tolist()
         assert max(abs(a - float(b)) for a, b in zip(got.top_logprobs, top.values)) < 1e-3
+
+
+def test_prompt_logprobs_are_transformers_log_softmax(llm, prompts, hf_model):
+    """Each prompt token's log-probability given the tokens before it (SamplingParams.
+    prompt_logprobs, from the prefill itself), its rank and the top 5, against transformers'
+    log-softmax over the prompt, within 1e-3; the first token has none."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=5)
+    for prompt in (prompts[0], prompts[-2]):
+        (completion,) = llm.generate([prompt], params)
+        scored = completion.prompt_logprobs
+        assert len(scored) == len(prompt) and scored[0] is None
+        with torch.no_grad():
+            logits = hf_model(input_ids=torch.tensor([prompt])).logits[0]
+        reference = torch.log_softmax(logits.float(), dim=-1)
+        for i in range(1, len(prompt)):
+            row, got = reference[i - 1], scored[i]
+            assert abs(got.logprob - float(row[prompt[i]])) < 1e-3
+            near = int(((row - row[prompt[i]]).abs() < 1e-3).sum())  # ties may order apart
+            assert abs(got.rank - (int((row > row[prompt[i]]).sum()) + 1)) < near
+            top = torch.topk(row, 5)
+            assert got.top_token_ids == top.indices.tolist()
+            assert max(abs(a - float(b)) for a, b in zip(got.top_logprobs, top.values)) < 1e-3
