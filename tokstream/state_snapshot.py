@@ -198,9 +198,47 @@ class Rank(Wire):
     """Of one core, since the previous snapshot (None on a process's first)."""
 
 
+@dataclass
+class LongPrefillRow(Wire):
+    """A prompt in the long latency class (its prefill was long when admitted)."""
+
+    id: str = ""
+    tenant: str = ""
+    prompt_tokens: int = 0
+    left_tokens: int = 0
+    """Tokens of it still to compute."""
+    state: str = ""
+    """running or waiting (the core's state)."""
+    held: bool = False
+    """Held back now: short prompts' prefill goes before its chunks."""
+
+
+@dataclass
+class PrefillPolicy(Wire):
+    """The two latency classes (the engine's prefill_share.py): short prompts' prefill goes
+    first, long prefills get what is left and their guaranteed share per second."""
+
+    long_prefill_tokens: int = 0
+    """A prefill with more than this many tokens left when admitted is long."""
+    long_prefill_share: float = 0.0
+    """The long prefills' guaranteed share of the prefill time over a second."""
+    long_step_ms: float | None = None
+    """The step time a long chunk is held to (None: the ITL target is off)."""
+    long_share: float | None = None
+    """The share of the last second's prefill time long prefills got (None: no prefill)."""
+    long_first: bool = False
+    """The latest step gave long chunks first: they were behind their share."""
+    long_prefills: list[LongPrefillRow] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def held(self) -> list[LongPrefillRow]:
+        return [row for row in self.long_prefills if row.held]
+
+
 BATCH_FROM_CORE = ("chunked_prefill", "max_prefill_chunk", "preemption_mode",
                    "num_swap_preemptions", "policy", "prefill_tokens_total",
-                   "decode_tokens_total")
+                   "decode_tokens_total", "prefill_policy")
 """Batch keys copied from the core's snapshot when it has them."""
 
 
@@ -233,6 +271,8 @@ class Batch(Wire):
     """Tokens computed in prefill chunks since the start."""
     decode_tokens_total: int = ABSENT
     """Tokens decoded since the start."""
+    prefill_policy: PrefillPolicy | None = ABSENT
+    """The two latency classes now: which long prefills are held back, their share."""
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """The header: what the server is (model, device, dtype, TP), how it is (replica status, ranks
-with pid, memory and CPU, devices), how long it has been up and how fast it serves; and top's
-own status (disconnected, paused, sort and filter)."""
+with pid, memory and CPU, devices), how long it has been up and how fast it serves; the two
+latency classes (which long prefill is held back behind short prompts, the long share); and
+top's own status (disconnected, paused, sort and filter)."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.widgets import Static
 
-from tokstream.state_snapshot import ReplicaStatus, StateSnapshot
+from tokstream.state_snapshot import PrefillPolicy, ReplicaStatus, StateSnapshot
 from tokstream.top import format as fmt
 
 STATUS_COLOUR = {ReplicaStatus.READY: "bold #98c379", ReplicaStatus.RECOVERING: "bold #e5c07b",
@@ -42,6 +43,29 @@ def describe(state: StateSnapshot, url: str, prompt_rate: float | None,
                     f"{fmt.size(device.total_bytes)} {fmt.number(device.utilization_percent)}"
                     "% util   ")
     text.append(f"engine pid {state.engine.pid}  gateway pid {state.gateway.pid}", style="dim")
+    policy = state.batch.prefill_policy
+    if policy:  # a core that reports its prefill policy
+        text.append("\n").append_text(describe_policy(policy))
+    return text
+
+
+def describe_policy(policy: PrefillPolicy) -> Text:
+    """One line: the long prefills now (held back behind short prompts, or first because they
+    are behind their share), the held one with the most left, their share of the last
+    second's prefill time against the guarantee, the step time their chunks keep to."""
+    rows, held = policy.long_prefills, policy.held
+    text = Text()
+    text.append("long prefills ", style="bold").append(str(len(rows)))
+    if policy.long_first:
+        text.append(" first", style="bold #e5c07b")
+    elif held:
+        row = max(held, key=lambda r: r.left_tokens)
+        text.append(f" {len(held)} held", style="bold #61afef")
+        text.append(f" (most left: {row.id} {fmt.number(row.left_tokens)} tokens)")
+    share = "-" if policy.long_share is None else f"{policy.long_share:.0%}"
+    text.append(f"  share {share} of prefill, {policy.long_prefill_share:.0%} guaranteed"
+                f"  chunks ≤{fmt.ms(policy.long_step_ms)}  long past "
+                f"{fmt.number(policy.long_prefill_tokens)} tokens")
     return text
 
 
