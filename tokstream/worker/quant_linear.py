@@ -275,11 +275,11 @@ def _measure(weights, by_shape, may_bfloat16) -> dict:
             _drop(same[0], forms)
         for form in COPIES:
             eligible = [w for w in weights if form in _forms(w, may_bfloat16)]
-            for w in eligible:
-                _give(w, [form])
+            for w in eligible:  # bfloat16 is timed against int16 as well
+                _give(w, [form, "int16"])
             report[f"streamed_{form}"] = measure_streamed(eligible, form)
             for w in eligible:
-                _drop(w, [form])
+                _drop(w, COPIES)
     return {**report, "load_average": load_average}
 
 
@@ -339,20 +339,22 @@ def _form_bytes(weight: QuantizedWeight, form: str) -> int:
 
 
 def measure_streamed(weights: list[QuantizedWeight], form: str = "int16") -> dict:
-    """The fewest rows below STREAMED_BELOW from which `form`'s path beats fused over every
-    weight that has that copy, taken in order (STREAMED_BELOW if at none), and the
-    timings."""
+    """The fewest rows below STREAMED_BELOW from which `form`'s path beats the quantised
+    paths (fused, and int16 against bfloat16) over every weight that has that copy, taken in
+    order (STREAMED_BELOW if at none), and the timings."""
     packed = [w for w in weights if _has_form(w, form)]
+    int16_too = form == "bfloat16" and all(w.int16 is not None for w in packed)
+    rivals = ["fused", "int16"] if int16_too else ["fused"]
     rows, start = [], STREAMED_BELOW
     for m in (m for m in PROBE_ROWS if m < STREAMED_BELOW and packed):
         inputs = {w.in_features: torch.randn(m, w.in_features) for w in packed}
         runs = {p: [_runner(inputs[w.in_features], w, p) for w in packed]
-                for p in ("fused", form)}
+                for p in (*rivals, form)}
         times = {p: probe_cache.best_time(lambda: [run() for run in calls], 3)
                  for p, calls in runs.items()}
         rows.append({"rows": m, **{f"{p}_ms": round(t * 1e3, 4) for p, t in times.items()}})
     for row in reversed(rows):  # the form must win at every probed size from its start on
-        if row[f"{form}_ms"] >= row["fused_ms"]:
+        if row[f"{form}_ms"] >= min(row[f"{p}_ms"] for p in rivals):
             break
         start = row["rows"]
     return {"from_rows": start, "timings": rows}
