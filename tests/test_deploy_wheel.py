@@ -18,7 +18,7 @@ import pytest
 from helpers.serving import ROOT
 from test_import_graph import modules
 
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "tokstream", "kernels", "chaos", "loadgen",
+SOURCES = ("pyproject.toml", "README.md", "tokstream", "kernels", "chaos", "loadgen",
            "profiles")
 """What the wheel is built from (deploy/Dockerfile copies the same)."""
 
