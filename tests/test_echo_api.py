@@ -133,3 +133,20 @@ def test_chat_still_refuses_echo(server):
         "model": "dummy:tiny", "max_tokens": 2, "echo": True,
         "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
+
+
+def test_every_choice_echoes_and_scores_the_prompt(server):
+    """n choices share one prompt group: each is scored in a prefill of its own (a cached
+    prefix would leave positions unscored), the lists equal."""
+    response = complete(server, prompt=PROMPT + " again", echo=True, logprobs=1, max_tokens=0,
+                        n=3)
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    first = choices[0]["logprobs"]
+    assert all(c["text"] == PROMPT + " again" for c in choices)
+    for c in choices[1:]:
+        assert c["logprobs"]["tokens"] == first["tokens"]
+        assert c["logprobs"]["token_logprobs"][0] is None
+        assert c["logprobs"]["token_logprobs"][1:] == pytest.approx(first["token_logprobs"][1:],
+                                                                    abs=1e-4)
