@@ -150,3 +150,15 @@ def test_every_choice_echoes_and_scores_the_prompt(server):
         assert c["logprobs"]["token_logprobs"][0] is None
         assert c["logprobs"]["token_logprobs"][1:] == pytest.approx(first["token_logprobs"][1:],
                                                                     abs=1e-4)
+
+
+def test_the_openapi_schema_takes_lm_evals_body(server):
+    """/openapi.json's completions body accepts what local-completions sends."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    body = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"][
+        "application/json"]["schema"]
+    lm_eval_body = {"model": "m", "prompt": [[1, 2, 3]], "temperature": 0, "max_tokens": 0,
+                    "logprobs": 1, "seed": 1234, "echo": True, "prompt_logprobs": 1}
+    jsonschema.validate(lm_eval_body, body)
+    assert set(body["properties"]) >= {"echo", "prompt_logprobs"}

@@ -113,10 +113,20 @@ CHAT_BODY = {
 COMPLETION_BODY = {
     "type": "object", "required": ["model", "prompt"],
     "properties": {**OPENAI_COMMON,
+                   "max_tokens": {"type": "integer", "minimum": 0,
+                                  "description": "0 only with echo: the prompt alone"},
                    "logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+                   "echo": {"type": "boolean",
+                            "description": "the prompt before the output (with logprobs: its "
+                                           "tokens lead the lists, the first null)"},
+                   "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": 20,
+                                       "description": "vLLM extension: choices[]."
+                                                      "prompt_logprobs; not streamed"},
                    "prompt": {"oneOf": [
         {"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}},
-        {"type": "array", "maxItems": 1, "items": {"type": "string"}}]}},
+        {"type": "array", "maxItems": 1, "items": {"type": "string"}},
+        {"type": "array", "maxItems": 1,
+         "items": {"type": "array", "items": {"type": "integer", "minimum": 0}}}]}},
 }
 
 TOKENIZE_BODY = {
