@@ -281,19 +281,20 @@ def test_a_crossover_must_hold_for_the_larger_sizes(monkeypatch):
     from tokstream.worker import probe_cache, quant_linear
 
     weight, _ = quantized("Q4_1", 8, 64)
-    # the float path wins at 2 rows, loses at 4, then wins from 8 on: the crossover is 8
-    wins = {1: False, 2: True, 4: False, 8: True, 16: True}
+    # the float path wins at 2 rows, loses at 4, then wins from 8 on: the crossover is 8;
+    # the probe goes on to 64 rows (wins below it may be the caches') and stops there
+    wins = {1: False, 2: True, 4: False, 8: True, 16: True, 32: True, 64: True}
     timings = iter([])
 
     def fake_time(fn, repeats=5):
         return next(timings)
 
-    sizes = [m for m in quant_linear.PROBE_ROWS if m <= 16]
+    sizes = [m for m in quant_linear.PROBE_ROWS if m <= 64]
     timings = iter([t for m in sizes for t in ((1.0, 2.0) if not wins[m] else (2.0, 1.0))])
     monkeypatch.setattr(probe_cache, "best_time", fake_time)
     starts, rows = quant_linear.measure_crossover(weight)
     assert weight.int16 is None  # 8 outputs: no int16 copy (16 a vector), so it is not timed
-    assert starts == {"dense": 8} and [r["rows"] for r in rows] == [1, 2, 4, 8, 16]
+    assert starts == {"dense": 8} and [r["rows"] for r in rows] == [1, 2, 4, 8, 16, 32, 64]
 
 
 def test_each_path_takes_the_sizes_from_which_it_stays_fastest(monkeypatch):

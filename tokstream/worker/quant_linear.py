@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -167,8 +168,9 @@ def measure_crossover(weight: QuantizedWeight) -> tuple[dict[str, int], list[dic
     """From how many rows each path takes over ({'int16': rows, 'dense': rows, 'bfloat16':
     rows}, NEVER where it never does), and the timings behind it (see starts_from_timings);
     int16 and bfloat16 are timed only when the weight has their copy. Stops once the last
-    timed path has won at two sizes in a row (a float matrix product's efficiency only grows
-    with rows)."""
+    timed path has won at two sizes in a row, the second at STREAMED_BELOW rows or more (a
+    float matrix product's efficiency only grows with rows; a bfloat16 win at one and two
+    rows, hot in the caches, had ended a probe before it reached a batch's size)."""
     rows, last_wins = [], 0
     timed = [p for p in PATHS if _has_form(weight, p)]
     for m in PROBE_ROWS:
@@ -176,7 +178,7 @@ def measure_crossover(weight: QuantizedWeight) -> tuple[dict[str, int], list[dic
         times = {p: probe_cache.best_time(_runner(x, weight, p)) for p in timed}
         rows.append({"rows": m, **{f"{p}_ms": round(t * 1e3, 4) for p, t in times.items()}})
         last_wins = last_wins + 1 if min(times, key=times.get) == timed[-1] else 0
-        if last_wins == 2:
+        if last_wins >= 2 and m >= STREAMED_BELOW:  # a win at a few rows may be the caches'
             break
     return starts_from_timings(rows, timed), rows
 
@@ -245,6 +247,7 @@ def measure_crossovers(weights: list[QuantizedWeight], copy_budget: int | None =
         by_shape.setdefault((w.qtype, w.out_features, w.in_features), []).append(w)
     path = probe_cache.path("crossover", str(torch.get_num_threads()),
                             cpu_quant.SOURCE.read_text(), cpu_int16.SOURCE.read_text(),
+                            Path(__file__).read_text(),  # how it probes and decides
                             repr(sorted(by_shape)), repr(PROBE_ROWS), str(STREAMED_BELOW),
                             repr(sorted(_shape_name(s) for s, same in by_shape.items()
                                         if id(same[0]) in may_bfloat16)))
