@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from helpers.prefill import decode_greedy, prefill_logits
-from tokstream.config import CacheConfig, EngineConfig
+from tokstream.config import EngineConfig
 from tokstream.errors import UserInputError
 from tokstream.kernels import cpu_int16, cpu_quant
 from tokstream.model.source import resolve_model
@@ -19,7 +19,7 @@ from tokstream.tokenizer import load_tokenizer
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.decode_stack import stack_for_step
 from tokstream.worker import dtype_choice
-from tokstream.worker.dtype_choice import has_native_bf16, resolve_weights
+from tokstream.worker.dtype_choice import resolve_weights
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import allocate_kv_caches
 from tokstream.worker.quant_linear import QuantizedWeight, cat_rows, quantized_linear
@@ -149,13 +149,6 @@ def test_weights_auto_and_native_choices(monkeypatch):
         EngineConfig(weights="float32", dtype="bfloat16")
     with pytest.raises(UserInputError, match="weights must be"):
         EngineConfig(weights="q4")
-
-
-def test_native_bfloat16_is_read_from_the_cpu_flags():
-    """oneDNN says 'supported' where bfloat16 is only emulated; the flags say what is real."""
-    assert not has_native_bf16(["avx512f", "avx512_vnni", "avx2"])
-    assert has_native_bf16(["avx512f", "avx512_bf16"])
-    assert has_native_bf16(["amx_bf16", "amx_tile"])
 
 
 # ---- the real model ----------------------------------------------------------------------
@@ -431,23 +424,3 @@ def test_bfloat16_copies_pass_the_quality_bar(models, bfloat16_copies):
                                                        targets).exp())
 
     assert abs(perplexity(native) / perplexity(dense) - 1) < 0.005
-
-
-def test_kv_cache_dtype_choices(monkeypatch):
-    from tokstream.worker import dtype_choice
-
-    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: ["avx2", "f16c"])
-    resolve = dtype_choice.resolve_kv_cache_dtype
-    assert resolve("auto", "float32", "cpu") == "float16"
-    assert resolve("auto", "bfloat16", "cpu") == "bfloat16"
-    assert resolve("auto", "float32", "cuda") == "float32"
-    assert resolve("float32", "float32", "cpu") == "float32"
-    assert resolve("float16", "float32", "cpu") == "float16"
-    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: ["avx2"])
-    assert resolve("auto", "float32", "cpu") == "float32"  # no float16 conversions in hardware
-    for kv, serving, device in [("bfloat16", "float32", "cpu"), ("float16", "bfloat16", "cpu"),
-                                ("float16", "float32", "cuda")]:
-        with pytest.raises(UserInputError, match="KV cache"):
-            resolve(kv, serving, device)
-    with pytest.raises(UserInputError, match="kv_cache_dtype"):
-        EngineConfig(cache=CacheConfig(kv_cache_dtype="int8"))

@@ -310,6 +310,15 @@ def test_stalled_rank_is_caught_by_the_step_deadline(server, reference):
     assert gone(pids)
 
 
+def core_replaced(after: dict, since: float, progress) -> dict:
+    """The engine_dead event after `since`, checking that a restart followed it and that
+    stream 0 paused across the two; returns the death."""
+    dead = engine_event(after, "engine_dead", since)
+    restarted = engine_event(after, "engine_restarted", dead["time"])
+    interrupted(progress, 0, dead["time"], restarted["time"])
+    return dead
+
+
 def test_engine_core_killed_mid_decode_keeps_seeds(server, reference):
     started, before = time.time(), server.state()
     core_pid = before["engine"]["pid"]
@@ -340,9 +349,7 @@ def test_engine_core_killed_mid_decode_keeps_seeds(server, reference):
         before["replica"]["restarts_by_kind"]["core"] + 1
     assert after["replica"]["resumed_requests"]["core"] >= \
         before["replica"]["resumed_requests"]["core"] + 2  # streams 0 and 3 at least
-    dead = engine_event(after, "engine_dead", started)
-    restarted = engine_event(after, "engine_restarted", dead["time"])
-    interrupted(progress, 0, dead["time"], restarted["time"])
+    core_replaced(after, started, progress)
     assert gone(old_processes)
     # The unseeded stream kept the seed the gateway drew for it: the same request with that
     # seed, fault-free, gives the same tokens.
@@ -382,10 +389,8 @@ def test_a_stopped_engine_core_is_caught_by_its_heartbeat(server, reference):
     after = settled(server, before["replica"]["restarts"] + 1)
     same_as_reference(report, reference)
     assert seen["ready"] == 503
-    dead = engine_event(after, "engine_dead", started)
+    dead = core_replaced(after, started, progress)
     assert dead["pid"] == core_pid and "hung" in dead["reason"], dead
-    restarted = engine_event(after, "engine_restarted", dead["time"])
-    interrupted(progress, 0, dead["time"], restarted["time"])
     assert after["engine"]["pid"] != core_pid
     assert gone(old_processes)
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from helpers.top_replay import FRAMES, Replay, first_poll, replay_app
+from helpers.top_replay import FRAMES, Replay, first_poll, open_detail, replay_app
 from tokstream.cli import app as cli
 from tokstream.state_snapshot import Event, Kv, StateSnapshot
 from tokstream.top.detail import DetailScreen
@@ -163,15 +163,7 @@ async def test_enter_opens_a_request_whose_text_streams_and_esc_goes_back():
     app = replay_app(replay)
     async with app.run_test(size=SIZE) as pilot:
         await first_poll(app, pilot)
-        table = app.main.query_one("#requests-small", RequestsTable)
-        for _ in range(table.row_count):
-            if table.selected_id == request_id:
-                break
-            await pilot.press("down")
-        await pilot.press("enter")
-        await app.workers.wait_for_complete()
-        await pilot.pause()
-        assert isinstance(app.screen, DetailScreen)
+        await open_detail(app, pilot, request_id)
         first = FRAMES[start]["requests"][request_id]
         assert str(app.screen.query_one("#text").render()) == first["recent_text"]
         assert f"output {first['output_tokens']}/{first['max_tokens']}" in str(

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import copy
 
-from helpers.top_replay import FRAMES, Replay, first_poll, replay_app
+from helpers.top_replay import FRAMES, Replay, first_poll, open_detail, replay_app
 from test_top import SIZE, followed_request, run
-from tokstream.top.detail import DetailScreen
 from tokstream.top.printable import printable, printable_reply
-from tokstream.top.tables import RequestsTable
 
 HOSTILE = "ok\x1b]0;pwned\x07\x1b[2J\x1b[31mred\x9b1m\u202etxt.exe\r\x08\x00end\n\tnext"
 PAYLOADS = ("\x1b", "\x07", "\x9b", "\u202e", "\x00", "\x08")
@@ -50,15 +48,7 @@ async def test_the_detail_screen_renders_no_control_character():
     app = replay_app(HostileReplay(start, request_id))
     async with app.run_test(size=SIZE) as pilot:
         await first_poll(app, pilot)
-        table = app.main.query_one("#requests-small", RequestsTable)
-        for _ in range(table.row_count):
-            if table.selected_id == request_id:
-                break
-            await pilot.press("down")
-        await pilot.press("enter")
-        await app.workers.wait_for_complete()
-        await pilot.pause()
-        assert isinstance(app.screen, DetailScreen)
+        await open_detail(app, pilot, request_id)
         shown = str(app.screen.query_one("#text").render())
         fields = str(app.screen.query_one("#fields").render())
         assert shown == printable(HOSTILE) and "\\x1b]0;pwned" in shown

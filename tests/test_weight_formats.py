@@ -2,7 +2,6 @@
 many-row products, how their rows are chosen from timings, the memory budget that bounds the
 copies, and the safe questions asked before any bfloat16 or AMX product (matrix_units)."""
 
-import ctypes
 import types
 
 import numpy as np
@@ -11,12 +10,15 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from tokstream.config import CacheConfig, EngineConfig
+from tokstream.errors import UserInputError
 from tokstream.kernels import cpu_build, cpu_int16, cpu_quant
 from tokstream.model.source import resolve_model
-from tokstream.worker import dtype_choice, matrix_units, probe_cache, quant_linear
+from tokstream.worker import dtype_choice, matrix_units, quant_linear
 from tokstream.worker.decode_stack import _row_limit
+from tokstream.worker.dtype_choice import has_native_bf16
 from tokstream.worker.onednn_linear import BfloatWeight
-from tokstream.worker.quant_linear import NEVER, QuantizedWeight, quantized_linear
+from tokstream.worker.quant_linear import QuantizedWeight, quantized_linear
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler here")
 
@@ -203,3 +205,28 @@ def test_cpu_kinds_name_the_vendor_model_and_matrix_class():
     zen = "vendor_id : AuthenticAMD\ncpu family : 25\nmodel : 17\nflags : avx2 avx512f\n"
     assert cpu_build.cpu_kind(zen) == "amd-f25m17-avx512"
     assert cpu_build.cpu_kind("") == "cpu-f?m?-base"
+
+
+def test_native_bfloat16_is_read_from_the_cpu_flags():
+    """oneDNN says 'supported' where bfloat16 is only emulated; the flags say what is real."""
+    assert not has_native_bf16(["avx512f", "avx512_vnni", "avx2"])
+    assert has_native_bf16(["avx512f", "avx512_bf16"])
+    assert has_native_bf16(["amx_bf16", "amx_tile"])
+
+
+def test_kv_cache_dtype_choices(monkeypatch):
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: ["avx2", "f16c"])
+    resolve = dtype_choice.resolve_kv_cache_dtype
+    assert resolve("auto", "float32", "cpu") == "float16"
+    assert resolve("auto", "bfloat16", "cpu") == "bfloat16"
+    assert resolve("auto", "float32", "cuda") == "float32"
+    assert resolve("float32", "float32", "cpu") == "float32"
+    assert resolve("float16", "float32", "cpu") == "float16"
+    monkeypatch.setattr(dtype_choice, "cpu_flags", lambda: ["avx2"])
+    assert resolve("auto", "float32", "cpu") == "float32"  # no float16 conversions in hardware
+    for kv, serving, device in [("bfloat16", "float32", "cpu"), ("float16", "bfloat16", "cpu"),
+                                ("float16", "float32", "cuda")]:
+        with pytest.raises(UserInputError, match="KV cache"):
+            resolve(kv, serving, device)
+    with pytest.raises(UserInputError, match="kv_cache_dtype"):
+        EngineConfig(cache=CacheConfig(kv_cache_dtype="int8"))

@@ -12,7 +12,9 @@ from pathlib import Path
 import httpx
 
 from tokstream.top.app import TopApp
+from tokstream.top.detail import DetailScreen
 from tokstream.top.source import HttpSource
+from tokstream.top.tables import RequestsTable
 
 FRAMES = json.loads((Path(__file__).parents[1] / "data" / "top" / "frames.json").read_text())
 URL = "http://replay.test:8000"
@@ -60,3 +62,17 @@ async def first_poll(app: TopApp, pilot) -> None:
         await pilot.pause(0.05)
     await app.workers.wait_for_complete()
     await pilot.pause()
+
+
+async def open_detail(app: TopApp, pilot, request_id: str) -> DetailScreen:
+    """Move the small requests table's cursor to `request_id` and open its detail screen."""
+    table = app.main.query_one("#requests-small", RequestsTable)
+    for _ in range(table.row_count):
+        if table.selected_id == request_id:
+            break
+        await pilot.press("down")
+    await pilot.press("enter")
+    await app.workers.wait_for_complete()
+    await pilot.pause()
+    assert isinstance(app.screen, DetailScreen)
+    return app.screen
