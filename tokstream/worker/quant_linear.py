@@ -338,7 +338,8 @@ def _form_bytes(weight: QuantizedWeight, form: str) -> int:
     n = weight.out_features * weight.in_features
     if form == "bfloat16":
         return 2 * n
-    return n + n // cpu_int16.BLOCK * 4 * (2 if weight.qtype % 100 == 3 else 1)
+    widened = weight.qtype % cpu_quant.FLOAT_SCALES + cpu_quant.FLOAT_SCALES
+    return n + n // cpu_int16.BLOCK * 4 * (2 if widened == cpu_int16.WITH_OFFSETS else 1)
 
 
 def measure_streamed(weights: list[QuantizedWeight], form: str = "int16") -> dict:
