@@ -279,12 +279,12 @@ def test_a_crossover_must_hold_for_the_larger_sizes(monkeypatch):
     wins = {1: False, 2: True, 4: False, 8: True, 16: True, 32: True, 64: True}
     timings = iter([])
 
-    def fake_time(fn, repeats=5):
-        return next(timings)
+    def fake_times(fns, repeats=5):
+        return {name: next(timings) for name in fns}
 
     sizes = [m for m in quant_linear.PROBE_ROWS if m <= 64]
     timings = iter([t for m in sizes for t in ((1.0, 2.0) if not wins[m] else (2.0, 1.0))])
-    monkeypatch.setattr(probe_cache, "best_time", fake_time)
+    monkeypatch.setattr(probe_cache, "best_times", fake_times)
     starts, rows = quant_linear.measure_crossover(weight)
     assert weight.int16 is None  # 8 outputs: no int16 copy (16 a vector), so it is not timed
     assert starts == {"dense": 8} and [r["rows"] for r in rows] == [1, 2, 4, 8, 16, 32, 64]
@@ -302,7 +302,8 @@ def test_each_path_takes_the_sizes_from_which_it_stays_fastest(monkeypatch):
                64: "dense", 128: "dense"}
     timings = iter([1.0 if path == fastest[m] else 2.0 for m in fastest
                     for path in ("fused", "int16", "dense")])  # no bfloat16 copy: not timed
-    monkeypatch.setattr(probe_cache, "best_time", lambda fn, repeats=5: next(timings))
+    monkeypatch.setattr(probe_cache, "best_times",
+                        lambda fns, repeats=5: {name: next(timings) for name in fns})
     starts, rows = quant_linear.measure_crossover(weight)
     assert starts == {"int16": 8, "dense": 64} and len(rows) == len(fastest)
     weight.int16_from, weight.crossover = starts["int16"], starts["dense"]

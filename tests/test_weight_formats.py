@@ -124,6 +124,16 @@ def test_only_the_weights_listed_may_hold_bfloat16(monkeypatch, private_cache):
     assert head.bfloat16 is None and head.path(64) != "bfloat16"
 
 
+def test_contenders_are_timed_in_turn_so_a_disturbance_falls_on_all():
+    from tokstream.worker import probe_cache
+
+    calls = []
+    best = probe_cache.best_times({name: (lambda name=name: calls.append(name))
+                                   for name in ("fused", "int16", "bfloat16")}, repeats=2)
+    assert calls == ["fused", "int16", "bfloat16"] * 3  # a warm-up round, then two in turn
+    assert set(best) == {"fused", "int16", "bfloat16"} and all(t >= 0 for t in best.values())
+
+
 def test_the_one_call_stack_stops_where_any_float_path_starts():
     weights = [q4_1(seed=s)[0] for s in range(4)]
     for w in weights:

@@ -175,7 +175,7 @@ def measure_crossover(weight: QuantizedWeight) -> tuple[dict[str, int], list[dic
     timed = [p for p in PATHS if _has_form(weight, p)]
     for m in PROBE_ROWS:
         x = torch.randn(m, weight.in_features)
-        times = {p: probe_cache.best_time(_runner(x, weight, p)) for p in timed}
+        times = probe_cache.best_times({p: _runner(x, weight, p) for p in timed})
         rows.append({"rows": m, **{f"{p}_ms": round(t * 1e3, 4) for p, t in times.items()}})
         last_wins = last_wins + 1 if min(times, key=times.get) == timed[-1] else 0
         if last_wins >= 2 and m >= STREAMED_BELOW:  # a win at a few rows may be the caches'
@@ -354,14 +354,17 @@ def measure_streamed(weights: list[QuantizedWeight], form: str = "int16") -> dic
         inputs = {w.in_features: torch.randn(m, w.in_features) for w in packed}
         runs = {p: [_runner(inputs[w.in_features], w, p) for w in packed]
                 for p in (*rivals, form)}
-        times = {p: probe_cache.best_time(lambda: [run() for run in calls], 3)
-                 for p, calls in runs.items()}
+        times = probe_cache.best_times({p: _calling(calls) for p, calls in runs.items()}, 3)
         rows.append({"rows": m, **{f"{p}_ms": round(t * 1e3, 4) for p, t in times.items()}})
     for row in reversed(rows):  # the form must win at every probed size from its start on
         if row[f"{form}_ms"] >= min(row[f"{p}_ms"] for p in rivals):
             break
         start = row["rows"]
     return {"from_rows": start, "timings": rows}
+
+
+def _calling(calls: list):
+    return lambda: [run() for run in calls]
 
 
 def _give(weight: QuantizedWeight, forms) -> None:
