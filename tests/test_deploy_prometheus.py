@@ -68,7 +68,9 @@ def free_port() -> int:
 
 
 def query(api: str, promql: str) -> list[dict]:
-    body = httpx.get(api + "/api/v1/query", params={"query": promql}, timeout=5).json()
+    response = httpx.get(api + "/api/v1/query", params={"query": promql}, timeout=5)
+    response.raise_for_status()
+    body = response.json()
     assert body["status"] == "success", body
     return body["data"]["result"]
 
@@ -106,13 +108,15 @@ def test_live_prometheus_scrapes_a_server(tmp_path):
             preexec_fn=die_with_parent)
         api = f"http://{address}"
         try:
-            def up() -> bool:
+            def ready() -> bool:
+                # Prometheus answers 503 "Service Unavailable" (not JSON) until its TSDB is open.
                 try:
-                    return scalar(api, 'up{job="tokstream"}') == 1
+                    return httpx.get(api + "/-/ready", timeout=5).status_code == 200
                 except httpx.HTTPError:
                     return False
 
-            wait_for(up, "the tokstream target up")
+            wait_for(ready, "itself ready", seconds=60)
+            wait_for(lambda: scalar(api, 'up{job="tokstream"}') == 1, "the tokstream target up")
             assert scalar(api, 'tokstream_replica_status{status="ready"}') == 1
             rate = 'sum(rate(vllm:generation_tokens_total[10s]))'
             assert scalar(api, rate) == 0
