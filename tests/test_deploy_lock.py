@@ -73,6 +73,17 @@ def test_setup_installs_from_the_lock():
     assert "torch==2.13.0" in makefile
 
 
+def test_torch_is_resolved_as_the_makefiles_cpu_build():
+    # guidellm declares torch: resolved as PyPI's default build its dependencies would bring
+    # the CUDA libraries (nvidia-*, gigabytes) into the lock beside the Makefile's CPU torch.
+    (version,) = set(re.findall(r"torch==([0-9.]+)", (ROOT / "Makefile").read_text()))
+    constraints = (LOCK / "constraints.in").read_text().splitlines()
+    assert f"torch=={version}" in constraints
+    assert '-c "$lock/constraints.in"' in (LOCK / "refresh.sh").read_text()
+    locked = pins(LOCK / "requirements.txt")
+    assert not [name for name in locked if name.startswith(("nvidia-", "cuda-"))]
+
+
 def vias(path) -> dict[str, list[str]]:
     """name -> what pip-compile says it is installed for (its `# via` lines)."""
     found, name, in_via = {}, None, False

@@ -11,8 +11,10 @@ lock=deploy/lock
 keep=(.venv/bin/pip-compile -q --generate-hashes --strip-extras --no-emit-find-links
       --no-emit-index-url)
 compile=("${keep[@]}" --upgrade)
+# constraints.in: torch (which guidellm declares) resolved as the Makefile's CPU build, so its
+# dependencies in the lock carry no CUDA packages.
 "${compile[@]}" --extra test --unsafe-package torch --unsafe-package triton \
-    --output-file "$lock/requirements.txt" pyproject.toml
+    -c "$lock/constraints.in" --output-file "$lock/requirements.txt" pyproject.toml
 
 # The serving image's lock: the same versions without the test extra (no --upgrade: pip-compile
 # keeps the pins already in its output file, seeded from requirements.txt).
