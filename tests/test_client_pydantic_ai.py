@@ -1,0 +1,96 @@
+"""pydantic-ai's Agent on OpenAIChatModel against a real `tokstream serve` on dummy:tiny: a
+structured output as its output tool (tool_choice "required", the call's arguments streamed
+and not) and as NativeOutput (response_format json_schema), parsed into a pydantic model with
+maxLength-bounded fields; plain text run and streamed agree under a seed."""
+
+import asyncio
+
+import httpx2
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_ai import Agent, NativeOutput
+from pydantic_ai.models.openai import OpenAIChatModel
+from pydantic_ai.providers.openai import OpenAIProvider
+
+from helpers.clients import BodyRecorder, offline
+from helpers.serving import module_server
+
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(120)]
+
+server = module_server("--profile", "ci")
+
+# One call per turn: with parallel calls the grammar lets the model add calls until max_tokens.
+SETTINGS = {"temperature": 1.0, "seed": 7, "max_tokens": 200, "parallel_tool_calls": False}
+
+
+class City(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # no free keys: the JSON always finishes
+    name: str = Field(max_length=12)
+    country: str = Field(max_length=12)
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    offline(monkeypatch)
+
+
+@pytest.fixture
+def recorder():
+    return BodyRecorder()
+
+
+def run(server, recorder, check) -> None:
+    """`await check(model)` in one event loop, on a client that records what it sends."""
+
+    async def main():
+        async with httpx2.AsyncClient(event_hooks={"request": [recorder.hook]}) as http:
+            provider = OpenAIProvider(base_url=server.url + "/v1", api_key="unused",
+                                      http_client=http)
+            await check(OpenAIChatModel("dummy:tiny", provider=provider))
+
+    asyncio.run(main())
+
+
+def last_response(result):
+    return [m for m in result.all_messages() if type(m).__name__ == "ModelResponse"][-1]
+
+
+def test_tool_output_streamed_and_not(server, recorder):
+    async def check(model):
+        agent = Agent(model, output_type=City, model_settings=SETTINGS, retries=0)
+        result = await agent.run("a city")
+        assert isinstance(result.output, City)
+        assert last_response(result).finish_reason == "tool_call"
+        sent = recorder.bodies[0]
+        assert sent["tool_choice"] == "required" and sent["parallel_tool_calls"] is False
+        async with agent.run_stream("a city") as streamed:
+            partial = [output async for output in streamed.stream_output(debounce_by=None)]
+            assert await streamed.get_output() == result.output  # one seed, one call
+        assert len(partial) > 1  # the arguments arrived in pieces
+
+    run(server, recorder, check)
+
+
+def test_native_output(server, recorder):
+    async def check(model):
+        agent = Agent(model, output_type=NativeOutput(City), model_settings=SETTINGS,
+                      retries=0)
+        result = await agent.run("a city")
+        assert isinstance(result.output, City)
+        assert last_response(result).finish_reason == "stop"
+        (sent,) = recorder.bodies
+        assert sent["response_format"]["type"] == "json_schema"
+
+    run(server, recorder, check)
+
+
+def test_text_run_and_stream_agree(server, recorder):
+    async def check(model):
+        agent = Agent(model, model_settings={**SETTINGS, "max_tokens": 16})
+        whole = await agent.run("hello")
+        assert whole.usage.output_tokens == 16
+        async with agent.run_stream("hello") as streamed:
+            deltas = [delta async for delta in streamed.stream_text(delta=True)]
+        assert "".join(deltas) == whole.output and len(whole.output) > 16
+
+    run(server, recorder, check)
