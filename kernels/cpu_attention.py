@@ -24,7 +24,8 @@ _FUNCTIONS = {(torch.float32, torch.float32): "paged_decode_attention_f32",
 """(query dtype, cache dtype) -> kernel; a float16 cache halves the bytes decode reads."""
 _SIGNATURE = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
               + [ctypes.c_float, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p])
-_LIBRARY = cpu_build.Library(SOURCE, FLAGS, {name: _SIGNATURE for name in _FUNCTIONS.values()})
+_LIBRARY = cpu_build.Library(SOURCE, FLAGS, {**{name: _SIGNATURE for name in _FUNCTIONS.values()},
+                                             "attention_vector_lanes": ([], ctypes.c_int)})
 _scratch: torch.Tensor | None = None
 
 

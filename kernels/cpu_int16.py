@@ -34,7 +34,7 @@ _LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
     "i16_pack": ([_I, _P, _I, _I, _P, _P, _P], ctypes.c_int),
     "i16_quantize_rows": [_P, _I, _I, _P, _P, _P],
     "i16_matmul": ([_P, _P, _P, _I, _P, _P, _P, _I, _I, _P], ctypes.c_int),
-    "i16_vectorised": ([], ctypes.c_int)})
+    "i16_vector_lanes": ([], ctypes.c_int)})
 
 
 def load() -> ctypes.CDLL | None:

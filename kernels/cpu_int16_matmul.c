@@ -204,7 +204,93 @@ static void tile_any(const int16_t *xq, const float *sx, const float *sums, cons
 #undef TILE
 }
 
-int i16_vectorised(void) { return 1; }
+int i16_vector_lanes(void) { return 16; }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "cpu_vector_math.h"
+
+/* AVX2 (no AVX-512): vpmaddwd, 16 multiply-adds an instruction and an add to accumulate;
+ * a 16-lane weight group is two vectors of 8. */
+
+static inline int32_t sum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+static inline void quantize_block(const float *v, int16_t *q, float *scale, float *sum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a[4];
+    for (int j = 0; j < 4; j++) a[j] = _mm256_loadu_ps(v + 8 * j);
+    const float top = max8(_mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+        _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3]))));
+    *scale = top > 0.0f ? top / 32767.0f : 1.0f;
+    const __m256 inverse = _mm256_set1_ps(1.0f / *scale);
+    __m256i r[4]; /* rounded to nearest even, as lrintf in the portable path */
+    for (int j = 0; j < 4; j++) r[j] = _mm256_cvtps_epi32(_mm256_mul_ps(a[j], inverse));
+    /* packs works within 128-bit halves; the permute puts the 16 values back in order */
+    _mm256_storeu_si256((__m256i *)q,
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(r[0], r[1]), 0xD8));
+    _mm256_storeu_si256((__m256i *)(q + 16),
+                        _mm256_permute4x64_epi64(_mm256_packs_epi32(r[2], r[3]), 0xD8));
+    *sum = *scale * (float)sum8i(_mm256_add_epi32(_mm256_add_epi32(r[0], r[1]),
+                                                  _mm256_add_epi32(r[2], r[3])));
+}
+
+#define MR 4 /* input rows a tile */
+#define NR 1 /* 16-row weight groups a tile: 4 x 2 int32 sums, 4 x 2 float ones, 2 weights */
+
+static inline __attribute__((always_inline)) void tile(const int16_t *restrict xq, const float *restrict sx,
+                        const float *restrict sums, const int16_t *restrict wq,
+                        const float *restrict d, const float *restrict m, int64_t K,
+                        int64_t N, int64_t i0, const int mr, float *restrict out) {
+    const int64_t nb = K / QK;
+    __m256 facc[MR][2];
+    for (int i = 0; i < mr; i++) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i acc[MR][2];
+        for (int i = 0; i < mr; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+        for (int64_t p = b * QK / 2; p < (b + 1) * QK / 2; p++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wq + p * 2 * LANES));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wq + p * 2 * LANES + 16));
+            for (int i = 0; i < mr; i++) {
+                int32_t pair;
+                memcpy(&pair, xq + (i0 + i) * K + 2 * p, sizeof pair);
+                const __m256i xv = _mm256_set1_epi32(pair);
+                acc[i][0] = _mm256_add_epi32(acc[i][0], _mm256_madd_epi16(w0, xv));
+                acc[i][1] = _mm256_add_epi32(acc[i][1], _mm256_madd_epi16(w1, xv));
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 dv = _mm256_loadu_ps(d + b * LANES + 8 * h);
+            const __m256 mv = m ? _mm256_loadu_ps(m + b * LANES + 8 * h) : _mm256_setzero_ps();
+            for (int i = 0; i < mr; i++) {
+                const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[(i0 + i) * nb + b]));
+                facc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]), scale, facc[i][h]);
+                if (m)
+                    facc[i][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sums[(i0 + i) * nb + b]),
+                                                 facc[i][h]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + (i0 + i) * N + 8 * h, facc[i][h]);
+}
+
+static void tile_any(const int16_t *xq, const float *sx, const float *sums, const int16_t *wq,
+                     const float *d, const float *m, int64_t K, int64_t N, int64_t i0,
+                     int mr, int nr, float *out) {
+    (void)nr; /* NR is 1 */
+    switch (mr) {
+    case 4: tile(xq, sx, sums, wq, d, m, K, N, i0, 4, out); break;
+    case 3: tile(xq, sx, sums, wq, d, m, K, N, i0, 3, out); break;
+    case 2: tile(xq, sx, sums, wq, d, m, K, N, i0, 2, out); break;
+    default: tile(xq, sx, sums, wq, d, m, K, N, i0, 1, out); break;
+    }
+}
+
+int i16_vector_lanes(void) { return 8; }
 
 #else /* portable C: the same integer sums and the same float32 steps, one lane at a time */
 
@@ -244,7 +330,7 @@ static void tile_any(const int16_t *xq, const float *sx, const float *sums, cons
             }
 }
 
-int i16_vectorised(void) { return 0; }
+int i16_vector_lanes(void) { return 0; }
 #define MR 4
 #define NR 3
 #endif

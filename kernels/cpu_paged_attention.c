@@ -18,6 +18,12 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
+#define VECTOR_PATH 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VECTOR_PATH 256
+#endif
+
 static inline float bf16_to_float(uint16_t x) {
     uint32_t bits = ((uint32_t)x) << 16;
     float f;
@@ -100,7 +106,27 @@ DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, uint16_t, bf16_to_float, bf
 /* float32 queries and outputs over a float16 cache (half the bytes a decode step reads) */
 DEFINE_DECODE(paged_decode_attention_f16kv_generic, float, _Float16, IDENTITY, WIDEN, IDENTITY)
 
-#ifdef __AVX512F__
+#ifdef VECTOR_PATH
+#include <immintrin.h>
+
+/* Ask for the cached rows of positions [from, from + 16) ahead of their use: a sequence's
+ * blocks lie anywhere in the pool, so the hardware prefetcher, which follows addresses, stops
+ * at each block's end. The loops ask 32 positions ahead (measured, 32 streams x 200 tokens x
+ * 30 layers: float16 15.3 -> 12.6 ms; 16 ahead gave 13.7, 48 no more than 32). */
+static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int64_t *table, int64_t from,
+                                 int64_t context, int64_t block_size, const int half) {
+    const int64_t row_bytes = 64 * (half ? 2 : 4);
+    for (int64_t pos = from; pos < from + 16 && pos < context; pos++) {
+        const char *row = (const char *)cache
+                          + (table[pos / block_size] * block_size + pos % block_size) * row_bytes;
+        for (int64_t line = 0; line < row_bytes; line += 64)
+            _mm_prefetch(row + line, _MM_HINT_T0);
+    }
+}
+
+#endif
+
+#if VECTOR_PATH == 512
 #include "cpu_vector_math.h"
 
 /* One (sequence, kv head) work item, float32, head_dim a multiple of 16: scores, softmax and
@@ -159,21 +185,6 @@ static inline __m512 load_cached(const void *cache, int64_t at, const int half) 
     if (half)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const _Float16 *)cache + at)));
     return _mm512_loadu_ps((const float *)cache + at);
-}
-
-/* Ask for the cached rows of positions [from, from + 16) ahead of their use: a sequence's
- * blocks lie anywhere in the pool, so the hardware prefetcher, which follows addresses, stops
- * at each block's end. The loops ask 32 positions ahead (measured, 32 streams x 200 tokens x
- * 30 layers: float16 15.3 -> 12.6 ms; 16 ahead gave 13.7, 48 no more than 32). */
-static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int64_t *table, int64_t from,
-                                 int64_t context, int64_t block_size, const int half) {
-    const int64_t row_bytes = 64 * (half ? 2 : 4);
-    for (int64_t pos = from; pos < from + 16 && pos < context; pos++) {
-        const char *row = (const char *)cache
-                          + (table[pos / block_size] * block_size + pos % block_size) * row_bytes;
-        for (int64_t line = 0; line < row_bytes; line += 64)
-            _mm_prefetch(row + line, _MM_HINT_T0);
-    }
 }
 
 /* decode_item_f32 for head_dim 64 and up to 4 query heads per kv head (G), over a float32 or
@@ -267,6 +278,112 @@ static inline __attribute__((always_inline)) void decode_item_d64(
         for (int d = 0; d < 4; d++) _mm512_storeu_ps(out + g * 64 + d * 16, acc[g][d]);
 }
 
+#elif VECTOR_PATH == 256
+#include "cpu_vector_math.h"
+
+/* 8 cached values at element `at` of a float32 (half = 0) or float16 (half = 1) cache. */
+static inline __m256 load_cached(const void *cache, int64_t at, const int half) {
+    if (half)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const _Float16 *)cache + at)));
+    return _mm256_loadu_ps((const float *)cache + at);
+}
+
+/* The AVX-512 path's decode_item_d64 in 8 lanes (AVX2: 16 vector registers, not 32): scores
+ * 8 positions at a time with one tree sum, then the weighted values summed in registers a
+ * quarter of head_dim at a time (each quarter's sums for all G heads fit in registers). */
+static inline __attribute__((always_inline)) void decode_item_d64(
+                                   const float *q, const void *k_head, const void *v_head,
+                                   const int64_t *table, int64_t context, int64_t block_size,
+                                   const int G, const int half, float scale, float *scores,
+                                   float *out) {
+    const __m256 scale_v = _mm256_set1_ps(scale);
+    for (int64_t p0 = 0; p0 < context; p0 += 8) {
+        const int64_t n = context - p0 < 8 ? context - p0 : 8;
+        if (p0 == 0) prefetch_rows(k_head, table, 16, context, block_size, half);
+        if (p0 % 16 == 0) prefetch_rows(k_head, table, p0 + 32, context, block_size, half);
+        int64_t krow[8];
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t pos = p0 + i;
+            krow[i] = (table[pos / block_size] * block_size + pos % block_size) * 64;
+        }
+        /* float16 keys widened once into L1 for all G query heads, not once per head */
+        float widened[8 * 64];
+        const void *keys = k_head;
+        if (half) {
+            for (int64_t i = 0; i < n; i++) {
+                for (int d = 0; d < 64; d += 8)
+                    _mm256_storeu_ps(widened + i * 64 + d, load_cached(k_head, krow[i] + d, 1));
+                krow[i] = i * 64;
+            }
+            keys = widened;
+        }
+        for (int g = 0; g < G; g++) {
+            const float *qg = q + g * 64;
+            __m256 dots[8];
+            for (int64_t i = 0; i < 8; i++) {
+                if (i >= n) { dots[i] = _mm256_setzero_ps(); continue; }
+                const float *k = (const float *)keys + krow[i];
+                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k));
+                __m256 b = _mm256_mul_ps(_mm256_loadu_ps(qg + 8), _mm256_loadu_ps(k + 8));
+                for (int d = 16; d < 64; d += 16) {
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), a);
+                    b = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(k + d + 8), b);
+                }
+                dots[i] = _mm256_add_ps(a, b);
+            }
+            _mm256_maskstore_ps(scores + g * context + p0, first_lanes8(n),
+                                _mm256_mul_ps(sum8x8(dots), scale_v));
+        }
+    }
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    for (int g = 0; g < G; g++) {
+        float *row = scores + g * context;
+        __m256 maxv = minus_inf;
+        for (int64_t pos = 0; pos < context; pos += 8) {
+            const __m256i live = first_lanes8(context - pos);
+            maxv = _mm256_max_ps(maxv, _mm256_blendv_ps(minus_inf, _mm256_maskload_ps(row + pos, live),
+                                                        _mm256_castsi256_ps(live)));
+        }
+        const __m256 mv = _mm256_set1_ps(max8(maxv));
+        __m256 sumv = _mm256_setzero_ps();
+        for (int64_t pos = 0; pos < context; pos += 8) {
+            const __m256i live = first_lanes8(context - pos);
+            const __m256 e = _mm256_and_ps(_mm256_castsi256_ps(live), exp256(_mm256_sub_ps(
+                _mm256_maskload_ps(row + pos, live), mv)));
+            sumv = _mm256_add_ps(sumv, e);
+            _mm256_maskstore_ps(row + pos, live, e);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / sum8(sumv));
+        for (int64_t pos = 0; pos < context; pos += 8) {
+            const __m256i live = first_lanes8(context - pos);
+            _mm256_maskstore_ps(row + pos, live, _mm256_mul_ps(_mm256_maskload_ps(row + pos, live), inv));
+        }
+    }
+    prefetch_rows(v_head, table, 0, context, block_size, half);
+    prefetch_rows(v_head, table, 16, context, block_size, half);
+    for (int d0 = 0; d0 < 64; d0 += 16) {
+        __m256 acc[4][2];
+        for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+        for (int64_t pos = 0; pos < context; pos++) {
+            if (d0 == 0 && pos % 16 == 0)
+                prefetch_rows(v_head, table, pos + 32, context, block_size, half);
+            const int64_t v = (table[pos / block_size] * block_size + pos % block_size) * 64 + d0;
+            const __m256 v0 = load_cached(v_head, v, half), v1 = load_cached(v_head, v + 8, half);
+            for (int g = 0; g < G; g++) {
+                const __m256 p = _mm256_set1_ps(scores[g * context + pos]);
+                acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            _mm256_storeu_ps(out + g * 64 + d0, acc[g][0]);
+            _mm256_storeu_ps(out + g * 64 + d0 + 8, acc[g][1]);
+        }
+    }
+}
+#endif
+
+#ifdef VECTOR_PATH
 /* decode_item_d64 with its group size and cache kind as constants (unrolled loops); 0 when
  * head_dim or group is not one it has. */
 static inline int decode_item_d64_any(const float *q, const void *k_head, const void *v_head,
@@ -296,6 +413,7 @@ static inline int decode_item_d64_any(const float *q, const void *k_head, const 
 #undef ITEM
 }
 
+#if VECTOR_PATH == 512
 static void decode_item_f32_any(const float *q, const float *k_head, const float *v_head,
                                 const int64_t *table, int64_t context, int64_t block_size,
                                 int64_t head_dim, int64_t group, float scale, float *scores,
@@ -306,9 +424,18 @@ static void decode_item_f32_any(const float *q, const float *k_head, const float
     decode_item_f32(q, k_head, v_head, table, context, block_size, head_dim, group, scale,
                     scores, acc, out);
 }
+#else
+/* AVX2 has only the head_dim 64 items (the entry points' FAST conditions say so). */
+static void decode_item_f32_any(const float *q, const float *k_head, const float *v_head,
+                                const int64_t *table, int64_t context, int64_t block_size,
+                                int64_t head_dim, int64_t group, float scale, float *scores,
+                                float *acc, float *out) {
+    (void)acc;
+    decode_item_d64_any(q, k_head, v_head, table, context, block_size, head_dim, group, 0,
+                        scale, scores, out);
+}
 #endif
 
-#ifdef __AVX512F__
 /* Every (sequence, kv head) work item over the OpenMP threads, on demand (their lengths
  * differ), over a float32 (half = 0) or float16 (half = 1; head_dim 64, at most 4 query heads
  * a kv head) cache. */
@@ -340,10 +467,19 @@ static void decode_items(const float *q, const void *k_cache, const void *v_cach
 }
 #endif
 
-/* The exported entry points: the AVX-512 work items where FAST holds (a condition on
+/* The vector width this build runs (16: AVX-512, 8: AVX2, 0: portable C), for the tests. */
+int attention_vector_lanes(void) {
+#ifdef VECTOR_PATH
+    return VECTOR_PATH / 32;
+#else
+    return 0;
+#endif
+}
+
+/* The exported entry points: the vector work items where FAST holds (a condition on
  * head_dim, num_heads and num_kv_heads), the portable loop (GENERIC) otherwise. HALF says
  * the cache C is float16. */
-#ifdef __AVX512F__
+#ifdef VECTOR_PATH
 #define TRY_VECTOR_ITEMS(FAST, HALF)                                                            \
     if (FAST) {                                                                                 \
         decode_items(q, k_cache, v_cache, block_tables, context_lens, out, num_heads,           \
@@ -365,8 +501,12 @@ void NAME(const float *q, const C *k_cache, const C *v_cache, const int64_t *blo
             head_dim, num_blocks, block_size, max_blocks, scale, seq_begin, seq_end, scratch);  \
 }
 
-DEFINE_ENTRY(paged_decode_attention_f32, float, paged_decode_attention_f32_generic,
-             head_dim % 16 == 0, 0)
+#if VECTOR_PATH == 256
+#define F32_FAST (head_dim == 64 && num_heads / num_kv_heads <= 4)
+#else
+#define F32_FAST (head_dim % 16 == 0)
+#endif
+DEFINE_ENTRY(paged_decode_attention_f32, float, paged_decode_attention_f32_generic, F32_FAST, 0)
 /* paged_decode_attention_f32 over a float16 cache: q and out float32, k_cache and v_cache
  * float16 (written by cpu_small_ops.c's write_kv_f16). */
 DEFINE_ENTRY(paged_decode_attention_f16kv, _Float16, paged_decode_attention_f16kv_generic,

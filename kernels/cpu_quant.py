@@ -33,7 +33,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
     "quant_matmul": [_I, _P, _I, _I, _P, _I, _P, _P],
     "quant_dequantize": [_I, _P, _I, _I, _P],
-    "quant_scratch_floats": ([_I], _I)})
+    "quant_scratch_floats": ([_I], _I),
+    "quant_vector_lanes": ([], ctypes.c_int)})
 _scratch: torch.Tensor | None = None
 
 

@@ -75,6 +75,7 @@ static inline int is_q4_0(int64_t qtype) { return qtype == Q4_0 || qtype == Q4_0
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#define VECTOR_LANES 16
 
 /* 32 weights of one block, dequantised as ggml does (multiply, then add), into o[0..31]. */
 static inline void dequantize_block(int64_t qtype, const uint8_t *block, float *o) {
@@ -220,6 +221,137 @@ static void apply_rows(const float *buf, const float *x, int64_t M, int64_t K, f
     case 1: tile(buf, x + m * K, K, K, 1, out + m * ldo, ldo); break;
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "cpu_vector_math.h"
+#define VECTOR_LANES 8
+
+/* The AVX2 forms of the same steps, 8 lanes a vector (CPUs without AVX-512: Zen 3 and older,
+ * the client cores). The arithmetic is the AVX-512 path's; only the sums' order differs. */
+
+/* Eight bytes widened to eight int32 lanes. */
+static inline __m256i widen8(const uint8_t *bytes, int is_signed) {
+    const __m128i v = _mm_loadl_epi64((const __m128i *)bytes);
+    return is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+}
+
+/* A block's 32 quants as four vectors of int32 lanes in element order (4-bit formats: bytes
+ * 0-7 and 8-15 hold elements 0-15 in their low nibbles and 16-31 in their high ones). */
+static inline void block_quants(const uint8_t *qs, int kind, __m256i q[4]) {
+    if (kind == 8) {
+        for (int j = 0; j < 4; j++) q[j] = widen8(qs + 8 * j, 1);
+        return;
+    }
+    const __m256i low4 = _mm256_set1_epi32(15);
+    const __m256i a = widen8(qs, 0), b = widen8(qs + 8, 0);
+    q[0] = _mm256_and_si256(a, low4);
+    q[1] = _mm256_and_si256(b, low4);
+    q[2] = _mm256_srli_epi32(a, 4);
+    q[3] = _mm256_srli_epi32(b, 4);
+}
+
+/* 32 weights of one block, dequantised as ggml does (multiply, then add), into o[0..31]. */
+static inline void dequantize_block(int64_t qtype, const uint8_t *block, float *o) {
+    float ds, ms;
+    int kind;
+    __m256i q[4];
+    const uint8_t *qs = block_parts(qtype, block, &ds, &ms, &kind);
+    block_quants(qs, kind, q);
+    const __m256 d = _mm256_set1_ps(ds), m = _mm256_set1_ps(ms);
+    const __m256i offset = _mm256_set1_epi32(kind == 4 && is_q4_0(qtype) ? 8 : 0);
+    for (int j = 0; j < 4; j++) {
+        const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], offset)), d);
+        _mm256_storeu_ps(o + 8 * j, kind == 4 && !is_q4_0(qtype) ? _mm256_add_ps(w, m) : w);
+    }
+}
+
+static void dequantize_row(int64_t qtype, const uint8_t *row, int64_t K, float *restrict out) {
+    const int64_t bytes = quant_block_bytes(qtype);
+    for (int64_t i = 0; i < K / QK; i++) dequantize_block(qtype, row + i * bytes, out + i * QK);
+}
+
+/* The 32 weights of one block in four vectors, dequantised in registers (one rounding, as
+ * the AVX-512 path's block_vectors). */
+static inline void block_vectors(int64_t qtype, const uint8_t *block, __m256 w[4]) {
+    float ds, ms;
+    int kind;
+    __m256i q[4];
+    const uint8_t *qs = block_parts(qtype, block, &ds, &ms, &kind);
+    block_quants(qs, kind, q);
+    const __m256 d = _mm256_set1_ps(ds);
+    const __m256 m = kind == 8 ? _mm256_setzero_ps()
+                     : is_q4_0(qtype) ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
+                     : _mm256_set1_ps(ms);
+    for (int j = 0; j < 4; j++) w[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q[j]), d, m);
+}
+
+/* One weight row against MT (1-4) input rows, dequantised in registers and used at once (a
+ * row at a time, not two as with AVX-512: AVX2 has 16 vector registers, not 32). */
+static inline void small_row(int64_t qtype, const uint8_t *row, int64_t K, const float *x,
+                             const int MT, float *out) {
+    const int64_t bytes = quant_block_bytes(qtype), nb = K / QK;
+    __m256 acc[4][2];
+    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        /* the next row, a few blocks ahead of the hardware prefetcher */
+        _mm_prefetch((const char *)(row + (nb + b) * bytes + 256), _MM_HINT_T0);
+        __m256 w[4];
+        block_vectors(qtype, row + b * bytes, w);
+        for (int i = 0; i < MT; i++) {
+            const float *xb = x + i * K + b * QK;
+            acc[i][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[i][1]);
+            acc[i][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[i][1]);
+        }
+    }
+    for (int i = 0; i < MT; i++) out[i] = sum8(_mm256_add_ps(acc[i][0], acc[i][1]));
+}
+
+#define SMALL_M 4 /* at most this many input rows: small_row, no buffer */
+
+static int small_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const float *x,
+                        int64_t M, float *out) {
+    if (M > SMALL_M) return 0;
+    const int64_t row_bytes = K / QK * quant_block_bytes(qtype);
+    #pragma omp parallel for schedule(dynamic, 32)
+    for (int64_t n = 0; n < N; n++) {
+        float part[SMALL_M];
+        switch (M) {
+        case 1: small_row(qtype, w + n * row_bytes, K, x, 1, part); break;
+        case 2: small_row(qtype, w + n * row_bytes, K, x, 2, part); break;
+        case 3: small_row(qtype, w + n * row_bytes, K, x, 3, part); break;
+        default: small_row(qtype, w + n * row_bytes, K, x, 4, part); break;
+        }
+        for (int64_t i = 0; i < M; i++) out[i * N + n] = part[i];
+    }
+    return 1;
+}
+
+/* out[i * ldo + j] = dot(w row j, x row i) for ROWS weight rows (K apart in w) and MT (1-2)
+ * input rows: 2 x ROWS accumulators and the ROWS weight vectors fit AVX2's 16 registers. */
+static inline void tile(const float *restrict w, const float *restrict x, int64_t ldx,
+                        int64_t K, const int MT, float *restrict out, int64_t ldo) {
+    __m256 acc[2][ROWS];
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < ROWS; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 wv[ROWS];
+        for (int j = 0; j < ROWS; j++) wv[j] = _mm256_loadu_ps(w + j * K + k);
+        for (int i = 0; i < MT; i++) {
+            const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
+            for (int j = 0; j < ROWS; j++) acc[i][j] = _mm256_fmadd_ps(wv[j], xv, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MT; i++)
+        for (int j = 0; j < ROWS; j++) out[i * ldo + j] = sum8(acc[i][j]);
+}
+
+static void apply_rows(const float *buf, const float *x, int64_t M, int64_t K, float *out,
+                       int64_t ldo) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) tile(buf, x + m * K, K, K, 2, out + m * ldo, ldo);
+    if (m < M) tile(buf, x + m * K, K, K, 1, out + m * ldo, ldo);
+}
 #else /* portable C: the same arithmetic, left to the compiler's vectoriser */
 
 static int small_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const float *x,
@@ -262,6 +394,12 @@ static void apply_rows(const float *buf, const float *x, int64_t M, int64_t K, f
         }
 }
 #endif
+
+#ifndef VECTOR_LANES
+#define VECTOR_LANES 0
+#endif
+/* The vector width this build runs (16: AVX-512, 8: AVX2, 0: portable C), for the tests. */
+int quant_vector_lanes(void) { return VECTOR_LANES; }
 
 /* Floats of scratch quant_matmul needs for K inputs: a ROWS x K buffer per thread. */
 int64_t quant_scratch_floats(int64_t K) { return (int64_t)omp_get_max_threads() * ROWS * K; }
