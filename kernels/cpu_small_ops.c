@@ -17,6 +17,17 @@
 
 #define PARALLEL_TOKENS 8 /* fewer tokens than this run on the calling thread */
 
+/* The vector width this build runs (16: AVX-512, 8: AVX2, 0: portable C), for the tests. */
+int small_ops_vector_lanes(void) {
+#if defined(__AVX512F__)
+    return 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 8;
+#else
+    return 0;
+#endif
+}
+
 void add_rms_norm(float *x, const float *delta, const float *weight, float eps, int64_t T,
                   int64_t H, float *out) {
     #pragma omp parallel for schedule(static) if (T >= PARALLEL_TOKENS)
@@ -69,6 +80,13 @@ void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out) {
                 _mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
             _mm512_mask_storeu_ps(o + i, live, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(live, u + i)));
         }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; i + 8 <= I; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(
+                _mm256_set1_ps(1.0f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
+        }
 #endif
         for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
@@ -117,6 +135,17 @@ void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
         nan = unordered != 0;
         max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]),
                                                  _mm512_max_ps(m[2], m[3])));
+#elif defined(__AVX2__) && defined(__FMA__)
+        __m256 m[4], unordered = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) m[j] = _mm256_set1_ps(-INFINITY);
+        for (; i + 32 <= cols; i += 32)
+            for (int j = 0; j < 4; j++) {
+                const __m256 v = _mm256_loadu_ps(row + i + 8 * j);
+                unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                m[j] = _mm256_max_ps(m[j], v);
+            }
+        nan = _mm256_movemask_ps(unordered) != 0;
+        max = max8(_mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
 #endif
         for (; i < cols; i++) {
             if (row[i] != row[i]) nan = 1;
@@ -130,6 +159,14 @@ void argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t *out) {
             const __m512 v = _mm512_loadu_ps(row + i);
             const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)
                                       : _mm512_cmp_ps_mask(v, mv, _CMP_EQ_OQ);
+            if (hit) { found = i + __builtin_ctz(hit); break; }
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        const __m256 mv = _mm256_set1_ps(max);
+        for (; i + 8 <= cols; i += 8) {
+            const __m256 v = _mm256_loadu_ps(row + i);
+            const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q)
+                                                   : _mm256_cmp_ps(v, mv, _CMP_EQ_OQ));
             if (hit) { found = i + __builtin_ctz(hit); break; }
         }
 #endif

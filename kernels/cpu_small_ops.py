@@ -21,7 +21,8 @@ _LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
     "silu_mul": [_P, _I, _I, _P],
     "write_kv": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P],
     "write_kv_f16": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P],
-    "argmax_rows": [_P, _I, _I, _P]})
+    "argmax_rows": [_P, _I, _I, _P],
+    "small_ops_vector_lanes": ([], ctypes.c_int)})
 _WRITE_KV = {torch.float32: "write_kv", torch.float16: "write_kv_f16"}
 """The cache dtypes write_kv can store into (float16: each value rounded once)."""
 

@@ -11,7 +11,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from tokstream.kernels import cpu_attention, cpu_build, cpu_int16, cpu_quant
+from tokstream.kernels import cpu_attention, cpu_build, cpu_int16, cpu_quant, cpu_small_ops
 
 pytestmark = pytest.mark.skipif(cpu_quant.load() is None, reason="no C compiler here")
 
@@ -37,6 +37,7 @@ def test_the_native_builds_run_the_widest_path_the_cpu_has():
     assert cpu_quant.load().quant_vector_lanes() == NATIVE_LANES
     assert cpu_int16.load().i16_vector_lanes() == NATIVE_LANES
     assert cpu_attention.load().attention_vector_lanes() == NATIVE_LANES
+    assert cpu_small_ops.load().small_ops_vector_lanes() == NATIVE_LANES
 
 
 def quantised(fmt: str, n: int, k: int, seed: int):
@@ -102,3 +103,20 @@ def test_decode_attention_is_the_same_on_every_path(name, cache_dtype, heads, kv
                         variant(cpu_attention, name, "attention_vector_lanes"))
     got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
     assert torch.allclose(got, expected, atol=2e-6, rtol=0), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_silu_and_argmax_are_the_same_on_every_path(name, monkeypatch):
+    gate_up = torch.randn(5, 2 * 100) * 6  # widths past and between whole vectors
+    gate_up[0, :3] = torch.tensor([-200.0, 90.0, 0.0])  # e^x's clamps
+    logits = torch.randn(6, 1000)
+    logits[1, 517] = logits[1].max() + 1
+    logits[2, [3, 900]] = 50.0  # a tie: the first wins
+    logits[3, 640] = float("nan")  # a NaN counts as the largest
+    logits[4, 999] = float("inf")  # in the scalar tail
+    silu, argmax = cpu_small_ops.silu_mul(gate_up), cpu_small_ops.argmax_rows(logits)
+    monkeypatch.setattr(cpu_small_ops, "_LIBRARY",
+                        variant(cpu_small_ops, name, "small_ops_vector_lanes"))
+    assert torch.allclose(cpu_small_ops.silu_mul(gate_up), silu, rtol=1e-6, atol=1e-6)
+    assert torch.equal(cpu_small_ops.argmax_rows(logits), argmax)
+    assert argmax[1:5].tolist() == [517, 3, 640, 999]
