@@ -247,6 +247,7 @@ def measure_crossovers(weights: list[QuantizedWeight], copy_budget: int | None =
         by_shape.setdefault((w.qtype, w.out_features, w.in_features), []).append(w)
     path = probe_cache.path("crossover", str(torch.get_num_threads()),
                             cpu_quant.SOURCE.read_text(), cpu_int16.SOURCE.read_text(),
+                            cpu_quant.SOURCE.with_name("cpu_vector_math.h").read_text(),
                             Path(__file__).read_text(),  # how it probes and decides
                             repr(sorted(by_shape)), repr(PROBE_ROWS), str(STREAMED_BELOW),
                             repr(sorted(_shape_name(s) for s, same in by_shape.items()
