@@ -180,8 +180,8 @@ async def _rapid_core_deaths(ctx, recorder: Recorder, fault: dict,
         fault["old_processes"] += [core, *core.children(recursive=True)]
         faults.inject("kill-engine", pid)
         fault["pids"].append(pid)
+        fault.setdefault("pid", pid)  # the report names the first; set before any return
         ctx.say(f"SIGKILL {what} (pid {pid}), death {death + 1} of {RAPID_DEATHS}")
-    fault["pid"] = fault["pids"][0]
 
 
 async def _poll_state(ctx, predicate) -> StateSnapshot | None:

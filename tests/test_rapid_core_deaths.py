@@ -1,9 +1,9 @@
 """Engine cores that keep dying with no request to blame (issue 31): each replacement is
 SIGKILLed right after it serves again. A request is charged only for the deaths of steps it
-was in, and suspects are given to a new core only after the others have a token from it, so
-no stream is ended as a poison request: every one completes. Past RAPID_DEATHS_LIMIT such
-deaths in a row the replica is down (every live stream ends with an overloaded_error naming
-the cause), and a later try brings it back."""
+was in, and suspects are given to a new core only once the others have a token from it and
+the core has kept running a grace after, so no stream is ended as a poison request: every one
+completes. Past RAPID_DEATHS_LIMIT such deaths in a row the replica is down (every live
+stream ends with an overloaded_error naming the cause), and a later try brings it back."""
 
 import os
 import signal

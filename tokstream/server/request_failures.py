@@ -3,17 +3,21 @@ shared a core with a failing host is not (issue 31).
 
 Charged: a death is charged to the requests of the step the core died in
 (engine/step_record.py), as the rank path charges a failed step's; one between steps charges
-nobody. Only where the record cannot tell is every live request the core held charged. A
-request's count goes back to 0 at each token it gets.
+nobody. Only where the record cannot tell is every live request given to that core charged
+(a suspect still held back was never given to it). A request's count goes back to 0 at each
+token it gets.
 
 Suspects: a request charged `max_request_failures - 1` deaths in a row is a suspect. The next
-core is given the others first and a suspect only once each of them has a token from it
-(or HOLD_MAX_S passed), then one suspect at a time, the next once the one before has a token:
-so a death that follows a suspect follows it alone (the core also never puts two suspects in
-one step). A core that dies with no suspect in its step shows the deaths are the host's:
-every suspect's count goes back to 0. A request charged `max_request_failures` deaths in a
-row is ended with an error (the user's: it is what kills the cores). Deaths no request
-explains are the supervisor's to limit (RAPID_DEATHS_LIMIT).
+core is given the others first, and a suspect only once the core has shown it can serve:
+each of the others has a token from it (or HOLD_MAX_S passed) and the core has then kept
+running for a grace (SUSPECT_GRACE_S, or as long as those first tokens took if longer); then
+one suspect at a time, the next once the one before has a token. So a death that follows a
+suspect follows it alone (the core also never puts two suspects in one step), and a failing
+host that kills each core soon after it serves kills it before any suspect is given to it.
+A core that dies with no suspect in its step shows the deaths are the host's: every
+suspect's count goes back to 0. A request charged `max_request_failures` deaths in a row is
+ended with an error (the user's: it is what kills the cores). Deaths no request explains are
+the supervisor's to limit (RAPID_DEATHS_LIMIT).
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ from tokstream.server.streams import Stream, StreamRegistry
 
 HOLD_MAX_S = 10.0
 """The longest a suspect waits for the other streams' first tokens from a new core."""
+SUSPECT_GRACE_S = 2.0
+"""How long a new core must keep running after the others' first tokens before a suspect is
+given to it. Without it the first suspect went in ~50 ms after those tokens, while a host
+that kills each core as it serves (chaos rapid-core-deaths: 0.2-0.35 s after a resubmit)
+was still about to: the suspect was in the dying step and ended for deaths it did not
+cause."""
 RELEASE_POLL_S = 0.05
 
 
@@ -55,8 +65,9 @@ class RequestFailures:
 
     def count_death(self, in_flight: set[str] | None = None) -> int:
         """The current core died computing the requests in_flight (None: unknown, every live
-        request it held): count it against each of them, end those at the limit. Returns how
-        many were ended."""
+        request it was given): count it against each of them, end those at the limit. Returns
+        how many were ended."""
+        held = {stream.request_id for stream in self.held}
         self._stop_releasing()
         live = [s for s in self.registry.streams.values() if s.live and s.submissions]
         before = {s.request_id: self.failures(s) for s in live}
@@ -68,7 +79,10 @@ class RequestFailures:
         for stream in live:
             failures = 0 if absolved and stream.request_id in suspects else \
                 before[stream.request_id]
-            failures += in_flight is None or stream.request_id in in_flight
+            if in_flight is None:  # unknown: every request the core was given
+                failures += stream.request_id not in held
+            else:
+                failures += stream.request_id in in_flight
             counts[stream.request_id] = (failures, len(stream.delivered))
             stream.engine_fields["num_failures"] = failures
             if failures >= self.limit:
@@ -104,12 +118,16 @@ class RequestFailures:
 
     async def _release_held(self, engine: AsyncEngine, others: dict[str, int]) -> None:
         """Give engine the held suspects one at a time: the first once every other stream
-        has a token from it (or HOLD_MAX_S passed), each next once the one before has one."""
+        has a token from it (or HOLD_MAX_S passed) and the grace after (SUSPECT_GRACE_S, or
+        as long as those tokens took), each next once the one before has one. A death
+        meanwhile cancels this (count_death)."""
         streams = self.registry.streams
-        deadline = time.monotonic() + HOLD_MAX_S
+        started = time.monotonic()
+        deadline = started + HOLD_MAX_S
         while any(rid in streams and streams[rid].live and len(streams[rid].delivered) == n
                   for rid, n in others.items()) and time.monotonic() < deadline:
             await asyncio.sleep(RELEASE_POLL_S)
+        await asyncio.sleep(max(SUSPECT_GRACE_S, time.monotonic() - started))
         while self.held and engine is self.registry.engine and engine.dead is None:
             stream = self.held.pop(0)
             if not stream.live:
