@@ -6,8 +6,7 @@ prompt with `echo: true, logprobs: 1, max_tokens: 1` and reads the continuation'
 log-likelihood as sum(token_logprobs[ctxlen:-1]) (the last entry is the sampled token).
 test_lm_evals_request_shape sends exactly that with httpx and checks every log-likelihood and
 the accuracy it gives against transformers; test_lm_eval_multiple_choice_task runs lm-eval
-itself on a local task (skipped where lm_eval is not installed: it is not in the test extra,
-its dependencies, datasets, scikit-learn, evaluate and their own, being over a gigabyte)."""
+itself (in the test extra, lm-eval[api]) on a local task, offline."""
 
 import json
 
@@ -15,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from helpers.clients import offline
 from helpers.serving import module_server
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import hf_config_dict, load_state_dict
@@ -134,10 +134,8 @@ def test_lm_evals_request_shape(server, hf_tokenizer, reference):
 
 def test_lm_eval_multiple_choice_task(server, tokenizer_folder, reference, tmp_path,
                                       monkeypatch):
-    pytest.importorskip("lm_eval", reason="lm-eval is not installed (not in the test extra: "
-                                          "see this file's docstring)")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline(monkeypatch)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the json task's dataset cache
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -158,7 +156,9 @@ def test_lm_eval_multiple_choice_task(server, tokenizer_folder, reference, tmp_p
         model_args=(f"model=smollm2,base_url={server.url}/v1/completions,"
                     f"tokenizer={tokenizer_folder},tokenizer_backend=huggingface,"
                     "num_concurrent=1,max_retries=1"),
-        tasks=["tokstream_mc"], task_manager=TaskManager(include_path=str(tmp_path)),
+        tasks=["tokstream_mc"],
+        # only the local task: indexing lm-eval's thousands of built-in ones takes ~10 s
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
         log_samples=True)
     assert results["results"]["tokstream_mc"]["acc,none"] == pytest.approx(accuracy(reference))
     # and each choice's log-likelihood is transformers'
