@@ -6,8 +6,6 @@ arguments, and with_structured_output parses a maxLength-bounded schema."""
 
 import httpx
 import pytest
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 from helpers.clients import BodyRecorder, offline
@@ -36,6 +34,9 @@ def recorder():
 
 @pytest.fixture
 def chat(server, recorder):
+    # imported here, not at collection: make test-fast collects this file and runs none of it
+    from langchain_openai import ChatOpenAI
+
     with httpx.Client(event_hooks={"request": [recorder]}) as http:
         # temperature 1 with a seed: varied text (temperature 0 repeats one token), reproducible
         yield ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="dummy:tiny",
@@ -58,6 +59,8 @@ def test_invoke_and_stream_agree(chat):
 
 
 def test_bind_tools_round_trip_with_broken_arguments_in_the_history(chat, recorder):
+    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+
     # The forced call's markup and JSON take ~80 tokens on the byte-level tokenizer.
     tools = chat.bind_tools([GetWeather], tool_choice="GetWeather").bind(max_tokens=200)
     history = [

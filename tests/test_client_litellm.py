@@ -4,18 +4,11 @@ and not, the text agrees under a seed, and the two routes agree with each other 
 template, one sampler); `response_format` with a pydantic model (litellm sends it as
 json_schema to OpenAI and as a forced tool to Anthropic) parses on both."""
 
-import os
-
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
-# litellm fetches its model cost map from the network when imported unless told not to.
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-
-import litellm  # noqa: E402
-from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
-
-from helpers.clients import offline  # noqa: E402
-from helpers.serving import module_server  # noqa: E402
+from helpers.clients import offline
+from helpers.serving import module_server
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(120)]
 
@@ -31,10 +24,15 @@ class City(BaseModel):
     name: str = Field(max_length=12)
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
+@pytest.fixture
+def litellm(monkeypatch):
+    # imported here, not at collection (make test-fast collects this file and runs none of
+    # it), and offline: imported without LITELLM_LOCAL_MODEL_COST_MAP it fetches its cost map
     offline(monkeypatch)
+    import litellm
+
     monkeypatch.setattr(litellm, "suppress_debug_info", True)
+    return litellm
 
 
 def route(server, provider: str) -> dict:
@@ -52,7 +50,7 @@ def streamed_text(chunks) -> tuple[str, object]:
 
 
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
-def test_completion_streamed_and_not(server, provider):
+def test_completion_streamed_and_not(litellm, server, provider):
     whole = litellm.completion(messages=MESSAGES, max_tokens=16, **route(server, provider))
     assert whole.choices[0].finish_reason == "length"
     assert whole.usage.completion_tokens == 16
@@ -64,7 +62,7 @@ def test_completion_streamed_and_not(server, provider):
     assert usage.prompt_tokens == whole.usage.prompt_tokens
 
 
-def test_both_routes_give_the_same_text(server):
+def test_both_routes_give_the_same_text(litellm, server):
     texts = {provider: litellm.completion(messages=MESSAGES, max_tokens=16,
                                           **route(server, provider)).choices[0].message.content
              for provider in ("openai", "anthropic")}
@@ -72,7 +70,7 @@ def test_both_routes_give_the_same_text(server):
 
 
 @pytest.mark.parametrize("provider", ["openai", "anthropic"])
-def test_response_format_pydantic_model(server, provider):
+def test_response_format_pydantic_model(litellm, server, provider):
     reply = litellm.completion(messages=[{"role": "user", "content": "a city"}],
                                max_tokens=200, response_format=City,
                                **route(server, provider))

@@ -8,9 +8,6 @@ import asyncio
 import httpx2
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic_ai import Agent, NativeOutput
-from pydantic_ai.models.openai import OpenAIChatModel
-from pydantic_ai.providers.openai import OpenAIProvider
 
 from helpers.clients import BodyRecorder, offline
 from helpers.serving import module_server
@@ -41,6 +38,9 @@ def recorder():
 
 def run(server, recorder, check) -> None:
     """`await check(model)` in one event loop, on a client that records what it sends."""
+    # imported here, not at collection: make test-fast collects this file and runs none of it
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
 
     async def main():
         async with httpx2.AsyncClient(event_hooks={"request": [recorder.hook]}) as http:
@@ -56,6 +56,8 @@ def last_response(result):
 
 
 def test_tool_output_streamed_and_not(server, recorder):
+    from pydantic_ai import Agent
+
     async def check(model):
         agent = Agent(model, output_type=City, model_settings=SETTINGS, retries=0)
         result = await agent.run("a city")
@@ -72,6 +74,8 @@ def test_tool_output_streamed_and_not(server, recorder):
 
 
 def test_native_output(server, recorder):
+    from pydantic_ai import Agent, NativeOutput
+
     async def check(model):
         agent = Agent(model, output_type=NativeOutput(City), model_settings=SETTINGS,
                       retries=0)
@@ -85,6 +89,8 @@ def test_native_output(server, recorder):
 
 
 def test_text_run_and_stream_agree(server, recorder):
+    from pydantic_ai import Agent
+
     async def check(model):
         agent = Agent(model, model_settings={**SETTINGS, "max_tokens": 16})
         whole = await agent.run("hello")
