@@ -9,36 +9,23 @@ from typing import Optional
 
 import typer
 
-# The defaults and help come from the run's options (one declaration each); the module is light.
+# The flags come from the run's options (tokstream/options.py: one declaration each, the field);
+# both modules are light.
 from tokstream.chaos.options import Options
-from tokstream.options import field_help
+from tokstream.options import config_flags, field_help, with_flags
 
 app = typer.Typer(help="Fault experiments against a real server, with a stream-history checker.",
                   no_args_is_help=True)
 
-URL = typer.Option(None, "--url", help=field_help(Options, "url"))
-ADMIN_KEY = typer.Option(None, "--admin-key", envvar="TOKSTREAM_ADMIN_KEY",
-                         help=field_help(Options, "admin_key"))
-API_KEY = typer.Option(None, "--api-key", envvar="TOKSTREAM_API_KEY",
-                       help=field_help(Options, "api_key"))
-MODEL = typer.Option(Options.model, "--model", "-m", help=field_help(Options, "model"))
-DEVICE = typer.Option(Options.device, "--device", help=field_help(Options, "device"))
-DTYPE = typer.Option(None, "--dtype", help=field_help(Options, "dtype"))
-TP = typer.Option(None, "--tp", help=field_help(Options, "tp"))
-SPARE = typer.Option(Options.spare, "--spare/--no-spare", help=field_help(Options, "spare"))
-STREAMS = typer.Option(None, "--streams", help=field_help(Options, "streams"))
-MAX_TOKENS = typer.Option(Options.max_tokens, "--max-tokens",
-                          help=field_help(Options, "max_tokens"))
-REPEAT = typer.Option(Options.repeat, "--repeat", help=field_help(Options, "repeat"))
-SEED = typer.Option(Options.seed, "--seed", help=field_help(Options, "seed"))
-STEP_TIMEOUT = typer.Option(Options.step_timeout_s, "--step-timeout",
-                            help=field_help(Options, "step_timeout_s"))
-TIMEOUT = typer.Option(Options.timeout_s, "--timeout", help=field_help(Options, "timeout_s"))
+CHAOS_FLAGS = config_flags("chaos", Options, skip={"experiment", "rank"},
+                           names={"model": ("--model", "-m")}, holds_default=True,
+                           own_panel=False)
+"""One flag per Options field but the experiment (the subcommand) and the rank (an argument),
+each holding its field's default: nothing lies between these flags and Options."""
 JSON = typer.Option(None, "--json", help="Write the report here.")
 
 
-def _run(experiment: str, rank: Optional[int], url, admin_key, api_key, model, device, dtype,
-         tp, spare, streams, max_tokens, repeat, seed, step_timeout, timeout, json_path) -> None:
+def _run(experiment: str, rank: Optional[int], given: dict, json_path: Optional[str]) -> None:
     from rich.console import Console
 
     from tokstream.chaos.report import render, write_json
@@ -49,9 +36,7 @@ def _run(experiment: str, rank: Optional[int], url, admin_key, api_key, model, d
     # chaos still takes it down: the server gets SIGTERM when its parent dies).
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        options = Options(experiment, rank, url, admin_key, api_key, model, device, dtype, tp,
-                          spare, streams, max_tokens, repeat, seed, step_timeout, timeout)
-        report = run(options)
+        report = run(Options(experiment, rank, **given))
     except UserInputError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2)
@@ -71,29 +56,17 @@ def _interrupt(signum, frame):
 
 def _command(name: str, doc: str, with_rank: bool):
     """One subcommand per experiment, all with the same options."""
-    def command(url: Optional[str] = URL, admin_key: Optional[str] = ADMIN_KEY,
-                api_key: Optional[str] = API_KEY, model: str = MODEL, device: str = DEVICE,
-                dtype: Optional[str] = DTYPE, tp: Optional[int] = TP, spare: bool = SPARE,
-                streams: Optional[int] = STREAMS, max_tokens: int = MAX_TOKENS,
-                repeat: int = REPEAT, seed: int = SEED, step_timeout: float = STEP_TIMEOUT,
-                timeout: float = TIMEOUT, json_path: Optional[str] = JSON):
-        _run(name, None, url, admin_key, api_key, model, device, dtype, tp, spare,
-             streams, max_tokens, repeat, seed, step_timeout, timeout, json_path)
+    if with_rank:
+        @with_flags(CHAOS_FLAGS)
+        def command(rank: int = typer.Argument(..., help=field_help(Options, "rank")),
+                    flags: dict = None, json_path: Optional[str] = JSON):
+            _run(name, rank, flags["chaos"], json_path)
+    else:
+        @with_flags(CHAOS_FLAGS)
+        def command(flags: dict = None, json_path: Optional[str] = JSON):
+            _run(name, None, flags["chaos"], json_path)
 
     command.__doc__ = doc
-    if with_rank:
-        def ranked(rank: int = typer.Argument(..., help=field_help(Options, "rank")),
-                   url: Optional[str] = URL, admin_key: Optional[str] = ADMIN_KEY,
-                   api_key: Optional[str] = API_KEY, model: str = MODEL, device: str = DEVICE,
-                   dtype: Optional[str] = DTYPE, tp: Optional[int] = TP, spare: bool = SPARE,
-                   streams: Optional[int] = STREAMS, max_tokens: int = MAX_TOKENS,
-                   repeat: int = REPEAT, seed: int = SEED, step_timeout: float = STEP_TIMEOUT,
-                   timeout: float = TIMEOUT, json_path: Optional[str] = JSON):
-            _run(name, rank, url, admin_key, api_key, model, device, dtype, tp, spare, streams,
-                 max_tokens, repeat, seed, step_timeout, timeout, json_path)
-
-        ranked.__doc__ = doc
-        return ranked
     return command
 
 

@@ -1,10 +1,11 @@
-"""What one `tokstream chaos EXPERIMENT` run is asked to do, checked on construction. Each
-field's default and help are the ones its flag shows (chaos/cli.py reads them from here), so
-each is stated once. Light on purpose: `tokstream --help` imports it."""
+"""What one `tokstream chaos EXPERIMENT` run is asked to do, checked on construction. Each field
+is its flag, stated once: chaos/cli.py generates the flags from the fields (tokstream/options.py:
+the name, the type, the default, the docstring as help, an "envvar" in the metadata). Light on
+purpose: `tokstream --help` imports it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from tokstream.errors import UserInputError
@@ -25,8 +26,7 @@ def check_local(url: str) -> str:
 
 @dataclass
 class Options:
-    """One chaos run. A field with a flag gives it its default and, in its docstring, its help
-    (chaos/cli.py reads both from here)."""
+    """One chaos run. Every field but experiment and rank is a flag of every experiment."""
 
     experiment: str
     """Which fault experiment (its subcommand's name, e.g. kill-rank)."""
@@ -34,9 +34,9 @@ class Options:
     """Which rank (0-based)."""
     url: str | None = None
     """Target this running server (on this machine) instead of starting one."""
-    admin_key: str | None = None
+    admin_key: str | None = field(default=None, metadata={"envvar": "TOKSTREAM_ADMIN_KEY"})
     """With --url: the admin key for /v1/state and /v1/score."""
-    api_key: str | None = None
+    api_key: str | None = field(default=None, metadata={"envvar": "TOKSTREAM_API_KEY"})
     """With --url: the key for the API routes (default: the admin key)."""
     model: str = "smollm2"
     """Model of the server chaos starts."""

@@ -248,17 +248,70 @@ def test_chaos_flags_default_to_their_options_dataclass():
 
     from tokstream.chaos.options import Options
 
-    defaults = command_defaults("chaos", "kill-rank")
-    param_names = {"step_timeout_s": "step_timeout", "timeout_s": "timeout"}
-    checked = 0
-    for field in dataclasses.fields(Options):
-        if field.name in ("experiment", "rank"):  # the subcommand and its argument
-            continue
-        param = param_names.get(field.name, field.name)
-        assert param in defaults, f"{field.name} has no flag"
-        assert defaults[param] == field.default, (field.name, defaults[param], field.default)
-        checked += 1
-    assert checked > 12
+    for experiment in ("kill-rank", "drain"):  # with and without the rank argument
+        defaults = command_defaults("chaos", experiment)
+        checked = 0
+        for field in dataclasses.fields(Options):
+            if field.name in ("experiment", "rank"):  # the subcommand and its argument
+                continue
+            assert field.name in defaults, f"{field.name} has no flag"
+            assert defaults[field.name] == field.default, (field.name, defaults[field.name])
+            checked += 1
+        assert checked > 12
+
+
+def test_chaos_options_are_declared_once_in_their_dataclass():
+    """Every option of every experiment is its Options field's generated flag (help, default,
+    env var from there) or one of the few the command itself declares; chaos/cli.py spells no
+    flag but those."""
+    import ast
+    import dataclasses
+    from pathlib import Path
+
+    import typer.main
+
+    from tokstream.chaos.cli import CHAOS_FLAGS
+    from tokstream.chaos.options import Options
+    from tokstream.cli import app
+    from tokstream.options import field_help
+
+    fields = {f.name: f for f in dataclasses.fields(Options)}
+    assert {flag.field for flag in CHAOS_FLAGS} == set(fields) - {"experiment", "rank"}
+    chaos = typer.main.get_command(app).commands["chaos"]
+    assert len(chaos.commands) > 10
+    for name, command in chaos.commands.items():
+        params = {param.name: param for param in command.params}
+        own = {"json_path", "help"} | ({"rank"} if "rank" in params else set())
+        assert set(params) - own == {flag.field for flag in CHAOS_FLAGS}, name
+        for flag in CHAOS_FLAGS:
+            param = params[flag.field]
+            assert param.help == field_help(Options, flag.field), (name, flag.field)
+            assert param.default == fields[flag.field].default, (name, flag.field)
+            assert param.envvar == fields[flag.field].metadata.get("envvar"), (name, flag.field)
+        if "rank" in params:
+            assert params["rank"].help == field_help(Options, "rank")
+    source = Path(__file__).resolve().parents[1] / "chaos" / "cli.py"
+    spelled = {node.value for node in ast.walk(ast.parse(source.read_text()))
+               if isinstance(node, ast.Constant) and isinstance(node.value, str)
+               and node.value.startswith("-")}
+    assert spelled == {"--json", "--model", "-m"}  # --model keeps its -m (config_flags names)
+    assert {flag.names for flag in CHAOS_FLAGS if flag.field in ("admin_key", "spare")} == {
+        ("--admin-key",), ("--spare/--no-spare",)}
+
+
+def test_an_option_declared_twice_is_refused():
+    import typer
+
+    from tokstream.chaos.cli import CHAOS_FLAGS
+    from tokstream.options import with_flags
+
+    def command(url: str = typer.Option(None, "--url"), flags: dict = None):
+        pass
+
+    with pytest.raises(ValueError, match="clash"):
+        with_flags(CHAOS_FLAGS)(command)
+    with pytest.raises(ValueError, match="same name"):
+        with_flags(CHAOS_FLAGS + CHAOS_FLAGS[:1])
 
 
 # Every flag loadtest took before its flags were generated from loadgen/options.py.

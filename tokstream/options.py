@@ -3,8 +3,9 @@ field's name gives the flag, its docstring the help, its default the `[default: 
 (vLLM builds its argument groups from its config classes the same way).
 
 A generated flag defaults to None, "not given": a serving profile's value or the dataclass
-default then applies (tokstream/settings.py merges them). Only typer is imported here, so
-`tokstream --help` stays instant."""
+default then applies (tokstream/settings.py merges them). A command with nothing between its
+flags and the dataclass (chaos) may have each flag hold the field's default instead. Only typer
+is imported here, so `tokstream --help` stays instant."""
 
 from __future__ import annotations
 
@@ -90,12 +91,20 @@ class Flag:
     """What the flag parses: int, float, str or bool (sizes and lists are read as text)."""
     help: str
     default: str | None
-    """The dataclass default as --help shows it."""
+    """The dataclass default as --help shows it (for a flag holding None)."""
     hidden: bool = False
+    value: Any = None
+    """What the flag holds when not given: None, "not given", or the field's default itself
+    (config_flags' holds_default), which --help then shows as click formats it (10.0, no-x)."""
+    envvar: str | None = None
+    """An environment variable the flag reads when not given (the field's metadata "envvar")."""
+    panel: str | None = None
+    """The --help panel it is listed in; None: the command's own Options panel."""
 
     def option(self):
-        return typer.Option(None, *self.names, help=self.help, show_default=self.default or False,
-                            hidden=self.hidden, rich_help_panel=f"{self.section} options")
+        show_default = True if self.value is not None else self.default or False
+        return typer.Option(self.value, *self.names, help=self.help, show_default=show_default,
+                            envvar=self.envvar, hidden=self.hidden, rich_help_panel=self.panel)
 
 
 def flag_name(field_name: str) -> str:
@@ -105,9 +114,13 @@ def flag_name(field_name: str) -> str:
 
 def config_flags(section: str, cls: type, *, skip: set[str] = frozenset(),
                  names: dict[str, tuple[str, ...]] | None = None,
-                 hidden: set[str] = frozenset()) -> list[Flag]:
+                 hidden: set[str] = frozenset(), holds_default: bool = False,
+                 own_panel: bool = True) -> list[Flag]:
     """A flag for every field of cls that is not a nested config and not in skip. `names`
-    keeps a flag's established spelling where it differs from flag_name(field)."""
+    keeps a flag's established spelling where it differs from flag_name(field).
+    holds_default: each flag holds its field's default rather than None, for a command whose
+    flags go straight into cls. own_panel: list them in a "SECTION options" panel of --help,
+    else in the command's Options panel."""
     names = names or {}
     hints = typing.get_type_hints(cls)
     flags = []
@@ -122,7 +135,10 @@ def config_flags(section: str, cls: type, *, skip: set[str] = frozenset(),
             long, *short = spelled
             spelled = (f"{long}/--no-{long.removeprefix('--')}", *short)
         flags.append(Flag(section, cls, f.name, spelled, kind, field_help(cls, f.name),
-                          format_default(f), f.name in hidden))
+                          format_default(f), f.name in hidden,
+                          value=field_default(f) if holds_default else None,
+                          envvar=f.metadata.get("envvar"),
+                          panel=f"{section} options" if own_panel else None))
     return flags
 
 
@@ -138,21 +154,28 @@ def _scalar(hint) -> type | None:
 
 def with_flags(flags: list[Flag]) -> Callable:
     """Decorate a typer command `f(..., flags: dict[str, dict])`: the command gets one option per
-    Flag, and f receives their values as {section: {field: value or None}}."""
+    Flag, listed where `flags` stands among f's parameters, and f receives their values as
+    {section: {field: value or None}}."""
     by_param = {flag.field: flag for flag in flags}
     if len(by_param) != len(flags):
         raise ValueError("two flags stand for fields of the same name")
 
     def decorate(func):
         hints = typing.get_type_hints(func)
-        own = [p.replace(annotation=hints.get(p.name, p.annotation))
-               for p in inspect.signature(func).parameters.values() if p.name != "flags"]
+        # Keyword-only, all of them: typer passes keywords, and an own parameter may then follow
+        # the generated ones.
+        params = [p.replace(annotation=hints.get(p.name, p.annotation),
+                            kind=inspect.Parameter.KEYWORD_ONLY)
+                  for p in inspect.signature(func).parameters.values()]
+        at = [p.name for p in params].index("flags")
+        own = params[:at] + params[at + 1:]
         clash = {p.name for p in own} & set(by_param)
         if clash:
             raise ValueError(f"parameters {clash} clash with generated flags")
         generated = [inspect.Parameter(flag.field, inspect.Parameter.KEYWORD_ONLY,
                                        default=flag.option(), annotation=Optional[flag.kind])
                      for flag in flags]
+        signature = params[:at] + generated + params[at + 1:]
 
         @functools.wraps(func)
         def command(**kwargs):
@@ -161,8 +184,8 @@ def with_flags(flags: list[Flag]) -> Callable:
                 given.setdefault(flag.section, {})[flag.field] = kwargs.pop(name)
             return func(flags=given, **kwargs)
 
-        command.__signature__ = inspect.Signature(own + generated)
-        command.__annotations__ = {p.name: p.annotation for p in own + generated}
+        command.__signature__ = inspect.Signature(signature)
+        command.__annotations__ = {p.name: p.annotation for p in signature}
         del command.__wrapped__  # typer must read the signature above, not func's
         return command
 
