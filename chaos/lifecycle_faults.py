@@ -42,6 +42,9 @@ async def run(ctx, recorder: Recorder, specs: list[StreamSpec], rng: random.Rand
     for spec in specs:
         if spec.role != "poison":
             recorder.start(spec)
+    if name == "rapid-core-deaths":
+        await _rapid_core_deaths(ctx, recorder, fault, violations)
+        return None
     j = rng.randrange(len([s for s in specs if s.role == "decode"]))
     k = rng.randint(2, max(2, ctx.max_tokens // 3))
     if not await recorder.until(j, k, faults.TRIGGER_TIMEOUT_S):
@@ -60,8 +63,6 @@ async def run(ctx, recorder: Recorder, specs: list[StreamSpec], rng: random.Rand
                       "target": "rank 0, at each step that prefills it"})
     elif name == "hang-on-start":
         return await _hang_on_start(ctx, recorder, fault, violations)
-    elif name == "rapid-core-deaths":
-        await _rapid_core_deaths(ctx, recorder, fault, violations)
     return None
 
 
@@ -153,10 +154,18 @@ async def _hang_on_start(ctx, recorder: Recorder, fault: dict,
 
 async def _rapid_core_deaths(ctx, recorder: Recorder, fault: dict,
                              violations: Violations) -> None:
-    """SIGKILL the engine core, then each core that replaces it as soon as it has served a
-    token, RAPID_DEATHS times in all: no request caused these deaths, so none may be ended
-    for them."""
-    state = await ctx.api.state()
+    """SIGKILL the engine core once every stream decodes, then each core that replaces it as
+    soon as it has served a token, RAPID_DEATHS times in all: no request caused these deaths,
+    so none may be ended for them. Both moments are taken from the server's counts as well
+    as the streams': a busy client reads its streams late, and a kill timed by them alone
+    came after the streams had ended."""
+    streams = len(recorder.histories)
+    state = await _poll_state(ctx, lambda s: len(s.requests) == streams
+                              and all(r.output_tokens >= 2 for r in s.requests))
+    if state is None:
+        violations.add("fault_not_injected", f"the {streams} streams never all decoded")
+        return
+    fault["trigger"] = "every stream had at least 2 tokens (the server's count)"
     _mark(ctx, recorder, fault, state)
     fault.update({"signal": f"SIGKILL x{RAPID_DEATHS}", "target": "engine core", "pids": [],
                   "old_processes": []})
@@ -164,14 +173,7 @@ async def _rapid_core_deaths(ctx, recorder: Recorder, fault: dict,
         if death:
             state = await _poll_state(ctx, lambda s: s.engine.pid not in fault["pids"]
                                       and s.engine.alive and s.replica.status == "ready")
-            # Its first token, seen on the streams themselves (sooner than a state poll);
-            # counted from now, so that a token the dead core sent last is not taken for one.
-            served = sum(len(h.tokens) for h in recorder.histories)
-            deadline = time.monotonic() + NEW_CORE_TIMEOUT_S
-            while (state is not None and time.monotonic() < deadline
-                   and sum(len(h.tokens) for h in recorder.histories) == served):
-                await asyncio.sleep(0.001)
-            if state is None or sum(len(h.tokens) for h in recorder.histories) == served:
+            if state is None or not await _until_served(ctx, recorder, state):
                 violations.add("fault_not_injected", f"death {death + 1}: no new core served "
                                f"within {NEW_CORE_TIMEOUT_S:.0f} s")
                 return
@@ -182,6 +184,30 @@ async def _rapid_core_deaths(ctx, recorder: Recorder, fault: dict,
         fault["pids"].append(pid)
         fault.setdefault("pid", pid)  # the report names the first; set before any return
         ctx.say(f"SIGKILL {what} (pid {pid}), death {death + 1} of {RAPID_DEATHS}")
+
+
+async def _until_served(ctx, recorder: Recorder, ready: StateSnapshot) -> bool:
+    """The core of the ready snapshot has served a token, within NEW_CORE_TIMEOUT_S: a
+    stream past the count the server had delivered at ready (a token the dead core sent
+    last, read late, is not taken for one), seen on the streams themselves (sooner than a
+    state poll) or in the server's counts (sooner when the client lags), whichever first."""
+    before = {row.id: row.output_tokens for row in ready.requests}
+
+    def received() -> bool:
+        return any(len(h.tokens) > before[h.request_id] for h in recorder.histories
+                   if h.request_id in before)
+
+    def counted(state: StateSnapshot) -> bool:
+        rows = state.rows_by_id()
+        return any(rid not in rows or rows[rid].output_tokens > n for rid, n in before.items())
+
+    poll = asyncio.ensure_future(_poll_state(ctx, counted))
+    try:
+        while not poll.done() and not received():
+            await asyncio.sleep(0.001)
+        return received() or poll.result() is not None
+    finally:
+        poll.cancel()
 
 
 async def _poll_state(ctx, predicate) -> StateSnapshot | None:
