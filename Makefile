@@ -36,7 +36,7 @@ serve: setup
 	$(BIN)/tokstream serve $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not startup and not slow and not gpu" $(ARGS)
