@@ -6,7 +6,7 @@ arguments, and with_structured_output parses a maxLength-bounded schema."""
 
 import httpx
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from helpers.clients import BodyRecorder, offline
 from helpers.serving import module_server
@@ -19,6 +19,7 @@ server = module_server("--profile", "ci")
 class GetWeather(BaseModel):
     """Get the weather in a city."""
 
+    model_config = ConfigDict(extra="forbid")  # no free keys: the JSON always finishes
     city: str = Field(max_length=12)
 
 
