@@ -203,8 +203,7 @@ class AsyncEngine:
         sinks, self._sinks = self._sinks, {}
         if not self.keep_requests_on_death:
             for request_id, sink in sinks.items():
-                sink(RequestDelta(request_id, [], 0, "", finish_reason="error",
-                                  error=reason, error_kind=ErrorKind.REPLICA))
+                sink(RequestDelta.failure(request_id, reason, ErrorKind.REPLICA))
         for future in self._replies.values():
             if not future.done():
                 future.set_exception(ReplicaError(f"engine is down: {reason}"))

@@ -83,8 +83,7 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
         pass  # the client went away
     except ReplicaError as exc:
         live = list(core.scheduler.requests)
-        deltas = [RequestDelta(rid, [], 0, "", finish_reason="error", error=str(exc),
-                               error_kind=ErrorKind.REPLICA) for rid in live]
+        deltas = [RequestDelta.failure(rid, str(exc), ErrorKind.REPLICA) for rid in live]
         try:
             conn.send(Deltas(deltas))
             conn.send(CoreDead(str(exc)))
@@ -141,8 +140,7 @@ def _handle(conn, core, message, out: list[RequestDelta]) -> bool:
             try:
                 core.add_request(request)
             except (UserInputError, OverloadedError) as exc:
-                out.append(RequestDelta(request.request_id, [], 0, "", finish_reason="error",
-                                        error=str(exc), error_kind=error_kind(exc)))
+                out.append(RequestDelta.failure(request.request_id, str(exc), error_kind(exc)))
         case ArmSpare():
             core.executor.arm_spare()
         case Abort(request_id):

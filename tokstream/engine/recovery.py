@@ -94,11 +94,10 @@ def fail_in_flight(core: EngineCore, scheduled: SchedulerOutput,
         core.cached_tokens.pop(request.request_id, None)
         core.event("request_failed", request.request_id, failures=request.num_failures,
                     reason=reason)
-        deltas.append(RequestDelta(
-            request.request_id, [], request.num_output_tokens, "", finish_reason="error",
-            error=poison_message(limit, reason), error_kind=ErrorKind.USER,
-            num_prompt_tokens=len(request.prompt_token_ids),
-            num_output_tokens=request.num_output_tokens))
+        deltas.append(RequestDelta.failure(
+            request.request_id, poison_message(limit, reason), ErrorKind.USER,
+            num_output_tokens=request.num_output_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids)))
     return deltas
 
 
@@ -110,11 +109,10 @@ def go_down(core: EngineCore, reason: str) -> list[RequestDelta]:
         core.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         core.detokenizers.pop(request.request_id, None)
         core.cached_tokens.pop(request.request_id, None)
-        deltas.append(RequestDelta(request.request_id, [], request.num_output_tokens, "",
-                                   finish_reason="error", error=f"replica down: {reason}",
-                                   error_kind=ErrorKind.REPLICA,
-                                   num_prompt_tokens=len(request.prompt_token_ids),
-                                   num_output_tokens=request.num_output_tokens))
+        deltas.append(RequestDelta.failure(request.request_id, f"replica down: {reason}",
+                                           ErrorKind.REPLICA,
+                                           num_output_tokens=request.num_output_tokens,
+                                           num_prompt_tokens=len(request.prompt_token_ids)))
     return deltas
 
 

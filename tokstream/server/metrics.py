@@ -13,6 +13,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tokstream.engine.messages import FinishReason
 from tokstream.state_snapshot import CoreSnapshot, Kv, LastStep, ReplicaStatus
 
 SCRAPE_WAIT_S = 0.05
@@ -171,7 +172,7 @@ class Metrics:
             self.tenant_tokens.labels(stream.tenant, "prompt").inc(stream.num_prompt_tokens)
 
     def on_finish(self, stream, delta, e2e_s: float) -> None:
-        if delta.finish_reason == "error":
+        if delta.finish_reason == FinishReason.ERROR:
             self.errors.labels("api_error").inc()
             return
         self.success.labels(self.model, delta.finish_reason).inc()

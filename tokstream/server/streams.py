@@ -20,7 +20,7 @@ from typing import Callable
 
 from tokstream import envs
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.messages import EngineRequest, FinishReason, RequestDelta
+from tokstream.engine.messages import EngineRequest, RequestDelta
 from tokstream.errors import ErrorKind
 # Batch too: the writers (sse, responses, choices, the routes) take it from here.
 from tokstream.server.channel import Batch, Channel  # noqa: F401
@@ -174,10 +174,9 @@ class StreamRegistry:
         live = [s for s in self.streams.values() if s.live]
         for stream in live:
             n = len(stream.delivered)
-            self._put(stream, RequestDelta(stream.request_id, [], n, "",
-                                           finish_reason=FinishReason.ERROR, error=message,
-                                           error_kind=kind, num_output_tokens=n,
-                                           num_prompt_tokens=stream.num_prompt_tokens))
+            self._put(stream, RequestDelta.failure(stream.request_id, message, kind,
+                                                   num_output_tokens=n,
+                                                   num_prompt_tokens=stream.num_prompt_tokens))
         return len(live)
 
     def close(self, stream: Stream, reason: str | None = None) -> None:

@@ -88,6 +88,15 @@ class RequestDelta:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @classmethod
+    def failure(cls, request_id: str, error: str, kind: ErrorKind, *, num_output_tokens: int = 0,
+                num_prompt_tokens: int = 0) -> RequestDelta:
+        """The last delta of a request that failed after `num_output_tokens` tokens: no new
+        tokens, finish_reason ERROR, and who is at fault (`kind`)."""
+        return cls(request_id, [], num_output_tokens, "", finish_reason=FinishReason.ERROR,
+                   error=error, error_kind=kind, num_prompt_tokens=num_prompt_tokens,
+                   num_output_tokens=num_output_tokens)
+
 
 @dataclass
 class EngineRequest:
