@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.messages import FinishReason, RequestDelta, poison_message
+from tokstream.engine.messages import RequestDelta, poison_message
 from tokstream.errors import ErrorKind
 from tokstream.server.streams import Stream, StreamRegistry
 
@@ -90,10 +90,10 @@ class RequestFailures:
                 self.on_event("request_failed", request_id=stream.request_id,
                               failures=failures)
                 n = len(stream.delivered)
-                self.registry._deliver(RequestDelta(
-                    stream.request_id, [], n, "", finish_reason=FinishReason.ERROR,
-                    error=poison_message(failures, "its process died"), error_kind=ErrorKind.USER,
-                    num_prompt_tokens=stream.num_prompt_tokens, num_output_tokens=n))
+                self.registry._deliver(RequestDelta.failure(
+                    stream.request_id, poison_message(failures, "its process died"),
+                    ErrorKind.USER, num_output_tokens=n,
+                    num_prompt_tokens=stream.num_prompt_tokens))
         self._deaths = counts
         return ended
 
