@@ -57,18 +57,21 @@ def fallback_messages(messages: list[dict], tools: tuple[Tool, ...]) -> list[dic
     """messages as plain {"role", "content": str} turns, the tools in the system turn."""
     out: list[dict] = []
     for message in messages:
+        # A results turn gathers its parts and is joined once (adding each to the turn's text
+        # copied it whole every time: quadratic in the number of consecutive results).
         if message["role"] == "tool":
             response = f"<tool_response>\n{message['content']}\n</tool_response>"
-            if out and out[-1].get("tool_results"):
-                out[-1]["content"] += "\n" + response
+            if out and "parts" in out[-1]:
+                out[-1]["parts"].append(response)
             else:
-                out.append({"role": "user", "content": response, "tool_results": True})
-        elif message["role"] == "user" and out and out[-1].get("tool_results"):
-            out[-1]["content"] += "\n" + message["content"]  # results and text: one turn
+                out.append({"role": "user", "parts": [response]})
+        elif message["role"] == "user" and out and "parts" in out[-1]:
+            out[-1]["parts"].append(message["content"])  # results and text: one turn
         else:
             out.append({"role": message["role"], "content": message_text(message)})
     for message in out:
-        message.pop("tool_results", None)
+        if "parts" in message:
+            message["content"] = "\n".join(message.pop("parts"))
     if tools:
         listed = "\n".join(json.dumps(t.template_entry(), ensure_ascii=False) for t in tools)
         prompt = FALLBACK_PROMPT.format(tools=listed)

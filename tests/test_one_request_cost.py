@@ -1,0 +1,106 @@
+"""Issue 31 item 4: what one request costs everyone else, bounded where bench/one_request_cost.py
+found it was not. Counted, never timed: the work a request makes grows with its input, not with
+its square."""
+
+import threading
+import time
+
+from tokstream.tokenizer import dummy_tokenizer
+
+CHATML = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
+
+
+class CountingText(str):
+    """The rendered template's text, counting how often it is searched whole."""
+
+    searches = 0
+
+    def count(self, *args):
+        CountingText.searches += 1
+        return super().count(*args)
+
+    def index(self, *args):
+        CountingText.searches += 1
+        return super().index(*args)
+
+    def find(self, *args):
+        CountingText.searches += 1
+        return super().find(*args)
+
+
+def test_special_token_text_in_many_messages_is_found_in_one_pass(monkeypatch):
+    tokenizer = dummy_tokenizer(400, bos_token_id=0, eos_token_ids=(1,))
+    tokenizer.chat_template = CHATML
+    render = tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer, "apply_chat_template",
+                        lambda *args, **kwargs: CountingText(render(*args, **kwargs)))
+    messages = [{"role": "user", "content": f"m{n} <|eos|> <|bos|>"} for n in range(200)]
+    CountingText.searches = 0
+    ids = tokenizer.encode_chat(messages)
+    # Each search reads the whole text (all 200 messages): one per message was quadratic.
+    assert CountingText.searches <= 2, CountingText.searches
+    # Still right: every message's special text stays text, the template's markers are control
+    # tokens, in order.
+    assert ids.count(0) == 201 and ids.count(1) == 200
+    decoded = tokenizer.decode(ids, skip_special_tokens=False)
+    assert decoded.index("m0 <|eos|>") < decoded.index("m199 <|eos|>")
+    plain = tokenizer.decode(ids, skip_special_tokens=True)
+    assert plain.count("<|eos|> <|bos|>") == 200
+
+
+def test_a_long_text_is_tokenised_while_other_threads_run():
+    # The gateway tokenises a large body on a worker thread so its event loop keeps writing
+    # streams; that only helps if tokenising lets go of the GIL (Tokenizer.encode does not).
+    tokenizer = dummy_tokenizer(400, bos_token_id=0, eos_token_ids=(1,))
+    text = "hello world, it is a long prompt " * 40000  # ~1.3 MB
+    started, done = threading.Event(), threading.Event()
+    ids: list[int] = []
+
+    def encode():
+        started.set()
+        ids.extend(tokenizer.encode_text(text))
+        done.set()
+
+    thread = threading.Thread(target=encode)
+    thread.start()
+    started.wait(10)
+    turns = 0
+    while not done.is_set() and turns < 100000:
+        turns += 1
+        time.sleep(0.0005)
+    thread.join(60)
+    # Counted, not timed: how often this thread ran while the other was tokenising.
+    assert turns >= 100, turns
+    assert ids == tokenizer._plain_backend.encode(text, add_special_tokens=False).ids
+
+
+class CountingBackend:
+    """A tokenizers.Tokenizer that counts reads of its added-tokens table."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.table_reads = 0
+
+    def get_added_tokens_decoder(self):
+        self.table_reads += 1
+        return self._backend.get_added_tokens_decoder()
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+def test_top_logprobs_work_out_each_tokens_bytes_once():
+    from tokstream.engine.messages import TokenLogprobs
+    from tokstream.server.content_logprobs import ContentLogprobs
+
+    tokenizer = dummy_tokenizer(400, bos_token_id=0, eos_token_ids=(1,))
+    counting = tokenizer.backend = CountingBackend(tokenizer.backend)
+    entries = ContentLogprobs(tokenizer)
+    tokens = [100 + n % 30 for n in range(200)]
+    top = TokenLogprobs(-0.5, list(range(100, 120)), [-0.5 - n for n in range(20)])
+    text = tokenizer.decode(tokens)
+    listed = entries.feed(tokens, [top] * len(tokens), text) + entries.finish()
+    assert len(listed) == 200 and all(len(e["top_logprobs"]) == 20 for e in listed)
+    # 200 tokens x 21 pieces over 30 distinct ids: the table is read per id, not per piece.
+    assert counting.table_reads <= 2 + 30, counting.table_reads
