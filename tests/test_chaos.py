@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from helpers.serving import ROOT, ServerProcess
+from helpers.serving import ROOT, ServerProcess, interruptible
 from tokstream.server.tenants import hash_key
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(400)]
@@ -175,7 +175,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
 def test_ctrl_c_tears_the_server_down(tmp_path):
     process = subprocess.Popen([*CHAOS, "kill-rank", "1", *TINY, "--max-tokens", "2000"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+                               text=True, preexec_fn=interruptible)
     try:
         chaos_process = psutil.Process(process.pid)
         deadline = time.monotonic() + 180

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from helpers.loadtest_run import KEYS, TENANTS, loadtest, write_mix
+from helpers.serving import interruptible
 from tokstream.engine.messages import token_digest
 from tokstream.loadgen.plots import PLOTS
 from tokstream.loadgen.stream import auth_headers, request_body, stream_request
@@ -328,7 +329,7 @@ def test_ctrl_c_stops_the_run_and_still_reports(tmp_path):
         process = subprocess.Popen(
             [sys.executable, "-m", "tokstream", "loadtest", "--url", fake.url, "--mix", mix,
              "--keys", keys, "--users", "2", "--duration", "10m", "--out", str(out)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
         try:
             first = process.stderr.readline()  # the first progress line: the run is going
             assert " sent " in first, first

@@ -5,6 +5,7 @@ add (the integrity framing, the engine's self-check, /v1/state polling)."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import time
 
@@ -51,6 +52,13 @@ class ServerProcess(ServeProcess):
             if time.monotonic() > deadline:
                 raise AssertionError(f"server not idle: {json.dumps(state)[:2000]}")
             time.sleep(0.1)
+
+
+def interruptible() -> None:
+    """Popen's preexec_fn for a child the test stops with SIGINT: Ctrl-C's default again. A
+    shell starts a background job (`make test &`, nohup) with SIGINT ignored, and a child
+    inherits that, so the interrupt the test sends would be dropped."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def module_server(*args: str):
