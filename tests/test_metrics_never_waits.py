@@ -64,6 +64,10 @@ def test_metrics_route_serves_the_last_snapshot_while_the_core_is_stuck():
         core = CoreThatStopsAnswering()
         server = Server(ServerConfig(), core, tokenizer=None, model_id="m", aliases=set())
         server.core_state.patience_s = server.core_state.timeout_s = FOREVER_S
+        # Fresh until invalidated: with the default 0.1 s, a pause of the test process after
+        # the one answer left it stale and get() asked the stuck core again (a make test
+        # failed so, at the 60 s guard).
+        server.core_state.max_age_s = FOREVER_S
         await server.core_state.get()  # the core's one answer
         app = Starlette(routes=routes())
         app.state.server = server
