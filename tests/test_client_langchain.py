@@ -8,7 +8,7 @@ import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from helpers.clients import BodyRecorder, offline
+from helpers.clients import offline_env, recorder  # noqa: F401 (fixtures)
 from helpers.serving import module_server
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(120)]
@@ -21,16 +21,6 @@ class GetWeather(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # no free keys: the JSON always finishes
     city: str = Field(max_length=12)
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    offline(monkeypatch)
-
-
-@pytest.fixture
-def recorder():
-    return BodyRecorder()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import httpx2
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from helpers.clients import BodyRecorder, offline
+from helpers.clients import offline_env, recorder  # noqa: F401 (fixtures)
 from helpers.serving import module_server
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(120)]
@@ -24,16 +24,6 @@ class City(BaseModel):
     model_config = ConfigDict(extra="forbid")  # no free keys: the JSON always finishes
     name: str = Field(max_length=12)
     country: str = Field(max_length=12)
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    offline(monkeypatch)
-
-
-@pytest.fixture
-def recorder():
-    return BodyRecorder()
 
 
 def run(server, recorder, check) -> None:

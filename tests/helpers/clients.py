@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 
 OFFLINE_ENV = {
     # Anything that tries the network outside loopback meets a dead proxy and fails at once,
@@ -37,3 +38,14 @@ class BodyRecorder:
 
     async def hook(self, request: httpx.Request) -> None:
         self(request)
+
+
+@pytest.fixture(autouse=True)
+def offline_env(monkeypatch):
+    """Autouse in every test file that imports it: OFFLINE_ENV for each test."""
+    offline(monkeypatch)
+
+
+@pytest.fixture
+def recorder() -> BodyRecorder:
+    return BodyRecorder()
