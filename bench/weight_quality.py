@@ -12,7 +12,8 @@ transformers, tests/test_parity.py). For the 7 reference prompts each config giv
 
 tokstream's configs run in this process: native (the GGUF blocks, float32), bfloat16 copies
 (every decoder product from one row on through the bfloat16 copies: the worst case, what a
-batch of 32 and a prefill take), the float16 cache `--kv-cache-dtype auto` picks, both, and
+batch of 32 and a prefill take), the int16 copies from one row on (LM head included: what a
+machine whose crossovers give int16 every row count serves), the float16 cache `--kv-cache-dtype auto` picks, both, and
 the dequantised bfloat16 model (`--weights bfloat16`). vLLM (built by
 scripts/setup_vllm_peer.sh) is served from the same dequantised weights as a Hugging Face
 folder (--enforce-eager: the compiled mode gives the same numbers, and starts 3x slower).
@@ -36,7 +37,7 @@ import torch  # noqa: E402
 import compare_vllm  # noqa: E402
 from helpers.prefill import decode_greedy, prefill_logits  # noqa: E402
 from test_native_weights import CHAT_PROMPTS, RAW_PROMPTS, TEXT  # noqa: E402
-from tokstream.kernels import cpu_build  # noqa: E402
+from tokstream.kernels import cpu_build, cpu_int16  # noqa: E402
 from tokstream.model.source import resolve_model  # noqa: E402
 from tokstream.model.weights import load_native_state_dict, load_state_dict  # noqa: E402
 from tokstream.tokenizer import load_tokenizer  # noqa: E402
@@ -76,6 +77,15 @@ def with_bfloat16_copies(native, on: bool) -> None:
         if on and w.bfloat16 is None:
             w.bfloat16 = BfloatWeight(w.dequantize())
         w.bfloat16_from = 1 if on else 1 << 62
+
+
+def with_int16_copies(native, on: bool) -> None:
+    """Every product of one row or more, the LM head's too, through the int16 copies (on),
+    as a machine whose measured crossovers give int16 every row count takes them; or none."""
+    for w in native.quantized_weights():
+        if on and w.int16 is None:
+            w.int16 = cpu_int16.pack(w.data, w.qtype, w.in_features)
+        w.int16_from = 1 if on and w.int16 is not None else 1 << 62
 
 
 def first_step_logprobs(logits: torch.Tensor) -> dict[int, float]:
@@ -122,12 +132,15 @@ def tokstream_configs(source, tokenizer, prompts) -> tuple[dict, dict]:
     ref_ppl = perplexity(dense)
     configs = {"native": (native, False, torch.float32),
                "native+float16_cache": (native, False, torch.float16),
+               "int16_copies": (native, "int16", torch.float32),
+               "int16_copies+float16_cache": (native, "int16", torch.float16),
                "bfloat16_copies": (native, True, torch.float32),
                "bfloat16_copies+float16_cache": (native, True, torch.float16),
                "dequantized_bfloat16": (bf16, False, torch.bfloat16)}
     results = {}
     for name, (model, copies, cache) in configs.items():
-        with_bfloat16_copies(native, copies)
+        with_bfloat16_copies(native, copies is True)
+        with_int16_copies(native, copies == "int16")
         rows = []
         for prompt, (ref_tokens, ref_logits, ref_first) in zip(prompts, reference):
             tokens, logits = decode_greedy(model, source.config, prompt, cache, STEPS)
@@ -137,6 +150,7 @@ def tokstream_configs(source, tokenizer, prompts) -> tuple[dict, dict]:
                 float((logits[0].float() - ref_logits[0]).abs().max()), 5)
         results[name] = summarize(rows, perplexity(model) / ref_ppl - 1)
     with_bfloat16_copies(native, False)
+    with_int16_copies(native, False)
     return results, {"reference": reference, "perplexity": ref_ppl, "ids": ids}
 
 

@@ -25,7 +25,7 @@ typedef void (*i16_quantize_rows_fn)(const float *x, int64_t M, int64_t K, int16
                                      float *sx, float *sums);
 typedef int (*i16_matmul_fn)(const int16_t *xq, const float *sx, const float *sums,
                              int64_t M, const int8_t *wq, const float *d, const float *m,
-                             int64_t N, int64_t K, float *out);
+                             int64_t N, int64_t K, int64_t bits, float *out);
 typedef void (*add_rms_norm_fn)(float *x, const float *delta, const float *weight, float eps,
                                 int64_t T, int64_t H, float *out);
 typedef void (*rotary_fn)(float *q, float *k, int64_t row_stride, const float *cos,
@@ -58,6 +58,7 @@ typedef struct {
     const int8_t *quants; /* the int16 path's copy (cpu_int16_matmul.c), or NULL */
     const float *scales, *offsets;
     int64_t int16_from; /* products with at least this many rows take the int16 copy */
+    int64_t int16_bits; /* bits a quant of the int16 copy takes (cpu_int16_matmul.c) */
 } QWeight;
 
 typedef struct {
@@ -99,7 +100,7 @@ static void linear(const Kernels *k, const QWeight *w, int64_t N, int64_t K, con
         float *sums = w->offsets ? s->int16_sums : NULL;
         k->i16_quantize_rows(x, T, K, s->int16_rows, s->int16_scales, sums);
         if (k->i16_matmul(s->int16_rows, s->int16_scales, sums, T, w->quants, w->scales,
-                          w->offsets, N, K, out))
+                          w->offsets, N, K, w->int16_bits, out))
             return;
         /* no memory for its panel buffer: the fused kernel needs none */
     }

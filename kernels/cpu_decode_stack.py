@@ -29,7 +29,7 @@ class _Kernels(ctypes.Structure):
 
 class _QWeight(ctypes.Structure):
     _fields_ = [("data", _P), ("qtype", _I), ("quants", _P), ("scales", _P), ("offsets", _P),
-                ("int16_from", _I)]
+                ("int16_from", _I), ("int16_bits", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -168,7 +168,7 @@ def _qweight(w) -> _QWeight:
     """A QuantizedWeight as the C table's entry (its int16 copy only where it has one)."""
     int16 = w.int16
     if int16 is None:
-        return _QWeight(w.data.data_ptr(), w.qtype, None, None, None, 1 << 62)
+        return _QWeight(w.data.data_ptr(), w.qtype, None, None, None, 1 << 62, 8)
     offsets = int16.offsets.data_ptr() if int16.offsets is not None else None
     return _QWeight(w.data.data_ptr(), w.qtype, int16.quants.data_ptr(),
-                    int16.scales.data_ptr(), offsets, w.int16_from)
+                    int16.scales.data_ptr(), offsets, w.int16_from, int16.bits)

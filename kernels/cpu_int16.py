@@ -27,13 +27,17 @@ BLOCK = 32
 PACKABLE = (102, 103, 108)
 """The float-scale GGUF forms (cpu_quant: Q4_0, Q4_1, Q8_0 + FLOAT_SCALES) it repacks; the
 file's own forms are widened to them first."""
-WITH_OFFSETS = 103
-"""Q4_1's blocks carry an offset m (w = d q + m) besides the scale d."""
+WITH_OFFSETS = (102, 103)
+"""Formats packed with an offset per block besides the scale d: Q4_1's m (w = d q + m) and
+Q4_0's -8 d (its quants kept unsigned, w = d q - 8 d)."""
+NIBBLES = (102, 103)
+"""Formats whose quants are packed 4 bits each (the rest take a byte)."""
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
     "i16_pack": ([_I, _P, _I, _I, _P, _P, _P], ctypes.c_int),
     "i16_quantize_rows": [_P, _I, _I, _P, _P, _P],
-    "i16_matmul": ([_P, _P, _P, _I, _P, _P, _P, _I, _I, _P], ctypes.c_int),
+    "i16_matmul": ([_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _P], ctypes.c_int),
+    "i16_quant_bits": ([_I], ctypes.c_int64),
     "i16_vector_lanes": ([], ctypes.c_int)})
 
 
@@ -47,13 +51,16 @@ class Int16Weight:
     """One weight repacked for i16_matmul (layouts in cpu_int16_matmul.c)."""
 
     quants: torch.Tensor
-    """(N * K,) int8, 16 output rows and 2 inputs a vector (widened to int16 in the kernel)."""
+    """(N * K * bits / 8,) int8, 16 output rows and 2 inputs a vector (widened to int16 in the
+    kernel)."""
     scales: torch.Tensor
     """(N * K / 32,) float32."""
     offsets: torch.Tensor | None
     """(N * K / 32,) float32 for Q4_1, else None."""
     out_features: int
     in_features: int
+    bits: int = 8
+    """Bits a quant takes in `quants` (4 for Q4_0 and Q4_1)."""
 
     def nbytes(self) -> int:
         parts = (self.quants, self.scales, self.offsets)
@@ -70,14 +77,20 @@ def pack(blocks: torch.Tensor, qtype: int, in_features: int) -> Int16Weight | No
         blocks = torch.from_numpy(widened)
     if library is None or qtype not in PACKABLE or n % LANES or in_features % BLOCK:
         return None
-    quants = torch.empty(n * in_features, dtype=torch.int8)
+    bits = quant_bits(qtype)
+    quants = torch.empty(n * in_features * bits // 8, dtype=torch.int8)
     scales = torch.empty(n * in_features // BLOCK)
-    offsets = torch.empty_like(scales) if qtype == WITH_OFFSETS else None
+    offsets = torch.empty_like(scales) if qtype in WITH_OFFSETS else None
     blocks = blocks.contiguous()
     if not library.i16_pack(qtype, blocks.data_ptr(), n, in_features, quants.data_ptr(),
                             scales.data_ptr(), _pointer(offsets)):
         return None
-    return Int16Weight(quants, scales, offsets, n, in_features)
+    return Int16Weight(quants, scales, offsets, n, in_features, bits)
+
+
+def quant_bits(qtype: int) -> int:
+    """Bits a packed quant of this (float-scale) format takes."""
+    return 4 if qtype in NIBBLES else 8
 
 
 def matmul(x: torch.Tensor, weight: Int16Weight) -> torch.Tensor:
@@ -99,7 +112,7 @@ def matmul(x: torch.Tensor, weight: Int16Weight) -> torch.Tensor:
     if not library.i16_matmul(quants.data_ptr(), scales.data_ptr(), _pointer(sums), m,
                               weight.quants.data_ptr(), weight.scales.data_ptr(),
                               _pointer(weight.offsets), weight.out_features, k,
-                              out.data_ptr()):
+                              weight.bits, out.data_ptr()):
         raise MemoryError("int16 matmul: no memory for a panel buffer")
     return out
 

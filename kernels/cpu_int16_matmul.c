@@ -3,14 +3,18 @@
  * products with many input rows, where float32 multiply-adds are the bottleneck.
  *
  * Weights are repacked once, at load, from the float-scale GGUF blocks (cpu_quant_matmul.c's
- * Q4_0F, Q4_1F, Q8_0F) into:
- *   wq  (N / 16, K / 2, 16, 2) int8: for each 16 output rows, each pair of inputs, 16 lanes
- *       holding that pair's two quants (Q4_0: q - 8, Q4_1: q, Q8_0: q); widened to int16 a
- *       panel of output rows at a time, into a buffer every input row then reads (8 bits a
- *       weight from memory: the products streamed from memory are bound by the bytes)
+ * Q4_0F, Q4_1F, Q8_0F). For each 16 output rows and each pair of inputs, a vector of 16 lanes
+ * holds that pair's two quants (element lane * 2 + h is input 2p + h of output row lane):
+ *   Q8_0: wq (N / 16, K / 2, 16, 2) int8, q;
+ *   Q4_0, Q4_1: wq (N / 16, K / 4, 32) bytes, two pairs' vectors a 32 bytes, pair 2c in the
+ *       low nibbles and pair 2c + 1 in the high ones, q unsigned (0..15): 4 bits a weight, as
+ *       the file's own blocks (a byte a weight doubled the bytes a batch-1 step streams);
  *   d   (N / 16, K / 32, 16) float: each block's scale
- *   m   (N / 16, K / 32, 16) float: each block's offset (Q4_1 only, else no array)
- * so the weight each lane multiplies is exactly the file's, w = d * q (+ m).
+ *   m   (N / 16, K / 32, 16) float: each block's offset: Q4_1's m, Q4_0's -8 d (w = d (q - 8)),
+ *       no array for Q8_0
+ * so the weight each lane multiplies is exactly the file's, w = d * q (+ m). The quants are
+ * widened to int16 in registers for a product of few rows (each weight used once), or a panel
+ * of output rows at a time into a buffer every input row then reads.
  *
  * Inputs are rounded to int16 per row and per block of 32 (the weights' own blocks): x ~ sx *
  * xq with sx = max|x| / 32767 over the block, so each input keeps 15 bits relative to its
@@ -46,7 +50,7 @@ static int64_t block_bytes(int64_t qtype) {
     }
 }
 
-/* Quant j (0..31) of a block, its scale and offset. */
+/* Quant j (0..31) of a block, its scale and offset (Q4_0's -8 d: its quants unsigned). */
 static void block_values(int64_t qtype, const uint8_t *block, int16_t q[QK], float *d,
                          float *m) {
     *m = 0.0f;
@@ -57,26 +61,30 @@ static void block_values(int64_t qtype, const uint8_t *block, int16_t q[QK], flo
         return;
     }
     const uint8_t *qs;
-    int offset = 0;
     if (qtype == Q4_1F) {
         const block_q4_1f *b = (const block_q4_1f *)block;
         *d = b->d, *m = b->m, qs = b->qs;
     } else {
         const block_q4_0f *b = (const block_q4_0f *)block;
-        *d = b->d, qs = b->qs, offset = 8;
+        *d = b->d, *m = -8.0f * b->d, qs = b->qs;
     }
     for (int j = 0; j < QK / 2; j++) {
-        q[j] = (int16_t)((qs[j] & 15) - offset);
-        q[j + QK / 2] = (int16_t)((qs[j] >> 4) - offset);
+        q[j] = (int16_t)(qs[j] & 15);
+        q[j + QK / 2] = (int16_t)(qs[j] >> 4);
     }
 }
 
-/* 0 when qtype or the shape is unsupported, else 1 and the packed arrays written. */
+/* Bits a quant takes in wq: 4 for the 4-bit formats, else 8. */
+int64_t i16_quant_bits(int64_t qtype) { return qtype == Q8_0F ? 8 : 4; }
+
+/* 0 when qtype or the shape is unsupported, else 1 and the packed arrays written (m for
+ * Q4_0 and Q4_1). */
 int i16_pack(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, int8_t *wq, float *d,
              float *m) {
     const int64_t bytes = block_bytes(qtype);
     if (!bytes || N % LANES || K % QK) return 0;
-    const int64_t nb = K / QK;
+    const int64_t nb = K / QK, bits = i16_quant_bits(qtype);
+    if (bits == 4) memset(wq, 0, (size_t)(N * K / 2));
     #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const int64_t g = n / LANES, lane = n % LANES;
@@ -87,8 +95,13 @@ int i16_pack(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, int8_t *wq, 
             d[(g * nb + b) * LANES + lane] = ds;
             if (m) m[(g * nb + b) * LANES + lane] = ms;
             for (int j = 0; j < QK; j++) {
-                const int64_t k = b * QK + j;
-                wq[((g * (K / 2) + k / 2) * LANES + lane) * 2 + k % 2] = (int8_t)q[j];
+                const int64_t k = b * QK + j, e = lane * 2 + k % 2;
+                if (bits == 8) {
+                    wq[(g * (K / 2) + k / 2) * 2 * LANES + e] = (int8_t)q[j];
+                } else { /* each lane's own bytes: rows packed by other threads do not meet */
+                    uint8_t *at = (uint8_t *)wq + (g * (K / 4) + k / 4) * 2 * LANES + e;
+                    *at |= (uint8_t)(q[j] << (k / 2 % 2 ? 4 : 0));
+                }
             }
         }
     }
@@ -202,6 +215,109 @@ static void tile_any(const int16_t *xq, const float *sx, const float *sums, cons
     default: TILE(1, 1); break;
     }
 #undef TILE
+}
+
+/* A product with few input rows uses each weight once: its quants are widened in registers,
+ * not into a panel buffer (which costs more than the multiply-adds it feeds when only 1-4
+ * rows read it). The integer sums are the same and scaled in the same order as tile(), so
+ * each row's result is bit for bit the buffered path's. The pairs of a block alternate
+ * between two partial sums, so that one input row still has eight chains of dependent
+ * multiply-adds in flight. */
+#define DIRECT_ROWS 4
+#define DG 4 /* 16-row weight groups a direct tile, for up to two rows (two for more) */
+
+/* The two pairs' weight vectors of chunk c (pairs 2c and 2c + 1) of a group. */
+static inline void direct_weights(const int8_t *restrict wq, int64_t K, int bits, int64_t c,
+                                  __m512i *first, __m512i *second) {
+    if (bits == 8) {
+        *first = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wq + 4 * c * LANES)));
+        *second = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256((const __m256i *)(wq + (4 * c + 2) * LANES)));
+        return;
+    }
+    (void)K;
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(wq + 2 * c * LANES));
+    const __m256i low4 = _mm256_set1_epi8(15);
+    *first = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low4));
+    *second = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+}
+
+static inline __attribute__((always_inline)) void direct_tile(
+    const int16_t *restrict xq, const float *restrict sx, const float *restrict sums,
+    const int8_t *restrict wq, const float *restrict d, const float *restrict m, int64_t K,
+    int64_t N, const int bits, const int mr, const int ng, float *restrict out) {
+    const int64_t nb = K / QK, group_bytes = K * LANES * bits / 8;
+    __m512 facc[DIRECT_ROWS][DG];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < ng; j++) facc[i][j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i acc[DIRECT_ROWS][DG][2];
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < ng; j++) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_si512();
+        for (int64_t c = b * QK / 4; c < (b + 1) * QK / 4; c++) {
+            __m512i w0[DG], w1[DG];
+            for (int j = 0; j < ng; j++)
+                direct_weights(wq + j * group_bytes, K, bits, c, &w0[j], &w1[j]);
+            for (int i = 0; i < mr; i++) {
+                int32_t pairs[2];
+                memcpy(pairs, xq + i * K + 4 * c, sizeof pairs);
+                const __m512i x0 = _mm512_set1_epi32(pairs[0]), x1 = _mm512_set1_epi32(pairs[1]);
+                for (int j = 0; j < ng; j++) {
+                    acc[i][j][0] = DOT_PAIRS(acc[i][j][0], w0[j], x0);
+                    acc[i][j][1] = DOT_PAIRS(acc[i][j][1], w1[j], x1);
+                }
+            }
+        }
+        for (int j = 0; j < ng; j++) {
+            const __m512 dv = _mm512_loadu_ps(d + (j * nb + b) * LANES);
+            const __m512 mv = m ? _mm512_loadu_ps(m + (j * nb + b) * LANES)
+                                : _mm512_setzero_ps();
+            for (int i = 0; i < mr; i++) {
+                const __m512i sum = _mm512_add_epi32(acc[i][j][0], acc[i][j][1]);
+                const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(sx[i * nb + b]));
+                facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, facc[i][j]);
+                if (m)
+                    facc[i][j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sums[i * nb + b]),
+                                                 facc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < ng; j++) _mm512_storeu_ps(out + i * N + j * LANES, facc[i][j]);
+}
+
+/* Groups [g0, g0 + ng) for all M (<= DIRECT_ROWS) rows, with constant sizes so the tile
+ * stays in registers. */
+static void direct_any(const int16_t *xq, const float *sx, const float *sums, const int8_t *wq,
+                       const float *d, const float *m, int64_t K, int64_t N, int bits, int mr,
+                       int64_t g0, int ng, float *out) {
+    const int64_t nb = K / QK, group_bytes = K * LANES * bits / 8;
+#define DIRECT(B, R, G)                                                                    \
+    direct_tile(xq, sx, sums, wq + g * group_bytes, d + g * nb * LANES,                    \
+                m ? m + g * nb * LANES : NULL, K, N, B, R, G, out + g * LANES)
+#define BY_ROWS(B, G)                                                                      \
+    switch (mr) {                                                                          \
+    case 4: DIRECT(B, 4, G); break;                                                        \
+    case 3: DIRECT(B, 3, G); break;                                                        \
+    case 2: DIRECT(B, 2, G); break;                                                        \
+    default: DIRECT(B, 1, G); break;                                                       \
+    }
+    const int wide = mr <= 2 ? DG : DG / 2;
+    for (int64_t g = g0; g < g0 + ng;) {
+        const int left = (int)(g0 + ng - g);
+        if (left >= wide && wide == DG) {
+            if (bits == 4) { BY_ROWS(4, DG) } else { BY_ROWS(8, DG) }
+            g += DG;
+        } else if (left >= DG / 2) {
+            if (bits == 4) { BY_ROWS(4, DG / 2) } else { BY_ROWS(8, DG / 2) }
+            g += DG / 2;
+        } else {
+            if (bits == 4) { BY_ROWS(4, 1) } else { BY_ROWS(8, 1) }
+            g += 1;
+        }
+    }
+#undef BY_ROWS
+#undef DIRECT
 }
 
 int i16_vector_lanes(void) { return 16; }
@@ -335,9 +451,9 @@ int i16_vector_lanes(void) { return 0; }
 #define NR 3
 #endif
 
-/* The panel's int8 quants widened to int16, in a buffer of the calling thread's (grown as
- * needed, kept for the next call). */
-static const int16_t *widen_panel(const int8_t *wq, int64_t count) {
+/* The panel's quants (count of them, `bits` wide) widened to int16 in wq's element order, in
+ * a buffer of the calling thread's (grown as needed, kept for the next call). */
+static const int16_t *widen_panel(const int8_t *wq, int64_t count, int64_t bits) {
     static __thread int16_t *buffer;
     static __thread int64_t capacity;
     if (count > capacity) {
@@ -346,16 +462,39 @@ static const int16_t *widen_panel(const int8_t *wq, int64_t count) {
         capacity = buffer ? count : 0;
         if (!buffer) return NULL;
     }
-    for (int64_t i = 0; i < count; i++) buffer[i] = wq[i];
+    if (bits == 8) {
+        for (int64_t i = 0; i < count; i++) buffer[i] = wq[i];
+        return buffer;
+    }
+    const uint8_t *packed = (const uint8_t *)wq;
+    const int64_t chunk = 2 * LANES; /* bytes holding two pairs' vectors */
+    for (int64_t c = 0; c < count / (2 * chunk); c++)
+        for (int64_t e = 0; e < chunk; e++) {
+            buffer[2 * chunk * c + e] = packed[chunk * c + e] & 15;
+            buffer[2 * chunk * c + chunk + e] = packed[chunk * c + e] >> 4;
+        }
     return buffer;
 }
 
 /* out (M, N) = x @ w^T from i16_quantize_rows' xq, sx, sums and i16_pack's wq, d, m (m and
- * sums NULL unless Q4_1). Returns 0 if a thread's buffer could not be allocated. */
+ * sums NULL for Q8_0), bits = i16_quant_bits(the format). Returns 0 if a thread's buffer could
+ * not be allocated. */
 int i16_matmul(const int16_t *xq, const float *sx, const float *sums, int64_t M,
                const int8_t *wq, const float *d, const float *m, int64_t N, int64_t K,
-               float *out) {
+               int64_t bits, float *out) {
     const int64_t groups = N / LANES, nb = K / QK, per_group = K / 2 * 2 * LANES;
+#ifdef DIRECT_ROWS
+    if (M <= DIRECT_ROWS) {
+        const int64_t tiles = (groups + DG - 1) / DG;
+        #pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t g0 = t * DG;
+            const int ng = groups - g0 < DG ? (int)(groups - g0) : DG;
+            direct_any(xq, sx, sums, wq, d, m, K, N, (int)bits, (int)M, g0, ng, out);
+        }
+        return 1;
+    }
+#endif
     const int64_t panels = (groups + NR - 1) / NR;
     int ok = 1;
     /* on demand: a thread the gateway or a client preempts hands its panels to the other
@@ -364,7 +503,7 @@ int i16_matmul(const int16_t *xq, const float *sx, const float *sums, int64_t M,
     for (int64_t p = 0; p < panels; p++) {
         const int64_t g0 = p * NR;
         const int nr = groups - g0 < NR ? (int)(groups - g0) : NR;
-        const int16_t *panel = widen_panel(wq + g0 * per_group, nr * per_group);
+        const int16_t *panel = widen_panel(wq + g0 * per_group * bits / 8, nr * per_group, bits);
         if (!panel) {
             ok = 0;
             continue;

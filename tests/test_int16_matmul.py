@@ -50,13 +50,26 @@ def test_the_product_is_the_rounded_inputs_times_the_files_weights(fmt, m, n, k)
     assert (got.double() - exact).abs().max() <= 1e-3 * exact.abs().max()
 
 
-def test_a_rows_result_does_not_depend_on_the_batch():
-    raw, qtype, _ = blocks("Q4_1", 48, 96, seed=2)
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n", [16, 48, 80, 144])
+def test_a_rows_result_does_not_depend_on_the_batch(fmt, n):
+    """Products of 1-4 rows widen the quants in registers, larger ones into a panel buffer:
+    each row's result is the same bits either way, whatever the groups left over."""
+    raw, qtype, _ = blocks(fmt, n, 96, seed=2)
     weight = cpu_int16.pack(raw, qtype, 96)
     x = torch.randn(11, 96)
     batch = cpu_int16.matmul(x, weight)
     for i in (0, 5, 10):
         assert torch.equal(cpu_int16.matmul(x[i:i + 1], weight)[0], batch[i])
+    for rows in (2, 3, 4):
+        assert torch.equal(cpu_int16.matmul(x[1:1 + rows], weight), batch[1:1 + rows])
+
+
+def test_the_four_bit_formats_take_four_bits_a_quant():
+    for fmt, bits in (("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8)):
+        raw, qtype, _ = blocks(fmt, 32, 64)
+        weight = cpu_int16.pack(raw, qtype, 64)
+        assert weight.bits == bits and weight.quants.numel() == 32 * 64 * bits // 8
 
 
 def test_zero_inputs_and_no_rows():
@@ -73,22 +86,28 @@ def test_unsupported_shapes_get_no_copy():
         cpu_int16.matmul(torch.randn(2, 32), cpu_int16.pack(*blocks("Q4_1", 16, 64)[:2], 64))
 
 
-def test_the_portable_path_computes_what_the_vector_path_does(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_the_portable_path_computes_what_the_vector_path_does(tmp_path, monkeypatch, fmt, m):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     portable = cpu_build.build(cpu_int16.SOURCE, (*cpu_int16.FLAGS, "-mno-avx512f", "-mno-avx2"))
     assert portable is not None and portable.i16_vector_lanes() == 0
     assert cpu_int16.load().i16_vector_lanes() > 0 or pytest.skip("no vector path here")
-    raw, qtype, _ = blocks("Q4_1", 48, 64, seed=4)
+    raw, qtype, _ = blocks(fmt, 80, 64, seed=4)
     weight = cpu_int16.pack(raw, qtype, 64)
-    x = torch.randn(6, 64)
-    quants = torch.empty(6, 64, dtype=torch.int16)
-    scales, sums, out = torch.empty(6, 2), torch.empty(6, 2), torch.empty(6, 48)
+    x = torch.randn(m, 64)
+    quants = torch.empty(m, 64, dtype=torch.int16)
+    scales, sums, out = torch.empty(m, 2), torch.empty(m, 2), torch.empty(m, 80)
     p = ctypes.c_void_p
-    portable.i16_quantize_rows(p(x.data_ptr()), ctypes.c_int64(6), ctypes.c_int64(64),
-                               p(quants.data_ptr()), p(scales.data_ptr()), p(sums.data_ptr()))
-    assert portable.i16_matmul(p(quants.data_ptr()), p(scales.data_ptr()), p(sums.data_ptr()),
-                               ctypes.c_int64(6), p(weight.quants.data_ptr()),
-                               p(weight.scales.data_ptr()), p(weight.offsets.data_ptr()),
-                               ctypes.c_int64(48), ctypes.c_int64(64), p(out.data_ptr())) == 1
+    offsets = None if weight.offsets is None else p(weight.offsets.data_ptr())
+    portable.i16_quantize_rows(p(x.data_ptr()), ctypes.c_int64(m), ctypes.c_int64(64),
+                               p(quants.data_ptr()), p(scales.data_ptr()),
+                               p(sums.data_ptr()) if offsets else None)
+    assert portable.i16_matmul(p(quants.data_ptr()), p(scales.data_ptr()),
+                               p(sums.data_ptr()) if offsets else None,
+                               ctypes.c_int64(m), p(weight.quants.data_ptr()),
+                               p(weight.scales.data_ptr()), offsets,
+                               ctypes.c_int64(80), ctypes.c_int64(64),
+                               ctypes.c_int64(weight.bits), p(out.data_ptr())) == 1
     # the same integer sums and the same float steps in the same order
     assert torch.equal(out, cpu_int16.matmul(x, weight))

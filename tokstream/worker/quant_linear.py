@@ -3,9 +3,11 @@
 A QuantizedWeight keeps the file's blocks (Q4_0, Q4_1, Q8_0) and has four ways to multiply:
 - fused (kernels/cpu_quant_matmul.c): each row dequantised on the fly; decode, bound by the
   bytes read per token, reads 5 bits a weight instead of 32;
-- int16 (kernels/cpu_int16_matmul.c): a copy of the quants as int16 and the inputs rounded to
-  int16 per block of 32, summed with AVX-512 VNNI at twice float32's multiply-adds a cycle,
-  for products with many rows, where multiply-adds are the bottleneck;
+- int16 (kernels/cpu_int16_matmul.c): a copy of the quants repacked in 16-row vectors (4 bits
+  each for Q4_0/Q4_1, as in the file) and the inputs rounded to int16 per block of 32, summed
+  with AVX-512 VNNI at twice float32's multiply-adds a cycle: for many rows, where
+  multiply-adds are the bottleneck, and for 1-4 rows too, where the quants are widened in
+  registers and the fused kernel's float dequantisation is the bottleneck;
 - dense: a float matrix product over the weight dequantised into a scratch buffer (never
   kept);
 - bfloat16: a kept copy of the dequantised weight in bfloat16, multiplied by torch (oneDNN:
@@ -334,13 +336,14 @@ def _rows_text(rows: int) -> str:
 
 
 def _form_bytes(weight: QuantizedWeight, form: str) -> int:
-    """Bytes the form's copy of the weight takes (int16: 8-bit quants, float32 scales and
-    Q4_1's offsets, a scale per 32 weights)."""
+    """Bytes the form's copy of the weight takes (int16: 4- or 8-bit quants, float32 scales
+    and the 4-bit formats' offsets, one of each per 32 weights)."""
     n = weight.out_features * weight.in_features
     if form == "bfloat16":
         return 2 * n
     widened = weight.qtype % cpu_quant.FLOAT_SCALES + cpu_quant.FLOAT_SCALES
-    return n + n // cpu_int16.BLOCK * 4 * (2 if widened == cpu_int16.WITH_OFFSETS else 1)
+    scales = 2 if widened in cpu_int16.WITH_OFFSETS else 1
+    return n * cpu_int16.quant_bits(widened) // 8 + n // cpu_int16.BLOCK * 4 * scales
 
 
 def measure_streamed(weights: list[QuantizedWeight], form: str = "int16") -> dict:
