@@ -406,6 +406,107 @@ static void tile_any(const int16_t *xq, const float *sx, const float *sums, cons
     }
 }
 
+/* Few rows, quants widened in registers (see the AVX-512 path's direct_tile): a 16-lane group
+ * is two vectors of 8 lanes, a chunk's two pairs alternate between two partial sums, and two
+ * groups a tile keep 16 vector registers enough for one or two rows. */
+#define DIRECT_ROWS 4
+#define DG 2
+
+/* Pair vectors of chunk c of a group, [pair][half]: pairs 2c and 2c + 1, lanes 0-7, 8-15. */
+static inline void direct_weights(const int8_t *restrict wq, int bits, int64_t c,
+                                  __m256i w[2][2]) {
+    if (bits == 8) {
+        for (int pair = 0; pair < 2; pair++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(wq + (4 * c + 2 * pair) * LANES));
+            w[pair][0] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v));
+            w[pair][1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1));
+        }
+        return;
+    }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(wq + 2 * c * LANES));
+    const __m256i low4 = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(v, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    w[0][0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo));
+    w[0][1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1));
+    w[1][0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi));
+    w[1][1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1));
+}
+
+static inline __attribute__((always_inline)) void direct_tile(
+    const int16_t *restrict xq, const float *restrict sx, const float *restrict sums,
+    const int8_t *restrict wq, const float *restrict d, const float *restrict m, int64_t K,
+    int64_t N, const int bits, const int mr, const int ng, float *restrict out) {
+    const int64_t nb = K / QK, group_bytes = K * LANES * bits / 8;
+    __m256 facc[DIRECT_ROWS][DG][2];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < ng; j++) facc[i][j][0] = facc[i][j][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i acc[DIRECT_ROWS][DG][2];
+        for (int i = 0; i < mr; i++)
+            for (int j = 0; j < ng; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_si256();
+        for (int64_t c = b * QK / 4; c < (b + 1) * QK / 4; c++) {
+            __m256i w[DG][2][2];
+            for (int j = 0; j < ng; j++) direct_weights(wq + j * group_bytes, bits, c, w[j]);
+            for (int i = 0; i < mr; i++) {
+                int32_t pairs[2];
+                memcpy(pairs, xq + i * K + 4 * c, sizeof pairs);
+                const __m256i x0 = _mm256_set1_epi32(pairs[0]), x1 = _mm256_set1_epi32(pairs[1]);
+                for (int j = 0; j < ng; j++)
+                    for (int h = 0; h < 2; h++)
+                        acc[i][j][h] = _mm256_add_epi32(
+                            acc[i][j][h], _mm256_add_epi32(_mm256_madd_epi16(w[j][0][h], x0),
+                                                           _mm256_madd_epi16(w[j][1][h], x1)));
+            }
+        }
+        for (int j = 0; j < ng; j++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 dv = _mm256_loadu_ps(d + (j * nb + b) * LANES + 8 * h);
+                const __m256 mv = m ? _mm256_loadu_ps(m + (j * nb + b) * LANES + 8 * h)
+                                    : _mm256_setzero_ps();
+                for (int i = 0; i < mr; i++) {
+                    const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(sx[i * nb + b]));
+                    facc[i][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][j][h]), scale,
+                                                    facc[i][j][h]);
+                    if (m)
+                        facc[i][j][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sums[i * nb + b]),
+                                                        facc[i][j][h]);
+                }
+            }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < ng; j++)
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_ps(out + i * N + j * LANES + 8 * h, facc[i][j][h]);
+}
+
+static void direct_any(const int16_t *xq, const float *sx, const float *sums, const int8_t *wq,
+                       const float *d, const float *m, int64_t K, int64_t N, int bits, int mr,
+                       int64_t g0, int ng, float *out) {
+    const int64_t nb = K / QK, group_bytes = K * LANES * bits / 8;
+#define DIRECT(B, R, G)                                                                    \
+    direct_tile(xq, sx, sums, wq + g * group_bytes, d + g * nb * LANES,                    \
+                m ? m + g * nb * LANES : NULL, K, N, B, R, G, out + g * LANES)
+#define BY_ROWS(B, G)                                                                      \
+    switch (mr) {                                                                          \
+    case 4: DIRECT(B, 4, G); break;                                                        \
+    case 3: DIRECT(B, 3, G); break;                                                        \
+    case 2: DIRECT(B, 2, G); break;                                                        \
+    default: DIRECT(B, 1, G); break;                                                       \
+    }
+    for (int64_t g = g0; g < g0 + ng;) {
+        if (mr <= 2 && g0 + ng - g >= DG) {
+            if (bits == 4) { BY_ROWS(4, DG) } else { BY_ROWS(8, DG) }
+            g += DG;
+        } else {
+            if (bits == 4) { BY_ROWS(4, 1) } else { BY_ROWS(8, 1) }
+            g += 1;
+        }
+    }
+#undef BY_ROWS
+#undef DIRECT
+}
+
 int i16_vector_lanes(void) { return 8; }
 
 #else /* portable C: the same integer sums and the same float32 steps, one lane at a time */

@@ -71,11 +71,13 @@ def test_the_fused_product_is_the_same_on_every_path(name, fmt, monkeypatch):
 def test_the_int16_product_is_the_same_on_every_path(name, fmt, monkeypatch):
     raw, qtype = quantised(fmt, 48, 96, seed=2)
     weight = cpu_int16.pack(raw, qtype, 96)
-    x = torch.randn(11, 96) * torch.linspace(0.1, 4, 96)
-    expected = cpu_int16.matmul(x, weight)
+    # 1-4 rows widen the quants in registers, more rows into a panel buffer
+    xs = [torch.randn(m, 96) * torch.linspace(0.1, 4, 96) for m in (11, 1, 2, 3)]
+    expected = [cpu_int16.matmul(x, weight) for x in xs]
     monkeypatch.setattr(cpu_int16, "_LIBRARY", variant(cpu_int16, name, "i16_vector_lanes"))
     # the same integer sums and the same float steps in the same order: equal, not close
-    assert torch.equal(cpu_int16.matmul(x, weight), expected)
+    for x, want in zip(xs, expected):
+        assert torch.equal(cpu_int16.matmul(x, weight), want), x.shape[0]
 
 
 @pytest.mark.parametrize("name", VARIANTS)
