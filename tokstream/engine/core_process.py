@@ -12,7 +12,7 @@ import os
 import tempfile
 import time
 
-from tokstream import envs
+from tokstream import envs, gc_policy
 from tokstream.config import EngineConfig
 from tokstream.engine import pool_adoption
 from tokstream.engine.child_process import become_child
@@ -77,6 +77,7 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
         ReplicaStatus(status), reason, restarts=core.restarts, worker_pids=core.executor.pids,
         resumed_requests=core.resumed_requests, recoveries=len(core.recovery_seconds),
         recovery_s=core.recovery_seconds[-1] if core.recovery_seconds else None))
+    gc_policy.settle_after_start()
     try:
         _serve(conn, core, config.scheduler.arrival_gather_ms / 1000)
     except (EOFError, OSError):

@@ -20,6 +20,7 @@ from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from tokstream import gc_policy
 from tokstream.config import EngineConfig, ServerConfig
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.pool_files import PoolFiles
@@ -89,6 +90,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id
             await hand_over(engine)
             server = app.state.server = Server(server_config, engine, tokenizer, model_id,
                                                aliases)
+            gc_policy.settle_after_start()  # before the first request's stream
             if url is not None:
                 print(f"tokstream serve: ready on {url} (model {model_id}, "
                       f"{engine.info.get('dtype')}, {engine.info.get('weights')} weights, "

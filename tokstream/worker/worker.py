@@ -9,7 +9,7 @@ import pickle
 import time
 from dataclasses import dataclass
 
-from tokstream import envs
+from tokstream import envs, gc_policy
 from tokstream.config import EngineConfig
 from tokstream.engine.messages import ScoreRequest
 
@@ -82,6 +82,7 @@ def worker_main(conn, config: EngineConfig, rank: int, rendezvous: str | None = 
         conn.send(WorkerFailed(rank, f"{type(exc).__name__}: {exc}" if not isinstance(
             exc, UserInputError) else str(exc), isinstance(exc, UserInputError)))
         return
+    gc_policy.settle_after_start()
     conn.send(ready)
     while True:
         try:
