@@ -12,13 +12,17 @@ from tokstream.engine.ngram_drafter import NgramConfig, NgramDrafter
 
 
 def brute_force(tokens: list[int], k: int, config: NgramConfig) -> list[int]:
-    """The longest suffix (max_n down to min_n) found earlier; the latest such occurrence."""
+    """The longest suffix (max_n down to min_n) found earlier; the latest such occurrence;
+    what followed it, read on through the draft itself where it reaches the present."""
     last = len(tokens) - 1
     for n in range(min(config.max_n, len(tokens)), config.min_n - 1, -1):
         suffix = tokens[last - n + 1:]
         for end in range(last - 1, n - 2, -1):
             if tokens[end - n + 1:end + 1] == suffix:
-                return tokens[end + 1:end + 1 + k]
+                extended = list(tokens)
+                for i in range(k):
+                    extended.append(extended[end + 1 + i])
+                return extended[len(tokens):]
     return []
 
 
@@ -48,6 +52,13 @@ def test_a_quoted_paragraph_is_predicted_after_its_first_tokens():
 def test_the_longest_match_wins_over_a_more_recent_shorter_one():
     drafter = NgramDrafter([7, 8, 9, 1, 0, 8, 9, 2, 7, 8, 9], NgramConfig(min_n=2, max_n=3))
     assert drafter.draft(2) == [1, 0]  # "7 8 9" -> 1, though "8 9" -> 2 is more recent
+
+
+def test_a_loop_is_drafted_as_far_as_k():
+    """A model repeating itself: the latest match is one period back, and the draft goes on
+    round the loop rather than stopping at the present."""
+    assert NgramDrafter([9, 42, 42, 42]).draft(4) == [42, 42, 42, 42]
+    assert NgramDrafter([1, 5, 6, 7, 5, 6, 7, 5, 6]).draft(5) == [7, 5, 6, 7, 5]
 
 
 def test_truncate_forgets_what_came_after():

@@ -243,6 +243,39 @@ class SchedulerConfig:
                                  "max_long_requests_per_tenant >= 0")
 
 
+SPECULATIVE_METHODS = ("off", "ngram")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: tokens drafted per request, checked by the model in one pass."""
+
+    method: str = "off"
+    """off, or ngram: drafts copied from the request's own prompt and output (prompt lookup),
+    verified in one forward pass; output is the same as without it.
+
+    Off by default until bench/ measures where it pays (issue 34). Requests whose sampling
+    the verification does not yet cover decode one token a step (speculation.py)."""
+    num_speculative_tokens: int = 4
+    """Most tokens drafted per request and step (ngram)."""
+    prompt_lookup_max: int = 4
+    """Longest suffix of a request's tokens looked up earlier in them (ngram)."""
+    prompt_lookup_min: int = 2
+    """Shortest suffix looked up (ngram); a shorter match drafts nothing."""
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise UserInputError(f"speculative method must be one of "
+                                 f"{', '.join(SPECULATIVE_METHODS)}, not {self.method!r}")
+        _at_least_one(self, "num_speculative_tokens", "prompt_lookup_min")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise UserInputError("prompt_lookup_max must be >= prompt_lookup_min")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+
 @dataclass
 class EngineConfig:
     """Everything one replica needs; passed whole to the core and to every worker."""
@@ -273,6 +306,7 @@ class EngineConfig:
     """Seed for dummy weights and for requests that bring none."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     num_threads: int | None = None
     """Torch threads per worker (default: the cores divided between the ranks)."""
     step_timeout_s: float = 120.0

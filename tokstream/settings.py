@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 
 from tokstream.config import (AdmissionConfig, CacheConfig, EngineConfig, SchedulerConfig,
-                              ServerConfig)
+                              ServerConfig, SpeculativeConfig)
 from tokstream.errors import UserInputError
 from tokstream.options import Flag, config_flags, is_bytes
 from tokstream.toml_file import read_toml
@@ -20,16 +20,16 @@ PROFILE_DIR = (_PACKAGE / "profiles" if (_PACKAGE / "profiles").is_dir()
 """profiles/: tokstream/profiles in a wheel install, the repository's top folder in a checkout."""
 
 SECTIONS: dict[str, type] = {"engine": EngineConfig, "cache": CacheConfig,
-                             "scheduler": SchedulerConfig, "server": ServerConfig,
-                             "admission": AdmissionConfig}
+                             "scheduler": SchedulerConfig, "speculative": SpeculativeConfig,
+                             "server": ServerConfig, "admission": AdmissionConfig}
 """A serving profile's sections and the config each one fills."""
 
-NESTED = {"cache", "scheduler", "admission"}
+NESTED = {"cache", "scheduler", "speculative", "admission"}
 """Fields of EngineConfig / ServerConfig that hold another section's config."""
 
 FLAG_NAMES = {"model": ("--model", "-m"), "tenants_file": ("--tenants",),
               "enable_prefix_caching": ("--prefix-caching",),
-              "down_retry_s": ("--down-retry-interval",)}
+              "down_retry_s": ("--down-retry-interval",), "method": ("--speculative",)}
 """Flags whose established spelling is not the field's name (options.flag_name)."""
 
 SERVE_FLAGS: list[Flag] = [flag for section, cls in SECTIONS.items()
@@ -97,7 +97,8 @@ def build_settings(preset: dict[str, dict], flags: dict[str, dict]) -> tuple[Eng
                                       flags.get(section, {})) for section in SECTIONS}
     try:
         engine = EngineConfig(**merged["engine"], cache=CacheConfig(**merged["cache"]),
-                              scheduler=SchedulerConfig(**merged["scheduler"]))
+                              scheduler=SchedulerConfig(**merged["scheduler"]),
+                              speculative=SpeculativeConfig(**merged["speculative"]))
         server = ServerConfig(**merged["server"],
                               admission=AdmissionConfig(**merged["admission"]))
     except TypeError as error:

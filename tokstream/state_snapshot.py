@@ -113,6 +113,27 @@ class LastStep(Wire):
 
 
 @dataclass
+class Speculation(Wire):
+    """Speculative decoding since the engine core started (issue 34; vLLM's spec_decode
+    counters)."""
+
+    method: str = "off"
+    """off or ngram (--speculative)."""
+    num_speculative_tokens: int = 0
+    """Most tokens drafted per request and step."""
+    num_drafts: int = 0
+    """Decodes that carried drafts (one per request and step)."""
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    """Of the drafted tokens, those the model agreed with (each saves a step)."""
+    accepted_per_position: list[int] = field(default_factory=list)
+    """Drafts accepted at each draft position (0 first)."""
+    acceptance_rate: float | None = None
+    """num_accepted_tokens / num_draft_tokens (None before any draft)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class CoreRequestRow(Wire):
     """A request as the engine core sees it."""
 
@@ -148,6 +169,8 @@ class CoreSnapshot(Wire):
     """Preemptions since the start."""
     kv: Kv | None = None
     """The KV pool (None from a core that sends none)."""
+    speculation: Speculation | None = None
+    """Speculative decoding's counts (None from a core that sends none)."""
     requests: list[CoreRequestRow] = field(default_factory=list)
     tenants: list[FairnessRow] | None = None
     """The fair queue's rows, one per tenant it has seen."""
@@ -449,6 +472,8 @@ class StateSnapshot(Wire):
     """The current rank group's processes."""
     kv: Kv = field(default_factory=Kv)
     batch: Batch = field(default_factory=Batch)
+    speculation: Speculation = field(default_factory=Speculation)
+    """Speculative decoding: drafted and accepted tokens (acceptance)."""
     admission: AdmissionState = field(default_factory=AdmissionState)
     requests: list[RequestRow] = field(default_factory=list)
     """Every live request: the gateway's view joined with the core's."""

@@ -149,15 +149,30 @@ class BlockManager:
         """Return request's blocks; a block goes back to the pool when nobody holds it."""
         # Reversed, so a sequence's tail (the least shareable part) is evicted first.
         for block_id in reversed(request.block_ids):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                if block_id in self._hash_of:
-                    self._evictable[block_id] = None
-                else:
-                    self._free.append(block_id)
+            self._release(block_id)
         request.block_ids = []
         request.block_hashes = []
         request.num_computed_tokens = 0
+
+    def trim(self, request: Request) -> int:
+        """Return request's blocks past those its computed tokens fill: blocks taken for
+        drafted positions a speculative step rejected. Returns the blocks freed."""
+        keep = self.blocks_for(request.num_computed_tokens)
+        tail = request.block_ids[keep:]
+        for block_id in reversed(tail):
+            self._release(block_id)
+        del request.block_ids[keep:]
+        del request.block_hashes[keep:]  # hashes name full computed blocks: none is cut
+        return len(tail)
+
+    def _release(self, block_id: int) -> None:
+        """One holder fewer; a block nobody holds is evictable (cached) or free."""
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if block_id in self._hash_of:
+                self._evictable[block_id] = None
+            else:
+                self._free.append(block_id)
 
     def reset(self) -> None:
         """Forget every block (the pool's contents are gone: its rank group was replaced).

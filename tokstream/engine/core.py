@@ -23,6 +23,7 @@ from tokstream.engine.pool_files import PoolPaths
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduled import SchedulerOutput
 from tokstream.engine.scheduler import Scheduler
+from tokstream.engine.speculation import Speculator
 from tokstream.engine.step_record import StepRecord
 from tokstream.errors import OverloadedError, PromptTooLongError, ReplicaError, UserInputError
 from tokstream.model.source import resolve_model
@@ -60,10 +61,13 @@ class EngineCore:
         eos = tuple(self.model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
         self.swap_space = (SwapSpace(ready.num_swap_blocks)
                            if config.cache.preemption_mode == "swap" else None)
+        self.speculator = (Speculator(config.speculative) if config.speculative.enabled
+                           else None)
         # On its last chance, a request runs in a step with no other such request.
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, eos,
                                    swap_space=self.swap_space,
-                                   suspect_after_failures=max(1, config.max_request_failures - 1))
+                                   suspect_after_failures=max(1, config.max_request_failures - 1),
+                                   speculator=self.speculator)
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.cached_tokens: dict[str, int] = {}
         """Prompt tokens each request found in the prefix cache when first scheduled."""
@@ -218,6 +222,8 @@ class EngineCore:
                  started: float) -> list[RequestDelta]:
         """The step ran: append the sampled tokens, emit their deltas, learn its cost."""
         _keep_prompt_logprobs(self.scheduler.requests, result)
+        before = {w.request.request_id: w.request.num_output_tokens
+                  for w in scheduled.work if w.samples}
         advanced = self.scheduler.update(scheduled, result.sampled_token_ids)
         # A failure streak ends at a token, as the gateway counts core deaths: a prefill chunk
         # that ran proves nothing, and a resumed request keeps its last-chance isolation (no
@@ -225,9 +231,10 @@ class EngineCore:
         for request in advanced:
             request.num_failures = 0
         logprobs = _logprobs_by_request(scheduled, result)
-        deltas = [self._emit(request, logprobs.get(request.request_id)) for request in advanced]
+        deltas = [self._emit(request, logprobs.get(request.request_id),
+                             before[request.request_id]) for request in advanced]
         self.resuming.difference_update(request.request_id for request in advanced)
-        decodes = scheduled.num_decodes
+        decodes = scheduled.num_decodes + scheduled.num_verify_tokens
         self.decode_tokens_total += decodes
         self.prefill_tokens_total += scheduled.num_tokens - decodes
         self.last_step = StepStats(scheduled.num_tokens, len(scheduled.work),
@@ -249,16 +256,29 @@ class EngineCore:
     def snapshot(self) -> dict:
         return core_snapshot.snapshot(self)
 
-    def _emit(self, request: Request, logprobs: TokenLogprobs | None = None) -> RequestDelta:
+    def _emit(self, request: Request, logprobs: TokenLogprobs | None = None,
+              first_index: int | None = None) -> RequestDelta:
+        """The delta of request's tokens from output index first_index on (the step's one
+        token by default; after drafts, several)."""
+        if first_index is None:
+            first_index = request.num_output_tokens - 1
         detokenizer = self.detokenizers[request.request_id]
-        step = detokenizer.step(request.output_token_ids[-1:])
-        text = step.text
-        if step.stop is not None:
+        text, stop = "", None
+        # One token at a time, so a stop string ends the output at the token that completes
+        # it, as if the tokens after it (accepted drafts) had never been sampled.
+        for kept, token in enumerate(request.output_token_ids[first_index:], 1):
+            step = detokenizer.step([token])
+            text += step.text
+            if step.stop is not None:
+                stop = step.stop
+                del request.output_token_ids[first_index + kept:]
+                break
+        if stop is not None:
             if request.status.is_finished:
                 request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = step.stop
+                request.stop_reason = stop
             else:
-                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, step.stop)
+                self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, stop)
         elif request.status.is_finished:
             text += detokenizer.finish()
         # The prompt's log-probabilities go out once, with the first token.
@@ -266,11 +286,11 @@ class EngineCore:
         if request.params.prompt_logprobs is not None and request.num_output_tokens == 1:
             prompt_logprobs = prompt_logprobs or [None] * len(request.prompt_token_ids)
         if request.status.is_finished:
-            delta = self.final_delta(request, text, last_token=True, logprobs=logprobs)
+            delta = self.final_delta(request, text, last_token=True, logprobs=logprobs,
+                                     first_index=first_index)
         else:
-            index = request.num_output_tokens - 1
             delta = RequestDelta(
-                request.request_id, request.output_token_ids[-1:], index, text,
+                request.request_id, request.output_token_ids[first_index:], first_index, text,
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_output_tokens=request.num_output_tokens, step_id=self.step_id,
                 logprobs=[logprobs] if logprobs else None,
@@ -279,10 +299,15 @@ class EngineCore:
         return delta
 
     def final_delta(self, request: Request, text: str, last_token: bool = False,
-                     logprobs: TokenLogprobs | None = None) -> RequestDelta:
+                    logprobs: TokenLogprobs | None = None,
+                    first_index: int | None = None) -> RequestDelta:
+        """request's last delta; last_token: with its tokens from output index first_index on
+        (by default its last token alone)."""
         self.detokenizers.pop(request.request_id, None)
         cached = self.cached_tokens.pop(request.request_id, 0)
-        tokens = request.output_token_ids[-1:] if last_token else []
+        if first_index is None:
+            first_index = request.num_output_tokens - 1
+        tokens = request.output_token_ids[first_index:] if last_token else []
         queue_s = (request.first_scheduled - request.arrival
                    if request.first_scheduled is not None else None)
         return RequestDelta(
@@ -321,5 +346,7 @@ def _logprobs_by_request(scheduled: SchedulerOutput,
     returns them beside its sampled tokens, in the order of the work that samples)."""
     if not result.logprobs:
         return {}
-    sampling = [work.request.request_id for work in scheduled.work if work.samples]
+    # One row per sampled token: 1 + its drafts for a decode with drafts (which asked none).
+    sampling = [rid for work in scheduled.work if work.samples
+                for rid in [work.request.request_id] * (1 + len(work.draft_token_ids))]
     return {rid: lp for rid, lp in zip(sampling, result.logprobs) if lp is not None}

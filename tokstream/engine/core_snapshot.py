@@ -74,6 +74,8 @@ def snapshot(core: EngineCore) -> dict:
                # self-checks since the start found any.
                "self_check": core.scheduler.check(rehash=False),
                "self_check_failures": core.self_check_failures},
+        "speculation": (core.speculator.snapshot() if core.speculator is not None
+                        else {"method": "off"}),
         "requests": requests,
         "tenants": scheduler.ledger.snapshot(),
         "policy": core.config.scheduler.policy,

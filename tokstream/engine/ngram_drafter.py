@@ -3,8 +3,9 @@
 Answers repeat spans of their prompt or of themselves (quoting, editing code, summarising,
 tool arguments, JSON keys). The drafter looks for the longest suffix of the request's tokens
 (prompt + output, `max_n` tokens down to `min_n`) that occurred earlier, and proposes the up to
-k tokens that followed its most recent earlier occurrence. A rank then checks them all in one
-forward pass; a wrong guess costs only the verification.
+k tokens that followed its most recent earlier occurrence (a continuation that runs into the
+present repeats with the match's period). A rank then checks them all in one forward pass; a
+wrong guess costs only the verification.
 
 Pure Python, no torch: one drafter per request, fed each token as it is accepted. Every
 appended token indexes the n-grams that end just before it, so the n-grams ending at the
@@ -69,8 +70,18 @@ class NgramDrafter:
         for n in range(min(self.config.max_n, len(self.tokens)), self.config.min_n - 1, -1):
             earlier = self._last_end.get(tuple(self.tokens[end - n + 1:]))
             if earlier is not None:
-                return self.tokens[earlier + 1:earlier + 1 + k]
+                return self._continuation(earlier + 1, k)
         return []
+
+    def _continuation(self, start: int, k: int) -> list[int]:
+        """k tokens from start on; where they run into the present, the same period goes
+        on (a match ending p tokens back predicts a loop of period p: a model repeating
+        itself, "a b a b" -> "a b")."""
+        draft = self.tokens[start:start + k]
+        period = len(self.tokens) - start
+        while len(draft) < k:
+            draft.append(draft[len(draft) - period])
+        return draft
 
     def _index_ending_at(self, end: int) -> None:
         for n in range(self.config.min_n, self.config.max_n + 1):

@@ -25,15 +25,29 @@ class ScheduledWork:
     """The worker has not seen this request (first admission or re-admission after preemption)."""
     samples: bool = False
     """This chunk reaches the end of the request's tokens, so a token is sampled after it."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: guesses of the tokens after the request's last one, computed
+    after it in this chunk (num_tokens counts them) and verified by a token sampled after
+    each position (speculation.py)."""
+    kept_blocks: int | None = None
+    """Blocks of the request's table the workers keep before appending new_block_ids (a
+    speculative step's rejected positions gave the rest back); None: all of them."""
 
     def __post_init__(self):
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
+        self.samples = (self.start + self.num_tokens - len(self.draft_token_ids)
+                        == self.request.num_tokens)
 
     @property
     def is_decode(self) -> bool:
         """One token computed and one sampled: the one rule for a decode, everywhere (the
         worker's chunk says the same: ScheduledChunk.is_decode)."""
         return self.num_tokens == 1 and self.samples
+
+    @property
+    def is_verify(self) -> bool:
+        """A decode with drafts: its last token and the drafts computed, one token sampled
+        after each."""
+        return bool(self.draft_token_ids)
 
 
 @dataclass
@@ -58,6 +72,11 @@ class SchedulerOutput:
     def num_decodes(self) -> int:
         return sum(1 for w in self.work if w.is_decode)
 
+    @property
+    def num_verify_tokens(self) -> int:
+        """Tokens of decodes with drafts (speculative decoding): last tokens and drafts."""
+        return sum(w.num_tokens for w in self.work if w.is_verify)
+
     def plan(self, step_id: int) -> StepPlan:
         """What the workers receive for this step: the same work, projected onto the
         messages a worker reads (a request new to them brings its sampling settings)."""
@@ -67,12 +86,14 @@ class SchedulerOutput:
             request = work.request
             if work.is_new:
                 plan.new_requests.append(new_request_data(request, work.start))
-            end = work.start + work.num_tokens
+            end = work.start + work.num_tokens - len(work.draft_token_ids)
             scores = request.scores_prompt and end < len(request.prompt_token_ids)
             plan.chunks.append(ScheduledChunk(
-                request.request_id, request.token_slice(work.start, end), work.start,
-                work.new_block_ids, request.num_output_tokens if work.samples else None,
-                request.prompt_token_ids[end] if scores else None))
+                request.request_id, request.token_slice(work.start, end) + work.draft_token_ids,
+                work.start, work.new_block_ids,
+                request.num_output_tokens if work.samples else None,
+                request.prompt_token_ids[end] if scores else None,
+                num_draft_tokens=len(work.draft_token_ids), kept_blocks=work.kept_blocks))
         return plan
 
 

@@ -9,7 +9,9 @@ prefill_share.py). When the pool runs dry mid-generation the lowest-priority, la
 running request is preempted: its blocks are freed and it is recomputed from prompt + output
 later, or, in swap mode, its blocks are copied to host memory first and copied back on
 re-admission (preemption.py). Either way its stream is unchanged. Both passes fill one
-StepDraft (step_draft.py). Pure Python, no torch.
+StepDraft (step_draft.py). With speculative decoding on, a decode may carry drafted tokens
+verified in the same chunk; update() keeps those accepted and gives back the rest
+(speculation.py). Pure Python, no torch.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tokstream.engine.prefill_share import (LongPrefillShare, is_long_prefill, l
                                             long_prefill_allowance)
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduled import ScheduledWork, SchedulerOutput, step_shape
+from tokstream.engine.speculation import Speculator
 from tokstream.engine.step_cost import MIN_PREFILL_TOKEN_S, StepCostModel
 from tokstream.engine.step_draft import StepDraft
 from tokstream.engine.waiting_queue import WaitingQueue
@@ -33,8 +36,10 @@ from tokstream.engine.waiting_queue import WaitingQueue
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), swap_space: SwapSpace | None = None,
-                 suspect_after_failures: int = 0):
+                 suspect_after_failures: int = 0, speculator: Speculator | None = None):
         self.config = config
+        self.speculator = speculator
+        """Drafts for running decodes (speculative decoding); None: off."""
         self.suspect_after_failures = suspect_after_failures
         """Requests in flight at this many failed steps in a row (0: off) are suspects of
         breaking the replica: a step takes at most one, so the one that does is found alone
@@ -103,6 +108,8 @@ class Scheduler:
         release_swap(self.swap_space, request)
         self.unknown_to_workers.discard(request.request_id)
         self.long_prompts.discard(request.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         request.status = status
         request.stop_reason = stop_reason
         self.ledger.on_departure(request.tenant)
@@ -184,7 +191,16 @@ class Scheduler:
                 if num_new == 0:
                     continue
                 step.long_left -= num_new
-            new_blocks = allocate_or_preempt(self, request, num_new, step)
+            drafts = self._drafts(request, num_new, step.budget)
+            # Drafted positions take only blocks free beyond one for each running request
+            # still to be given work: drafts never make anyone be preempted.
+            unscheduled = len(self.running) - len(step.scheduled) - 1
+            new_blocks = (self.block_manager.allocate(request, num_new + len(drafts),
+                                                      reserve=max(0, unscheduled))
+                          if drafts else None)
+            if new_blocks is None:
+                drafts = []
+                new_blocks = allocate_or_preempt(self, request, num_new, step)
             if new_blocks is None:
                 continue
             if prefill_time is not None:
@@ -194,10 +210,23 @@ class Scheduler:
             if is_new:  # the workers learn its whole block table, as at an admission
                 self.unknown_to_workers.discard(request.request_id)
                 new_blocks = list(request.block_ids)
-            work = ScheduledWork(request, request.num_computed_tokens, num_new, new_blocks,
-                                 is_new)
-            (step.decodes if work.is_decode else step.prefills).append(work)
-            step.spend(num_new)
+            work = ScheduledWork(request, request.num_computed_tokens, num_new + len(drafts),
+                                 new_blocks, is_new, draft_token_ids=drafts)
+            if self.speculator is not None:  # a step may have given blocks back (update)
+                work.kept_blocks = len(request.block_ids) - len(new_blocks)
+            (step.decodes if work.is_decode or work.is_verify else step.prefills).append(work)
+            step.spend(work.num_tokens)
+
+    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Drafted tokens to verify after request's last one this step ([] unless it
+        decodes with speculation on): at most what the budget has room for, and no more than
+        could be kept before max_tokens or the model's context ends it."""
+        if self.speculator is None or num_new != 1 or self._is_prefilling(request):
+            return []
+        most = min(budget - 1,
+                   request.params.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens - 1)
+        return self.speculator.draft(request, most)
 
     def num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens of request to compute this step: one for a decode, else a prefill chunk."""
@@ -271,34 +300,77 @@ class Scheduler:
         return problems
 
     def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
-        """Apply a step's results; return the requests that gained a token (in work order)."""
+        """Apply a step's results; return the requests that gained tokens (in work order):
+        one each, or, after drafts, the accepted ones and the token sampled after them."""
         sampled = iter(sampled_token_ids)
         advanced = []
         for work in out.work:
             request = work.request
+            if work.is_verify:
+                tokens = [next(sampled) for _ in range(1 + len(work.draft_token_ids))]
+                if self._verified(work, tokens):
+                    advanced.append(request)
+                continue
             request.num_computed_tokens = work.start + work.num_tokens
+            if self.speculator is not None and request.status == RequestStatus.RUNNING:
+                # Blocks a failed step took for drafts (keep_pool_after_restart ran it again
+                # without them) go back as a verification's rejected ones do.
+                self.block_manager.trim(request)
             self.block_manager.cache_full_blocks(request)
             if not work.samples:
                 continue
             token = next(sampled)
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.output_token_ids.append(token)
-            request.recovering = False
-            if request.first_token_at is None:
-                request.first_token_at = self.clock()
-            self.ledger.charge_output(request.tenant, 1, request.weight)
+            self._append(request, [token])
             advanced.append(request)
             self._check_stop(request, token)
         return advanced
 
+    def _verified(self, work: ScheduledWork, sampled: list[int]) -> bool:
+        """A decode with drafts ran: append the accepted drafts and the token sampled after
+        them (up to the first that ends the request), keep their positions' K/V and give
+        back the blocks only rejected positions used. False when it was aborted meanwhile."""
+        request = work.request
+        accepted = self.speculator.verified(work.draft_token_ids, sampled)
+        if request.status != RequestStatus.RUNNING:
+            return False  # aborted while the step ran: its blocks are already back
+        tokens = sampled[:accepted + 1]
+        for kept, token in enumerate(tokens, 1):
+            if self._stop_of(request, token, request.num_output_tokens + kept) is not None:
+                tokens = tokens[:kept]
+                break
+        self._append(request, tokens)
+        # K/V is kept for the last token and the accepted drafts the output now holds.
+        request.num_computed_tokens = work.start + len(tokens)
+        self.block_manager.trim(request)
+        self.block_manager.cache_full_blocks(request)
+        self._check_stop(request, tokens[-1])
+        return True
+
+    def _append(self, request: Request, tokens: list[int]) -> None:
+        request.output_token_ids.extend(tokens)
+        request.recovering = False
+        if request.first_token_at is None:
+            request.first_token_at = self.clock()
+        self.ledger.charge_output(request.tenant, len(tokens), request.weight)
+
     def _check_stop(self, request: Request, token: int) -> None:
+        stop = self._stop_of(request, token, request.num_output_tokens)
+        if stop is not None:
+            self.finish(request, *stop)
+
+    def _stop_of(self, request: Request, token: int,
+                 num_output_tokens: int) -> tuple[RequestStatus, str | int | None] | None:
+        """How request ends if token is its output token num_output_tokens (counted from 1),
+        as (status, stop reason); None if it goes on."""
         params = request.params
         if token in params.stop_token_ids:
-            self.finish(request, RequestStatus.FINISHED_STOPPED, token)
-        elif not params.ignore_eos and token in self.eos_token_ids:
-            self.finish(request, RequestStatus.FINISHED_STOPPED, None)
-        elif request.num_output_tokens >= params.max_tokens:
-            self.finish(request, RequestStatus.FINISHED_LENGTH)
-        elif request.num_tokens >= self.max_model_len:
-            self.finish(request, RequestStatus.FINISHED_LENGTH)
+            return RequestStatus.FINISHED_STOPPED, token
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED, None
+        if num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if len(request.prompt_token_ids) + num_output_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None

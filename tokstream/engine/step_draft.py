@@ -23,6 +23,7 @@ class StepDraft:
     """The step's preemptions, requests ended and block copies so far; its work comes last
     (done)."""
     decodes: list[ScheduledWork] = field(default_factory=list)
+    """Running requests' next tokens, with drafts or not."""
     prefills: list[ScheduledWork] = field(default_factory=list)
     scheduled: set[str] = field(default_factory=set)
     """Running requests given work: preemption takes its victims from the others."""
@@ -44,10 +45,13 @@ class StepDraft:
         self.budget = max(0, self.budget - num_tokens)
 
     def done(self, forgotten_ids: list[str]) -> SchedulerOutput:
-        """The finished step: decodes (one token) first, then prefill chunks: those of
-        running requests in running order, then those admitted, in admission order."""
+        """The finished step: decodes (one token) first, then decodes with drafts (their
+        chunks are longer: the workers batch one-token chunks at the head of a step), then
+        prefill chunks: those of running requests in running order, then those admitted, in
+        admission order."""
         prefills = sorted(self.prefills, key=lambda w: (
             (1, 0, 0) if w.is_new else (0, w.request.priority, w.request.arrival)))
-        self.out.work = self.decodes + prefills
+        decodes = sorted(self.decodes, key=lambda w: w.is_verify)  # stable: running order
+        self.out.work = decodes + prefills
         self.out.forgotten_ids = forgotten_ids
         return self.out

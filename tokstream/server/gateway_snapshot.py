@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 from tokstream.server import host_stats
 from tokstream.state_snapshot import (BATCH_FROM_CORE, AdmissionState, Batch, CoreSnapshot,
                                       Kv, LastStep, ProcessInfo, Rank, Replica,
-                                      RequestRow, StateSnapshot, TenantRow, Timing)
+                                      RequestRow, Speculation, StateSnapshot, TenantRow,
+                                      Timing)
 
 if TYPE_CHECKING:
     from tokstream.server.state import Server
@@ -66,6 +67,8 @@ class GatewaySnapshot:
                         num_preemptions=core.num_preemptions,
                         **{key: core.extra[key] for key in BATCH_FROM_CORE
                            if key in core.extra}),
+            speculation=(core.speculation if core.speculation is not None
+                         else Speculation.from_wire({})),
             admission=AdmissionState.from_wire(server.admission.snapshot()),
             requests=requests,
             tenants=([TenantRow.from_wire(t.row()) for t in server.tenants.tenants]

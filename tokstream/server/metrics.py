@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokstream.engine.messages import FinishReason
-from tokstream.state_snapshot import CoreSnapshot, Kv, LastStep, ReplicaStatus
+from tokstream.state_snapshot import CoreSnapshot, Kv, LastStep, ReplicaStatus, Speculation
 
 SCRAPE_WAIT_S = 0.05
 """Longest a /metrics scrape waits for the core's newer snapshot (an idle core answers in about
@@ -64,6 +64,7 @@ class EngineCollector:
                       kv.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits (tokens).",
                       kv.prefix_cache_hits)
+        yield from self._speculation(snap.speculation or Speculation())
         blocks = GaugeMetricFamily("tokstream_kv_blocks", "KV blocks by state.",
                                    labels=["model_name", "state"])
         for state, count in (("used", kv.used_blocks), ("free", kv.free_blocks),
@@ -87,6 +88,26 @@ class EngineCollector:
         for name in ("starting", *(status.value for status in ReplicaStatus)):
             status.add_metric([self.model, name], 1.0 if self.status == name else 0.0)
         yield status
+
+
+    def _speculation(self, spec: Speculation):
+        """vLLM's spec_decode counters (all zero while speculation is off)."""
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Decodes that carried drafted tokens.",
+                 spec.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Tokens drafted.", spec.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted.",
+                 spec.num_accepted_tokens)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model], value)
+            yield family
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Drafted tokens accepted, by draft position (0 first).",
+            labels=["model_name", "position"])
+        for position, count in enumerate(spec.accepted_per_position):
+            per_position.add_metric([self.model, str(position)], count)
+        yield per_position
 
 
 class Metrics:

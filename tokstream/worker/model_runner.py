@@ -214,6 +214,8 @@ class ModelRunner:
                 state.constraint = self.grammars.constraint(new.grammar)
         for chunk in plan.chunks:
             state = self.requests[chunk.request_id]
+            if chunk.kept_blocks is not None:  # blocks of rejected drafts went back
+                del state.block_table[chunk.kept_blocks:]
             state.block_table.extend(chunk.new_block_ids)
             if state.history is not None:  # by position: a re-sent chunk overwrites
                 del state.history[chunk.start_position:]
@@ -249,10 +251,16 @@ class ModelRunner:
             else:
                 prefills.append(PrefillSeq(query_start, n, start + n, table.to(self.device)))
             if chunk.sample_index is not None:
-                sample_rows.append(query_start + n - 1)
                 history, num_prompt = state.history or [], state.sampling.num_prompt_tokens
-                rows.append(SamplingRow(state.sampling, chunk.sample_index, history[:num_prompt],
-                                        history[num_prompt:], state.constraint))
+                # With drafts, one row after each of the last 1 + k positions: row i samples
+                # output index sample_index + i as if the drafts before it were the output.
+                last = n - 1 - chunk.num_draft_tokens
+                for i in range(chunk.num_draft_tokens + 1):
+                    sample_rows.append(query_start + last + i)
+                    rows.append(SamplingRow(state.sampling, chunk.sample_index + i,
+                                            history[:num_prompt],
+                                            history[num_prompt:start + last + i + 1],
+                                            state.constraint))
         positions = torch.cat([torch.arange(a, b) for a, b in position_ranges])
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts).to(self.device),

@@ -57,6 +57,14 @@ class ScheduledChunk:
     next_prompt_token: int | None = None
     """The prompt token right after this chunk, for a request scoring its prompt: what the
     chunk's last position predicts (None when the chunk ends the prompt or nobody asked)."""
+    num_draft_tokens: int = 0
+    """Speculative decoding: the last this many of token_ids are drafted guesses. A token is
+    sampled after each of the chunk's last 1 + num_draft_tokens positions, at output indices
+    sample_index, sample_index + 1, ...; the core keeps those the drafts agree with."""
+    kept_blocks: int | None = None
+    """The request's block table keeps only its first kept_blocks entries before
+    new_block_ids are appended (the core freed blocks of rejected drafted positions); None:
+    it keeps all."""
 
 
 @dataclass
@@ -106,7 +114,8 @@ class PromptLogprobs:
 class StepResult:
     step_id: int
     sampled_token_ids: list[int]
-    """One token per chunk with a sample_index, in chunk order."""
+    """One token per chunk with a sample_index (1 + num_draft_tokens for a chunk with
+    drafts), in chunk order."""
     execute_s: float = 0.0
     """Worker-side time for the forward pass and sampling."""
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)

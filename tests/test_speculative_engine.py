@@ -1,0 +1,134 @@
+"""Speculative decoding end to end on dummy:tiny with a real worker process (issue 34): with
+prompt-lookup drafts the output is the one plain decoding gives, token for token, greedy and
+seeded-sampled, through preemption, stop strings and log-probabilities beside it; and drafts
+really are accepted (so none of this passes by drafting nothing)."""
+
+import pytest
+
+from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from tokstream.engine.llm import LLM
+from tokstream.sampling_params import SamplingParams
+
+pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
+
+# Copy-heavy: each prompt repeats a short phrase, so its own history predicts a lot.
+PROMPTS = [[5 + i, 17, 99, 3 + i, 42, 8] * (3 + i) for i in range(6)]
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+# Few candidates a token, so its history predicts it now and then.
+SAMPLED = SamplingParams(max_tokens=48, temperature=1.0, top_k=2, seed=5, ignore_eos=True)
+
+
+def tiny(method: str, num_blocks=None, k=4) -> EngineConfig:
+    return EngineConfig(model="dummy:tiny", dtype="float32",
+                        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+                        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+                        speculative=SpeculativeConfig(method=method, num_speculative_tokens=k))
+
+
+@pytest.fixture(autouse=True)
+def self_check(monkeypatch):
+    """The core checks its block bookkeeping after every step (self_check_failures)."""
+    monkeypatch.setenv("TOKSTREAM_SELF_CHECK", "1")
+
+
+def logprobs_params():
+    return SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """Every case decoded without speculation."""
+    with LLM(tiny("off")) as llm:
+        greedy = llm.generate(PROMPTS, GREEDY)
+        text = llm.generate([PROMPTS[2]], GREEDY)[0].text
+        return {
+            "greedy": [c.token_ids for c in greedy],
+            "sampled": [c.token_ids for c in llm.generate(PROMPTS, SAMPLED)],
+            "logprobs": llm.generate(PROMPTS[:2], [logprobs_params(), GREEDY]),
+            "text": text,
+        }
+
+
+def assert_sound(llm):
+    core = llm.core
+    assert core.self_check_failures == 0
+    assert core.scheduler.check() == []
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def test_greedy_output_equals_plain_decoding_with_drafts_accepted(plain):
+    with LLM(tiny("ngram")) as llm:
+        out = llm.generate(PROMPTS, GREEDY)
+        stats = llm.core.speculator.stats
+        assert [c.token_ids for c in out] == plain["greedy"]
+        assert stats.num_accepted_tokens > 0, stats
+        assert all(c.finish_reason == "length" and len(c.token_ids) == 48 for c in out)
+        assert_sound(llm)
+        snapshot = llm.core.snapshot()["speculation"]
+        assert snapshot["num_accepted_tokens"] == stats.num_accepted_tokens
+        assert snapshot["method"] == "ngram"
+
+
+def test_deltas_carry_several_tokens_with_contiguous_indices(plain):
+    with LLM(tiny("ngram")) as llm:
+        deltas = list(llm.stream([llm.request(PROMPTS[0], GREEDY)]))
+    tokens, indices = [], []
+    for delta in deltas:
+        tokens += delta.token_ids
+        indices += range(delta.first_index, delta.first_index + len(delta.token_ids))
+    assert indices == list(range(48)) and tokens == plain["greedy"][0]
+    assert max(len(d.token_ids) for d in deltas) > 1
+    assert deltas[-1].num_output_tokens == 48
+
+
+def test_seeded_sampled_output_equals_plain_decoding(plain):
+    with LLM(tiny("ngram")) as llm:
+        out = llm.generate(PROMPTS, SAMPLED)
+        stats = llm.core.speculator.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+        assert [c.token_ids for c in out] == plain["sampled"]
+        assert_sound(llm)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_a_tiny_pool_preempts_and_outputs_are_unchanged(plain, kind):
+    """Blocks freed by rejected drafts are soon another request's: a worker whose block
+    table kept them would read and write the wrong K/V."""
+    # 40 blocks of 4 tokens: the six requests need about 100 at their ends.
+    with LLM(tiny("ngram", num_blocks=40)) as llm:
+        out = llm.generate(PROMPTS, GREEDY if kind == "greedy" else SAMPLED)
+        assert llm.core.scheduler.num_preemptions > 0
+        assert llm.core.speculator.stats.num_accepted_tokens > 0
+        assert [c.token_ids for c in out] == plain[kind]
+        assert_sound(llm)
+
+
+def test_logprobs_beside_speculating_requests(plain):
+    """A request with logprobs decodes plainly, in steps where another one verifies drafts:
+    each keeps its own rows."""
+    with LLM(tiny("ngram")) as llm:
+        with_logprobs, speculating = llm.generate(PROMPTS[:2], [logprobs_params(), GREEDY])
+        assert llm.core.speculator.stats.num_accepted_tokens > 0
+    expected, other = plain["logprobs"]
+    assert with_logprobs.token_ids == expected.token_ids
+    assert speculating.token_ids == other.token_ids
+    assert len(with_logprobs.logprobs) == 24
+    for got, want in zip(with_logprobs.logprobs, expected.logprobs):
+        assert got.top_token_ids == want.top_token_ids
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(plain):
+    text = plain["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, stop=[stop])
+    with LLM(tiny("off")) as llm:
+        (reference,) = llm.generate([PROMPTS[2]], params)
+    with LLM(tiny("ngram")) as llm:
+        (out,) = llm.generate([PROMPTS[2]], params)
+        assert llm.core.speculator.stats.num_accepted_tokens > 0
+        assert_sound(llm)
+    assert reference.finish_reason == "stop" and reference.stop_reason == stop
+    assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (
+        reference.token_ids, reference.text, reference.finish_reason, reference.stop_reason)
