@@ -104,3 +104,66 @@ def test_top_logprobs_work_out_each_tokens_bytes_once():
     assert len(listed) == 200 and all(len(e["top_logprobs"]) == 20 for e in listed)
     # 200 tokens x 21 pieces over 30 distinct ids: the table is read per id, not per piece.
     assert counting.table_reads <= 2 + 30, counting.table_reads
+
+
+class FakeCore:
+    """The engine handle's surface the gateway's Server touches (no core behind it)."""
+
+    def __init__(self):
+        from tokstream.config import EngineConfig
+
+        self.config = EngineConfig()
+        self.info = {"max_model_len": 100000, "num_blocks": 64, "block_size": 16}
+        self.dead = None
+        self.pool = None
+        self.restarts = self.resumed_requests = 0
+        self.recovery_seconds: list[float] = []
+
+    async def state(self) -> dict:
+        return {"running": 0, "waiting": 0}
+
+
+def test_count_tokens_with_special_token_text_builds_no_tokenizer_while_serving(monkeypatch):
+    # Building encode_text's tokenizer copy holds the GIL (~0.3 s for SmolLM2's): the first
+    # count_tokens over messages holding special-token text built it on its parse thread
+    # and /health/live waited 258-634 ms. The gateway builds it before it serves.
+    import asyncio
+
+    import httpx
+    from starlette.applications import Starlette
+
+    from tokstream import tokenizer as tokenizer_module
+    from tokstream.config import ServerConfig
+    from tokstream.server.app import routes
+    from tokstream.server.state import Server
+
+    builds = []
+    real = tokenizer_module.BackendTokenizer
+
+    class CountingBackendTokenizer:
+        @staticmethod
+        def from_str(text):
+            builds.append(len(text))
+            return real.from_str(text)
+
+    tokenizer = dummy_tokenizer(400, bos_token_id=0, eos_token_ids=(1,))
+    tokenizer.chat_template = CHATML
+    monkeypatch.setattr(tokenizer_module, "BackendTokenizer", CountingBackendTokenizer)
+    messages = [{"role": "user", "content": f"m{n} <|eos|> <|bos|>"} for n in range(50)]
+
+    async def scenario():
+        server = Server(ServerConfig(), FakeCore(), tokenizer, model_id="m", aliases=set())
+        app = Starlette(routes=routes())
+        app.state.server = server
+        built_before_serving = len(builds)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            reply = await client.post("/v1/messages/count_tokens",
+                                      json={"model": "m", "messages": messages})
+        return built_before_serving, reply
+
+    built_before_serving, reply = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["input_tokens"] == len(tokenizer.encode_chat(messages))
+    built_while_serving = len(builds) - built_before_serving
+    assert built_while_serving == 0, f"{built_while_serving} tokenizer copy built while serving"

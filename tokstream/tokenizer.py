@@ -102,12 +102,19 @@ class Tokenizer:
     def encode_text(self, text: str) -> list[int]:
         """User-supplied text to ids, special-token strings in it tokenised as plain text (no
         BOS): a user who types `<|im_end|>` gets those characters, not a control token."""
+        return _ids(self.prepare_user_text(), text)
+
+    def prepare_user_text(self) -> BackendTokenizer:
+        """encode_text's backend, built on the first call: a copy, so threads tokenising on
+        the shared backend never see its flag flip. Building it holds the GIL throughout
+        (~0.3 s for SmolLM2's), so the gateway calls this before it serves: built by the
+        first request with special-token text in a message, it stopped the event loop (and
+        /health/live) for that long."""
         if self._plain_backend is None:
-            # A copy, so threads tokenising on the shared backend never see the flag flip.
             plain = BackendTokenizer.from_str(self.backend.to_str())
             plain.encode_special_tokens = True
             self._plain_backend = plain
-        return _ids(self._plain_backend, text)
+        return self._plain_backend
 
     @property
     def special_strings(self) -> list[str]:
