@@ -10,6 +10,7 @@ its new matcher replays the same tokens and the stream still ends valid.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -19,33 +20,59 @@ log = logging.getLogger("tokstream.worker")
 
 
 class Grammars:
-    """The model's tokenizer as llguidance sees it, built on the first constrained request
-    (~0.3 s for SmolLM2's), and the matchers made from it."""
+    """The model's tokenizer as llguidance sees it and the matchers made from it, both built on
+    a thread of their own so that no step waits for them.
+
+    The tokenizer (~0.3-0.5 s for SmolLM2's, holding the GIL) is built from construction, as
+    the rank loads: built by the first constrained request inside a step, it stalled every
+    stream in that step. A matcher is compiled from when the rank learns its request
+    (llguidance drops the GIL while compiling, bounded by its fuel limits), beside that
+    step's forward pass; only the step that samples the request's first token waits for
+    what is left of it."""
 
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int,
                  eos_token_ids: tuple[int, ...]):
-        self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
-        self._eos = list(eos_token_ids)
-        self._tokenizer = None
+        self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._tokenizer = self._compiler.submit(self._build_tokenizer, tokenizer_json,
+                                                vocab_size, list(eos_token_ids))
+
+    @staticmethod
+    def _build_tokenizer(tokenizer_json: Callable[[], str], vocab_size: int, eos: list[int]):
+        from llguidance import LLTokenizer
+
+        return LLTokenizer(tokenizer_json(), n_vocab=vocab_size, eos_token=eos)
+
+    def _compile(self, grammar: str):
+        from llguidance import LLMatcher
+
+        return LLMatcher(self._tokenizer.result(), grammar, log_level=0)
 
     def constraint(self, grammar: str) -> "Constraint":
-        from llguidance import LLMatcher, LLTokenizer
-
-        if self._tokenizer is None:
-            self._tokenizer = LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
-                                          eos_token=self._eos)
-        return Constraint(LLMatcher(self._tokenizer, grammar, log_level=0), self.vocab_size)
+        """The request's constraint, its matcher compiling meanwhile (FIFO, one thread)."""
+        return Constraint(self._compiler.submit(self._compile, grammar), self.vocab_size)
 
 
 class Constraint:
     """One request's matcher and how many of its output tokens it has consumed."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self.matcher = matcher
+    def __init__(self, matcher: "Future | object", vocab_size: int):
+        self._matcher = matcher
+        """The LLMatcher, or the Future of one still compiling (Grammars.constraint)."""
         self.vocab_size = vocab_size
         self.consumed = 0
         self._words = np.full((vocab_size + 31) // 32, -1, dtype=np.int32)
+
+    @property
+    def compiled(self) -> bool:
+        return not isinstance(self._matcher, Future) or self._matcher.done()
+
+    @property
+    def matcher(self):
+        """The LLMatcher, waited for if it is still compiling."""
+        if isinstance(self._matcher, Future):
+            self._matcher = self._matcher.result()
+        return self._matcher
 
     def allowed(self, output_ids: list[int]) -> torch.Tensor | None:
         """(vocab,) bool: the tokens the grammar allows after `output_ids`; None when the

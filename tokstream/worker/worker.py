@@ -177,6 +177,10 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
         torch.cuda.set_device(rank % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
     source = resolve_model(config.model)
+    # Only rank 0 samples; its grammar tokenizer builds on a thread while the weights load.
+    grammars = Grammars(lambda: load_tokenizer(source).backend.to_str(),
+                        source.config.vocab_size, source.config.eos_token_ids
+                        ) if rank == 0 else None
     all_reduce = all_gather = None
     if config.tp > 1:
         all_reduce, all_gather = _init_tensor_parallel(config, rank, rendezvous, device.type,
@@ -223,8 +227,6 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
                                           config.cache.block_size, config.tp,
                                           TORCH_DTYPES[kv_dtype], pin=device.type == "cuda")
     graphs = _capture_decode_graphs(config, model, kv_caches, source.config, device)
-    grammars = Grammars(lambda: load_tokenizer(source).backend.to_str(),
-                        source.config.vocab_size, source.config.eos_token_ids)
     runner = ModelRunner(model, kv_caches, config.cache.block_size, device, swap_caches,
                          rank=rank, decode_graphs=graphs, grammars=grammars)
     ready = WorkerReady(rank, os.getpid(), dtype, str(device), num_blocks, block_bytes,
