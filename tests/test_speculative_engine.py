@@ -16,6 +16,12 @@ PROMPTS = [[5 + i, 17, 99, 3 + i, 42, 8] * (3 + i) for i in range(6)]
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 # Few candidates a token, so its history predicts it now and then.
 SAMPLED = SamplingParams(max_tokens=48, temperature=1.0, top_k=2, seed=5, ignore_eos=True)
+PENALISED = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True,
+                            frequency_penalty=0.4, presence_penalty=0.2),
+             SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True,
+                            repetition_penalty=1.3),
+             SamplingParams(max_tokens=48, temperature=1.0, top_k=3, seed=9, ignore_eos=True,
+                            frequency_penalty=0.3, repetition_penalty=1.1)] * 2
 
 
 def tiny(method: str, num_blocks=None, k=4) -> EngineConfig:
@@ -45,6 +51,7 @@ def plain():
             "greedy": [c.token_ids for c in greedy],
             "sampled": [c.token_ids for c in llm.generate(PROMPTS, SAMPLED)],
             "logprobs": llm.generate(PROMPTS[:2], [logprobs_params(), GREEDY]),
+            "penalised": [c.token_ids for c in llm.generate(PROMPTS, PENALISED)],
             "text": text,
         }
 
@@ -103,12 +110,14 @@ def test_a_tiny_pool_preempts_and_outputs_are_unchanged(plain, kind):
         assert_sound(llm)
 
 
-def test_logprobs_beside_speculating_requests(plain):
-    """A request with logprobs decodes plainly, in steps where another one verifies drafts:
-    each keeps its own rows."""
+def test_logprobs_with_speculation(plain):
+    """A request asking for logprobs gets one per token, drafted or not, equal to plain
+    decoding's, in steps where another request verifies drafts too."""
     with LLM(tiny("ngram")) as llm:
+        deltas = list(llm.stream([llm.request(PROMPTS[0], logprobs_params())]))
+        assert max(len(d.token_ids) for d in deltas) > 1  # it did speculate
+        assert all(len(d.logprobs or []) == len(d.token_ids) for d in deltas)
         with_logprobs, speculating = llm.generate(PROMPTS[:2], [logprobs_params(), GREEDY])
-        assert llm.core.speculator.stats.num_accepted_tokens > 0
     expected, other = plain["logprobs"]
     assert with_logprobs.token_ids == expected.token_ids
     assert speculating.token_ids == other.token_ids
@@ -132,3 +141,14 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(plain):
     assert reference.finish_reason == "stop" and reference.stop_reason == stop
     assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (
         reference.token_ids, reference.text, reference.finish_reason, reference.stop_reason)
+
+
+def test_penalties_see_the_drafts_before_each_row(plain):
+    """Penalised requests (greedy and sampled) draft too: each row's penalties count the
+    drafts before it as output, as plain decoding counts the tokens there."""
+    with LLM(tiny("ngram")) as llm:
+        out = llm.generate(PROMPTS, PENALISED)
+        stats = llm.core.speculator.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+        assert [c.token_ids for c in out] == plain["penalised"]
+        assert_sound(llm)

@@ -143,13 +143,20 @@ def test_stop_tokens_and_max_tokens_cut_accepted_drafts():
         r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 37 for r in spec)
 
 
-def test_requests_the_verification_does_not_cover_draft_nothing():
+def test_only_constrained_requests_draft_nothing():
+    """A grammar's matcher would have to follow each draft: such requests decode plainly;
+    penalised ones and those asking for logprobs draft."""
     s = spec_scheduler(num_blocks=128)
-    kinds = [dict(frequency_penalty=0.5), dict(repetition_penalty=1.2), dict(logprobs=2)]
-    requests = [make_request(f"k{i}", prompt=[1, 2, 3, 4] * 4, max_tokens=12, ignore_eos=True,
-                             **kind) for i, kind in enumerate(kinds)]
-    run(s, requests, WorkerTables())
+    constrained = make_request("g", prompt=[1, 2, 3, 4] * 4, max_tokens=12, ignore_eos=True,
+                               grammar='start: "a"+')
+    run(s, [constrained], WorkerTables())
     assert s.speculator.stats.num_drafts == 0
+    kinds = [dict(frequency_penalty=0.5), dict(repetition_penalty=1.2), dict(logprobs=2)]
+    for i, kind in enumerate(kinds):
+        before = s.speculator.stats.num_drafts
+        run(s, [make_request(f"k{i}", prompt=[1, 2, 3, 4] * 4, max_tokens=12,
+                             ignore_eos=True, **kind)], WorkerTables())
+        assert s.speculator.stats.num_drafts > before, kind
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -256,10 +256,11 @@ class EngineCore:
     def snapshot(self) -> dict:
         return core_snapshot.snapshot(self)
 
-    def _emit(self, request: Request, logprobs: TokenLogprobs | None = None,
+    def _emit(self, request: Request, logprobs: list[TokenLogprobs] | None = None,
               first_index: int | None = None) -> RequestDelta:
         """The delta of request's tokens from output index first_index on (the step's one
-        token by default; after drafts, several)."""
+        token by default; after drafts, several), with their log-probabilities if it asked
+        (one per token the step sampled for it, from first_index on)."""
         if first_index is None:
             first_index = request.num_output_tokens - 1
         detokenizer = self.detokenizers[request.request_id]
@@ -281,6 +282,8 @@ class EngineCore:
                 self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED, stop)
         elif request.status.is_finished:
             text += detokenizer.finish()
+        if logprobs:  # beside the tokens kept (a stop may have cut the step's short)
+            logprobs = logprobs[:request.num_output_tokens - first_index]
         # The prompt's log-probabilities go out once, with the first token.
         prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
         if request.params.prompt_logprobs is not None and request.num_output_tokens == 1:
@@ -293,13 +296,13 @@ class EngineCore:
                 request.request_id, request.output_token_ids[first_index:], first_index, text,
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_output_tokens=request.num_output_tokens, step_id=self.step_id,
-                logprobs=[logprobs] if logprobs else None,
+                logprobs=logprobs or None,
                 num_cached_tokens=self.cached_tokens.get(request.request_id, 0))
         delta.prompt_logprobs = prompt_logprobs
         return delta
 
     def final_delta(self, request: Request, text: str, last_token: bool = False,
-                    logprobs: TokenLogprobs | None = None,
+                    logprobs: list[TokenLogprobs] | None = None,
                     first_index: int | None = None) -> RequestDelta:
         """request's last delta; last_token: with its tokens from output index first_index on
         (by default its last token alone)."""
@@ -317,7 +320,7 @@ class EngineCore:
             num_output_tokens=request.num_output_tokens,
             step_id=self.step_id if last_token else 0,
             output_digest=token_digest(request.output_token_ids), queue_s=queue_s,
-            logprobs=[logprobs] if logprobs and last_token else None, num_cached_tokens=cached)
+            logprobs=logprobs if logprobs and last_token else None, num_cached_tokens=cached)
 
     def event(self, kind: str, request_id: str, **fields) -> None:
         self.events.append({"time": time.time(), "kind": kind, "request_id": request_id,
@@ -341,12 +344,17 @@ def _keep_prompt_logprobs(requests: dict[str, Request], result: StepResult) -> N
 
 
 def _logprobs_by_request(scheduled: SchedulerOutput,
-                         result: StepResult) -> dict[str, TokenLogprobs]:
-    """The step's log-probabilities by request, for the requests that asked (the worker
-    returns them beside its sampled tokens, in the order of the work that samples)."""
+                         result: StepResult) -> dict[str, list[TokenLogprobs]]:
+    """The step's log-probabilities by request, one per token sampled for it, for the
+    requests that asked (the worker returns them beside its sampled tokens, in the order of
+    the work that samples: 1 + its drafts for a decode with drafts)."""
     if not result.logprobs:
         return {}
-    # One row per sampled token: 1 + its drafts for a decode with drafts (which asked none).
-    sampling = [rid for work in scheduled.work if work.samples
-                for rid in [work.request.request_id] * (1 + len(work.draft_token_ids))]
-    return {rid: lp for rid, lp in zip(sampling, result.logprobs) if lp is not None}
+    rows = iter(result.logprobs)
+    by_request = {}
+    for work in scheduled.work:
+        if work.samples:
+            taken = [next(rows) for _ in range(1 + len(work.draft_token_ids))]
+            if taken[0] is not None:
+                by_request[work.request.request_id] = taken
+    return by_request

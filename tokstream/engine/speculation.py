@@ -16,9 +16,11 @@ token, and everything after it is discarded. The output is the same token for to
 only the same distribution. (Rejection sampling would accept more of a sampled request's
 drafts; this accepts a draft only where the sample happens to equal it.)
 
-Not covered yet, so drafted nothing (k = 0, plain decode): requests whose logits depend on
-their own earlier tokens beyond the model (penalties, a grammar) and requests returning
-log-probabilities (one entry a token, which the verification rows do not yet carry out).
+Penalties see, at each row, the output as plain decoding would have it there (the drafts
+before the row: model_runner keeps the history by position), and each row's log-probabilities
+are the model's for the token sampled there, so both are covered too. Not covered yet, so
+drafted nothing (k = 0, plain decode): requests with a grammar (structured outputs), whose
+matcher would have to advance over each draft and back.
 """
 
 from __future__ import annotations
@@ -43,13 +45,8 @@ def num_accepted(draft_token_ids: list[int], sampled_token_ids: list[int]) -> in
 
 def why_not_speculated(request: Request) -> str | None:
     """Why request decodes without drafts whatever the settings (None: it may draft)."""
-    params = request.params
-    if params.grammar:
+    if request.params.grammar:
         return "structured output"
-    if params.needs_history:
-        return "penalties"
-    if params.logprobs is not None:
-        return "logprobs"
     return None
 
 
