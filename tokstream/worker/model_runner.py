@@ -16,7 +16,8 @@ from tokstream.engine.messages import (NewRequestData, PromptLogprobs, Scheduled
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.grammar import Constraint, Grammars
-from tokstream.worker.sampler import SamplingRow, sample, scored_logprobs, token_logprobs
+from tokstream.worker.sampler import (SamplingRow, prompt_mask, sample, scored_logprobs,
+                                      token_logprobs)
 from tokstream.worker import shared_pool
 from tokstream.worker.zeroed_memory import lazily_zeroed
 
@@ -73,6 +74,9 @@ class RequestState:
     need it."""
     constraint: Constraint | None = None
     """The grammar's matcher of a constrained request (rank 0 only)."""
+    prompt_seen: torch.Tensor | None = None
+    """(vocab,) bool: the prompt's tokens for a repetition penalty, worked out at the first
+    sampled token (the prompt is whole by then): once, not on every step."""
 
     @property
     def needs_history(self) -> bool:
@@ -252,15 +256,17 @@ class ModelRunner:
                 prefills.append(PrefillSeq(query_start, n, start + n, table.to(self.device)))
             if chunk.sample_index is not None:
                 history, num_prompt = state.history or [], state.sampling.num_prompt_tokens
+                if state.sampling.repetition_penalty != 1.0 and state.prompt_seen is None:
+                    state.prompt_seen = prompt_mask(history[:num_prompt],
+                                                    self.model.config.vocab_size)
                 # With drafts, one row after each of the last 1 + k positions: row i samples
                 # output index sample_index + i as if the drafts before it were the output.
                 last = n - 1 - chunk.num_draft_tokens
                 for i in range(chunk.num_draft_tokens + 1):
                     sample_rows.append(query_start + last + i)
-                    rows.append(SamplingRow(state.sampling, chunk.sample_index + i,
-                                            history[:num_prompt],
+                    rows.append(SamplingRow(state.sampling, chunk.sample_index + i, [],
                                             history[num_prompt:start + last + i + 1],
-                                            state.constraint))
+                                            state.constraint, state.prompt_seen))
         positions = torch.cat([torch.arange(a, b) for a, b in position_ranges])
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts).to(self.device),

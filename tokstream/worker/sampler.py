@@ -43,6 +43,9 @@ class SamplingRow:
     """The output so far (kept only when a penalty or a grammar needs it)."""
     constraint: Constraint | None = None
     """The grammar the next token must follow (structured outputs)."""
+    prompt_seen: torch.Tensor | None = None
+    """(vocab,) bool: the tokens the prompt holds (prompt_mask), worked out once per request
+    for the repetition penalty; None: from prompt_ids."""
 
     @property
     def greedy(self) -> bool:
@@ -157,17 +160,26 @@ def process(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
         bias = torch.tensor([s.logit_bias[t] for t in ids.tolist()], dtype=out.dtype)
         out.index_add_(0, ids, bias)
     if s.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)),
-                            dtype=torch.int64)
-        if seen.numel():
-            values = out[seen]
-            out[seen] = torch.where(values > 0, values / s.repetition_penalty,
-                                    values * s.repetition_penalty)
+        # The prompt's tokens come once per request (prompt_seen); a step adds the output's.
+        seen = (row.prompt_seen if row.prompt_seen is not None
+                else prompt_mask(row.prompt_ids, out.shape[0])).clone()  # (vocab,)
+        if row.output_ids:
+            seen[torch.tensor(row.output_ids, dtype=torch.int64)] = True
+        out = torch.where(seen, torch.where(out > 0, out / s.repetition_penalty,
+                                            out * s.repetition_penalty), out)
     if (s.frequency_penalty or s.presence_penalty) and row.output_ids:
         counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.int64),
                                 minlength=out.shape[0])[:out.shape[0]].to(out.dtype)
         out -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(out.dtype)
     return out
+
+
+def prompt_mask(prompt_ids: list[int], vocab_size: int) -> torch.Tensor:
+    """(vocab,) bool: which tokens prompt_ids holds (the repetition penalty's prompt part)."""
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    if prompt_ids:
+        seen[torch.tensor(prompt_ids, dtype=torch.int64)] = True
+    return seen
 
 
 def warp(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""Issue 31 item 4 (b): a repetition penalty reads its request's prompt once, not on every
+step. bench/one_request_cost.py's penalties_long_prompt request made every step it shared
+copy its prompt out of the history and hash it into a set; now the prompt's tokens are a
+(vocab,) mask worked out at the first sampled token and each step adds only the output's.
+Counted: prompt positions read from the history per decode step."""
+
+import random
+
+import torch
+
+from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
+from tokstream.model.source import resolve_model
+from tokstream.model.weights import load_state_dict
+from tokstream.worker.model import LlamaModel
+from tokstream.worker.model_runner import ModelRunner, allocate_kv_caches
+from tokstream.worker.sampler import SamplingRow, process, prompt_mask
+
+BLOCK = 16
+PROMPT_TOKENS = 300
+DECODE_STEPS = 12
+
+
+class CountingHistory(list):
+    """A request's history that counts how many prompt positions are read out of it."""
+
+    def __init__(self, tokens, num_prompt: int):
+        super().__init__(tokens)
+        self.num_prompt = num_prompt
+        self.prompt_reads = 0
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            self.prompt_reads += sum(1 for i in range(*index.indices(len(self)))
+                                    if i < self.num_prompt)
+        elif index < self.num_prompt:
+            self.prompt_reads += 1
+        return super().__getitem__(index)
+
+    def __iter__(self):
+        self.prompt_reads += min(len(self), self.num_prompt)
+        return super().__iter__()
+
+
+def test_a_penalised_request_reads_its_prompt_once():
+    source = resolve_model("dummy:tiny")
+    torch.manual_seed(0)
+    model = LlamaModel(source.config, torch.float32)
+    model.load_weights(load_state_dict(source, torch.float32, seed=1))
+    caches = allocate_kv_caches(source.config, 64, BLOCK, 1, torch.float32, torch.device("cpu"))
+    runner = ModelRunner(model, caches, BLOCK, torch.device("cpu"))
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, 512) for _ in range(PROMPT_TOKENS)]
+    settings = NewRequestData("p", 0.0, 1.0, 0, 0, presence_penalty=0.5, frequency_penalty=0.5,
+                              repetition_penalty=1.3, num_prompt_tokens=len(prompt))
+    blocks = iter(range(64))
+    table = [next(blocks) for _ in range(-(-PROMPT_TOKENS // BLOCK))]
+    token = runner.execute(StepPlan(0, [settings], [
+        ScheduledChunk("p", prompt, 0, table, 0)])).sampled_token_ids[0]
+    state = runner.requests["p"]
+    state.history = CountingHistory(state.history, len(prompt))
+    output = [token]
+    for step in range(1, DECODE_STEPS + 1):
+        position = PROMPT_TOKENS + step - 1
+        new_blocks = [next(blocks)] if position % BLOCK == 0 else []
+        token = runner.execute(StepPlan(step, chunks=[
+            ScheduledChunk("p", [token], position, new_blocks, step)])).sampled_token_ids[0]
+        output.append(token)
+    # Before: the whole prompt was read out on every step (12 x 300 positions).
+    assert state.history.prompt_reads == 0, state.history.prompt_reads
+    assert state.history[PROMPT_TOKENS:] == output[:-1]
+    # The mask gives the logits the prompt's token list gave.
+    logits = torch.randn(source.config.vocab_size)
+    by_list = process(logits, SamplingRow(settings, 5, prompt, output[:5]))
+    by_mask = process(logits, SamplingRow(settings, 5, [], output[:5],
+                                          prompt_seen=prompt_mask(prompt, logits.shape[0])))
+    assert torch.equal(by_list, by_mask)
