@@ -240,3 +240,35 @@ def test_kv_cache_dtype_choices(monkeypatch):
             resolve(kv, serving, device)
     with pytest.raises(UserInputError, match="kv_cache_dtype"):
         EngineConfig(cache=CacheConfig(kv_cache_dtype="int8"))
+
+
+@pytest.mark.parametrize("bfloat16_share, start", [(0.8, quant_linear.STREAMED_BELOW),
+                                                   (0.5, 8)])
+def test_bfloat16_must_beat_the_stack_by_its_margin(monkeypatch, bfloat16_share, start):
+    """Below STREAMED_BELOW rows a bfloat16 copy takes rows only where it is faster than the
+    quantised paths by more than what leaving the one-call decode stack costs."""
+    rows_now = []
+    monkeypatch.setattr(quant_linear, "_runner", lambda x, w, path: (x.shape[0], path))
+
+    def best_times(fns, repeats):
+        m = rows_now[-1]
+        quantised = 1.0 * m
+        times = {"fused": 2 * quantised, "int16": quantised}
+        # bfloat16 slower than int16 below 8 rows, the given share of it from 8 on
+        times["bfloat16"] = quantised * (bfloat16_share if m >= 8 else 1.5)
+        return {p: times[p] for p in fns}
+
+    real_randn = torch.randn
+
+    def randn(m, k):
+        rows_now.append(m)
+        return real_randn(m, k)
+
+    monkeypatch.setattr(quant_linear.probe_cache, "best_times", best_times)
+    monkeypatch.setattr(quant_linear.torch, "randn", randn)
+    weight = q4_1()[0]
+    weight.int16 = cpu_int16.pack(weight.data, weight.qtype, 64)
+    weight.bfloat16 = BfloatWeight(weight.dequantize())
+    assert quant_linear.measure_streamed([weight], "bfloat16")["from_rows"] == start
+    # int16 against fused keeps no margin: it stays inside the stack
+    assert quant_linear.measure_streamed([weight], "int16")["from_rows"] == 1
