@@ -44,3 +44,20 @@ def test_streams_with_drafts_are_whole_and_the_drafts_are_counted():
             spec["num_draft_tokens"]
         assert metric(server.url, "vllm:spec_decode_num_accepted_tokens_per_pos_total",
                       position="0") == spec["accepted_per_position"][0] > 0
+
+
+def test_a_live_request_row_shows_its_drafts():
+    with ServerProcess("--model", "dummy:tiny", "--speculative", "ngram") as server:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            body = openai_body(COPY, max_tokens=1700, temperature=0, ignore_eos=True)
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200, response.read()
+                lines = response.iter_lines()
+                for _ in range(6):  # some tokens out: it has drafted (1,700 to go)
+                    next(lines)
+                rows = [row for row in server.state()["requests"] if row["state"] == "running"]
+            # Leaving the stream cancels the request.
+        assert len(rows) == 1 and 0 < rows[0]["accepted_tokens"] <= rows[0]["draft_tokens"]
+        server.wait_idle()
+    with ServerProcess("--model", "dummy:tiny") as server:  # speculation off: no such keys
+        assert server.state()["speculation"]["method"] == "off"

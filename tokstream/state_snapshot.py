@@ -147,6 +147,10 @@ class CoreRequestRow(Wire):
     preemptions: int = 0
     computed_tokens: int | None = None
     """Tokens of it in the KV cache."""
+    draft_tokens: int | None = ABSENT
+    """Speculative decoding: tokens drafted for it, accepted_tokens of them accepted (absent
+    with speculation off)."""
+    accepted_tokens: int | None = ABSENT
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -354,6 +358,10 @@ class RequestRow(StreamRow):
     phase: str | None = None
     """waiting | prefill | decode | preempted | recovering, or the state while it is not in the
     core."""
+    draft_tokens: int | None = ABSENT
+    """Speculative decoding: tokens drafted for it, accepted_tokens of them accepted (the
+    core's; absent with speculation off)."""
+    accepted_tokens: int | None = ABSENT
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -35,7 +35,9 @@ def snapshot(core: EngineCore) -> dict:
             "swapped_blocks": len(request.swapped_block_ids),
             "age_s": now - request.arrival,
             "queue_s": (request.first_scheduled - request.arrival
-                        if request.first_scheduled is not None else None)})
+                        if request.first_scheduled is not None else None),
+            **(core.speculator.request_counts(request.request_id)
+               if core.speculator is not None else {})})
     last = core.last_step
     return {
         "pid": os.getpid(),

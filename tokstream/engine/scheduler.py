@@ -332,7 +332,7 @@ class Scheduler:
         them (up to the first that ends the request), keep their positions' K/V and give
         back the blocks only rejected positions used. False when it was aborted meanwhile."""
         request = work.request
-        accepted = self.speculator.verified(work.draft_token_ids, sampled)
+        accepted = self.speculator.verified(request.request_id, work.draft_token_ids, sampled)
         if request.status != RequestStatus.RUNNING:
             return False  # aborted while the step ran: its blocks are already back
         tokens = sampled[:accepted + 1]

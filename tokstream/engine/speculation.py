@@ -87,6 +87,8 @@ class Speculator:
         self.ngram = NgramConfig(max_n=config.prompt_lookup_max, min_n=config.prompt_lookup_min)
         self.drafters: dict[str, NgramDrafter] = {}
         self.stats = SpeculationStats()
+        self.per_request: dict[str, list[int]] = {}
+        """Live request id -> [tokens drafted for it, of those accepted] (/v1/state rows)."""
 
     def draft(self, request: Request, most: int) -> list[int]:
         """Up to min(most, num_speculative_tokens) tokens to verify after request's last
@@ -100,14 +102,24 @@ class Speculator:
         drafter.extend(request.token_slice(len(drafter.tokens), request.num_tokens))
         return drafter.draft(k)
 
-    def verified(self, draft_token_ids: list[int], sampled_token_ids: list[int]) -> int:
-        """How many of the drafts the model accepted (counted in stats)."""
+    def verified(self, request_id: str, draft_token_ids: list[int],
+                 sampled_token_ids: list[int]) -> int:
+        """How many of request_id's drafts the model accepted (counted in stats)."""
         accepted = num_accepted(draft_token_ids, sampled_token_ids)
         self.stats.count(len(draft_token_ids), accepted)
+        counts = self.per_request.setdefault(request_id, [0, 0])
+        counts[0] += len(draft_token_ids)
+        counts[1] += accepted
         return accepted
 
     def forget(self, request_id: str) -> None:
         self.drafters.pop(request_id, None)
+        self.per_request.pop(request_id, None)
+
+    def request_counts(self, request_id: str) -> dict:
+        """A request's row in /v1/state: tokens drafted for it and accepted."""
+        drafted, accepted = self.per_request.get(request_id, (0, 0))
+        return {"draft_tokens": drafted, "accepted_tokens": accepted}
 
     def snapshot(self) -> dict:
         """What /v1/state shows (and /metrics counts)."""

@@ -86,4 +86,6 @@ def _request_row(stream, core_row, now: float) -> RequestRow:
         return RequestRow(**vars(stream.row(now)), state=state, phase=state)
     return RequestRow(**vars(stream.row(now)), state=core_row.state, blocks=core_row.blocks,
                       preemptions=core_row.preemptions, computed_tokens=core_row.computed_tokens,
-                      phase=core_row.phase if core_row.phase is not None else core_row.state)
+                      phase=core_row.phase if core_row.phase is not None else core_row.state,
+                      draft_tokens=core_row.draft_tokens,
+                      accepted_tokens=core_row.accepted_tokens)
