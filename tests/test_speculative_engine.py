@@ -7,6 +7,7 @@ import pytest
 
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokstream.engine.llm import LLM
+from tokstream.engine.messages import EngineRequest
 from tokstream.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
@@ -152,3 +153,18 @@ def test_penalties_see_the_drafts_before_each_row(plain):
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
         assert [c.token_ids for c in out] == plain["penalised"]
         assert_sound(llm)
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_a_resumed_request_drafts_from_its_delivered_tokens(plain, kind):
+    """Re-submitted with prompt + delivered tokens (what recovery does), a request drafts from
+    that history at once and continues exactly as the uninterrupted plain run."""
+    full = plain[kind][4]
+    params = GREEDY if kind == "greedy" else SAMPLED
+    with LLM(tiny("ngram")) as llm:
+        request = EngineRequest("resumed", PROMPTS[4], params, output_token_ids=full[:10])
+        deltas = list(llm.stream([request]))
+        assert llm.core.speculator.stats.num_draft_tokens > 0
+        assert_sound(llm)
+    assert deltas[0].first_index == 10
+    assert full[:10] + [t for d in deltas for t in d.token_ids] == full
