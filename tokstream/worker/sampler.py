@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from tokstream.engine.messages import NewRequestData, TokenLogprobs
@@ -159,19 +160,31 @@ def process(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
         ids = torch.tensor([t for t in s.logit_bias if t < out.shape[0]], dtype=torch.int64)
         bias = torch.tensor([s.logit_bias[t] for t in ids.tolist()], dtype=out.dtype)
         out.index_add_(0, ids, bias)
+    if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
+        out = out.float()
+        penalise(out.numpy(), row)
+    return out
+
+
+def penalise(values: np.ndarray, row: SamplingRow) -> None:
+    """Apply a row's repetition, frequency and presence penalties to its logits (vocab,)
+    float32, in place. In numpy, one thread: torch splits each vocabulary-sized op over the
+    rank's intra-op threads, and on a loaded machine each such op waited for a descheduled
+    thread (one penalised row's penalties: p99 108-130 ms with 2 threads, 0.6 ms with 1)."""
+    s = row.settings
+    output = np.asarray(row.output_ids, dtype=np.int64)  # (output,)
     if s.repetition_penalty != 1.0:
         # The prompt's tokens come once per request (prompt_seen); a step adds the output's.
         seen = (row.prompt_seen if row.prompt_seen is not None
-                else prompt_mask(row.prompt_ids, out.shape[0])).clone()  # (vocab,)
-        if row.output_ids:
-            seen[torch.tensor(row.output_ids, dtype=torch.int64)] = True
-        out = torch.where(seen, torch.where(out > 0, out / s.repetition_penalty,
-                                            out * s.repetition_penalty), out)
-    if (s.frequency_penalty or s.presence_penalty) and row.output_ids:
-        counts = torch.bincount(torch.tensor(row.output_ids, dtype=torch.int64),
-                                minlength=out.shape[0])[:out.shape[0]].to(out.dtype)
-        out -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(out.dtype)
-    return out
+                else prompt_mask(row.prompt_ids, values.shape[0])).numpy().copy()  # (vocab,)
+        seen[output] = True
+        picked = values[seen]
+        values[seen] = np.where(picked > 0, picked / np.float32(s.repetition_penalty),
+                                picked * np.float32(s.repetition_penalty))
+    if (s.frequency_penalty or s.presence_penalty) and output.size:
+        counts = np.bincount(output, minlength=values.shape[0])[:values.shape[0]]  # (vocab,)
+        values -= (np.float32(s.frequency_penalty) * counts.astype(np.float32)
+                   + np.float32(s.presence_penalty) * (counts > 0).astype(np.float32))
 
 
 def prompt_mask(prompt_ids: list[int], vocab_size: int) -> torch.Tensor:
