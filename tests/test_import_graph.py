@@ -151,3 +151,13 @@ def test_the_checker_sees_a_cycle_that_a_local_import_hides(tmp_path):
     graph = import_graph(tmp_path)
     assert cycles(graph) == [["tokstream.a", "tokstream.b"]]  # c's edge back is type-only
     assert graph["tokstream.c"] == {"tokstream": 1, "tokstream.b": 1}
+
+
+def test_the_engine_imports_nothing_of_the_worker():
+    """The engine core starts ranks by name (rank_start.RANK_PROGRAM) and speaks to them
+    through engine/messages only; worker/ imports those messages, never the other way."""
+    graph = import_graph(ROOT)
+    crossing = {(module, target): line for module, edges in graph.items()
+                if module.startswith("tokstream.engine")
+                for target, line in edges.items() if target.startswith("tokstream.worker")}
+    assert not crossing, crossing

@@ -17,11 +17,11 @@ import time
 
 from tokstream import envs
 from tokstream.config import EngineConfig
-from tokstream.engine.messages import ScoreRequest, ScoreResult, StepPlan, StepResult
+from tokstream.engine.messages import (ScoreRequest, ScoreResult, StepPlan, StepResult,
+                                       WorkerFailed, WorkerReady)
 from tokstream.engine.pool_files import PoolFiles, PoolPaths
 from tokstream.engine.rank_start import rank_context, rank_main
 from tokstream.errors import ReplicaError, UserInputError
-from tokstream.worker.worker import WorkerFailed, WorkerReady
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,6 +17,7 @@ that, as the forkserver itself starts and preloads (STARTUP_ENV), need a new for
 from __future__ import annotations
 
 import contextlib
+import importlib
 import multiprocessing as mp
 import multiprocessing.forkserver as forkserver
 import os
@@ -25,7 +26,6 @@ from tokstream.config import EngineConfig
 from tokstream.cpu_budget import usable_cores
 from tokstream.engine.child_process import become_child
 from tokstream.engine.forkserver_guard import GUARD_ENV
-from tokstream.worker.worker import worker_main
 
 # Read once by the child at start (glibc malloc, OpenMP, torch's CPU allocator). Measured on
 # a batch-32 SmolLM2 run: without them, per-step buffers of a few MB are mmap'ed and unmapped
@@ -40,10 +40,15 @@ LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 interface named, gloo binds the address the host name resolves to (a pod's IP under
 Kubernetes, where /etc/hosts maps it), open to the cluster and unauthenticated. Not the
 user's to change: no rank talks to another host."""
+RANK_PROGRAM = ("tokstream.worker.worker", "worker_main")
+"""The module and function a rank runs. Named, not imported: the engine starts ranks and
+speaks to them only through engine/messages, so engine/ imports nothing of worker/ (which
+imports those messages); the forkserver has the module preloaded (RANK_PRELOAD)."""
 RANK_PRELOAD = ["tokstream.engine.forkserver_guard", "torch", "torch.distributed",
                 "tokstream.model.weights", "tokstream.tokenizer", "tokstream.worker.model_runner",
                 "tokstream.worker.quant_linear", "tokstream.worker.dtype_choice",
-                "tokstream.worker.backend", "tokstream.worker.grammar"]
+                "tokstream.worker.backend", "tokstream.worker.grammar",
+                "tokstream.worker.worker"]
 """What the forkserver imports: its guard, then what a rank imports before it loads. A name
 that fails to import is skipped by the forkserver (the rank then imports it itself)."""
 
@@ -114,4 +119,5 @@ def rank_main(environment: dict[str, str], *args) -> None:
     os.environ.clear()
     os.environ.update(environment)
     become_child()
-    worker_main(*args)
+    module, function = RANK_PROGRAM
+    getattr(importlib.import_module(module), function)(*args)
