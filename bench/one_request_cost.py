@@ -97,6 +97,8 @@ def hostile_cases(model: str, vocab_size: int) -> dict[str, dict]:
                                   "body": chat(model, long_prompt, stream=True,
                                                presence_penalty=1.5, frequency_penalty=1.5,
                                                repetition_penalty=1.3)},
+        "long_prompt_plain": {"path": "/v1/chat/completions", "read": "stream",
+                              "body": chat(model, long_prompt, stream=True)},
         "top_logprobs_20_stream": {"path": "/v1/chat/completions", "read": "stream",
                                    "body": chat(model, "Tell me about the sea.", stream=True,
                                                 logprobs=True, top_logprobs=20)},
