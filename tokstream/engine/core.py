@@ -27,6 +27,7 @@ from tokstream.engine.speculation import Speculator
 from tokstream.engine.step_record import StepRecord
 from tokstream.errors import OverloadedError, PromptTooLongError, ReplicaError, UserInputError
 from tokstream.model.source import resolve_model
+from tokstream.state_snapshot import ReplicaStatus
 from tokstream.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("tokstream.engine")
@@ -80,7 +81,7 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self._rng = random.Random()
-        self.status = "ready"
+        self.status = ReplicaStatus.READY
         """ready | recovering | down (see recover())."""
         self.resuming: set[str] = set()
         """Requests put back in line by the last rank-group restart that have not produced a
@@ -135,7 +136,7 @@ class EngineCore:
             raise PromptTooLongError(
                 f"prompt is {len(prompt) + len(outputs)} tokens; the model's context is "
                 f"{self.max_model_len} tokens, leaving no room for output")
-        if self.status == "down":
+        if self.status == ReplicaStatus.DOWN:
             raise OverloadedError("replica is down; retry later")
         if not submitted.weight > 0:
             raise UserInputError(f"tenant weight must be > 0, got {submitted.weight}")
@@ -152,7 +153,7 @@ class EngineCore:
             prompt_ids=prompt, delivered_ids=list(outputs))
         self.scheduler.add_request(request)
 
-    def set_status(self, status: str, reason: str | None) -> None:
+    def set_status(self, status: ReplicaStatus, reason: str | None) -> None:
         self.status = status
         if self.on_status is not None:
             self.on_status(status, reason)
@@ -168,7 +169,7 @@ class EngineCore:
         """schedule -> execute -> update -> emit; a rank-group failure recovers instead."""
         started = time.perf_counter()
         deltas, self.pending_deltas = self.pending_deltas, []
-        if self.status == "down":
+        if self.status == ReplicaStatus.DOWN:
             recovery.retry_when_down(self)
             return deltas
         scheduled = self._schedule()

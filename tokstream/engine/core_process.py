@@ -74,7 +74,7 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
         block_size=core.block_manager.block_size, max_model_len=core.max_model_len,
         vocab_size=core.model_config.vocab_size, capacity=core.capacity_summary()))
     core.on_status = lambda status, reason: conn.send(StatusChanged(
-        ReplicaStatus(status), reason, restarts=core.restarts, worker_pids=core.executor.pids,
+        status, reason, restarts=core.restarts, worker_pids=core.executor.pids,
         resumed_requests=core.resumed_requests, recoveries=len(core.recovery_seconds),
         recovery_s=core.recovery_seconds[-1] if core.recovery_seconds else None))
     gc_policy.settle_after_start()
@@ -124,9 +124,9 @@ def _serve(conn, core, gather_s: float = 0.0) -> None:
                 now = time.monotonic()
                 gather_until = gather_until or now + GATHER_LIMIT * gather_s
                 timeout = max(0.0, min(gather_s, gather_until - now))
-        if core.has_work or core.status == "down" or core.pending_deltas:
+        if core.has_work or core.status == ReplicaStatus.DOWN or core.pending_deltas:
             out.extend(core.step())
-        elif core.status == "ready":
+        elif core.status == ReplicaStatus.READY:
             core.executor.reload_spare()  # idle: nothing left to re-prefill (see step)
         if out:
             conn.send(Deltas(out))

@@ -15,6 +15,7 @@ from tokstream.engine.messages import RequestDelta, poison_message
 from tokstream.engine.request import RequestStatus
 from tokstream.engine.scheduler import SchedulerOutput
 from tokstream.errors import ErrorKind, ReplicaError
+from tokstream.state_snapshot import ReplicaStatus
 
 if TYPE_CHECKING:
     from tokstream.engine.core import EngineCore
@@ -37,7 +38,7 @@ def recover(core: EngineCore, reason: str,
     replica is down: every live request ends with an error delta (returned) and new ones are
     refused until retry_when_down() brings a group back."""
     started = time.monotonic()
-    core.set_status("recovering", reason)
+    core.set_status(ReplicaStatus.RECOVERING, reason)
     core.event("rank_failure", "", reason=reason, pids=core.executor.pids)
     core.resuming = set(core.scheduler.requests)
     for attempt in range(1, core.config.max_recovery_attempts + 1):
@@ -57,7 +58,7 @@ def recover(core: EngineCore, reason: str,
         core.recovery_seconds.append(seconds)
         core.event("restarted", "", seconds=round(seconds, 3), pids=core.executor.pids,
                     resumed=len(core.scheduler.requests), kv="kept" if kept else "recomputed")
-        core.set_status("ready", None)
+        core.set_status(ReplicaStatus.READY, None)
         self_check(core, "recovery")
         return []
     core.scheduler.requeue_all()  # whatever group comes back later starts from nothing
@@ -102,7 +103,7 @@ def fail_in_flight(core: EngineCore, scheduled: SchedulerOutput,
 
 
 def go_down(core: EngineCore, reason: str) -> list[RequestDelta]:
-    core.set_status("down", reason)
+    core.set_status(ReplicaStatus.DOWN, reason)
     core.next_retry = time.monotonic() + DOWN_RETRY_S
     deltas = []
     for request in list(core.scheduler.requests.values()):
@@ -118,7 +119,7 @@ def go_down(core: EngineCore, reason: str) -> list[RequestDelta]:
 
 def retry_when_down(core: EngineCore) -> None:
     """While down, try a fresh rank group now and then; back to ready when one starts."""
-    if core.status != "down" or time.monotonic() < core.next_retry:
+    if core.status != ReplicaStatus.DOWN or time.monotonic() < core.next_retry:
         return
     try:
         core.executor.restart()
@@ -129,4 +130,4 @@ def retry_when_down(core: EngineCore) -> None:
     pool_adoption.follow_restart(core)
     core.restarts += 1
     core.event("restarted", "", seconds=None, pids=core.executor.pids, resumed=0)
-    core.set_status("ready", None)
+    core.set_status(ReplicaStatus.READY, None)
