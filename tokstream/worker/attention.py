@@ -4,7 +4,9 @@ The cache for one layer is a pair of tensors (num_kv_heads, num_blocks, block_si
 head-major, so gathering a sequence's blocks gives each head's keys contiguous and attention
 is two batched matmuls with no further copy (measured on CPU: 7x faster than gathering
 token-major blocks into scaled_dot_product_attention in bfloat16, 1.2x in float32).
-A step's tokens are laid out decodes first (one query each), then prefill chunks.
+A step's tokens are laid out decode rows first (one query each, with its own block table and
+context length: a speculative verify chunk is one row per position, its sequence repeating),
+then prefill chunks.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     """(num_tokens,) int64: the cache slot each new token's K/V is written to."""
     num_decodes: int
+    """Decode rows at the head of the step's tokens; rows of one sequence may repeat (each
+    attends to the cache up to its own context length)."""
     decode_block_tables: torch.Tensor | None
     """(num_decodes, max_blocks) int64, padded with block 0."""
     decode_key_bias: torch.Tensor | None

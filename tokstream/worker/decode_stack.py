@@ -1,7 +1,8 @@
 """When a step may run its decoder layers as one C call (kernels/cpu_decode_stack.c), and the
 call's table of weights and caches, built once per set of caches.
 
-It may when the step is decode-only, on CPU at one rank with the torch backend, in float32
+It may when the step is decode-only (decode rows: a speculative verify chunk's positions
+are rows of it too, model_runner.prepare), on CPU at one rank with the torch backend, in float32
 over a float32 or float16 cache, with every layer's products in native GGUF blocks below
 their measured crossover (where the per-layer path would switch to a float or bfloat16 matrix
 product;

@@ -247,11 +247,15 @@ class ModelRunner:
             table = torch.tensor(state.block_table, dtype=torch.int64)
             pos = torch.arange(start, start + n)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
-            # One-token chunks at the head of the plan share one batched decode attention.
-            in_decode_prefix = in_decode_prefix and n == 1
+            # One-token chunks at the head of the plan share one batched decode attention, and
+            # so do verify chunks (a last token and its drafts): one decode row per position,
+            # seeing its causal prefix, the drafts before it included (every row's K/V is
+            # written before attention). A verify-only step is then decode-only: the one-call
+            # decode stack takes it (decode_stack.py).
+            in_decode_prefix = in_decode_prefix and n == 1 + chunk.num_draft_tokens
             if in_decode_prefix:
-                decode_tables.append(state.block_table)
-                decode_lens.append(start + 1)
+                decode_tables.extend([state.block_table] * n)
+                decode_lens.extend(range(start + 1, start + n + 1))
             else:
                 prefills.append(PrefillSeq(query_start, n, start + n, table.to(self.device)))
             if chunk.sample_index is not None:
