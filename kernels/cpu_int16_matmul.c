@@ -286,39 +286,6 @@ static inline __attribute__((always_inline)) void direct_tile(
         for (int j = 0; j < ng; j++) _mm512_storeu_ps(out + i * N + j * LANES, facc[i][j]);
 }
 
-/* Groups [g0, g0 + ng) for all M (<= DIRECT_ROWS) rows, with constant sizes so the tile
- * stays in registers. */
-static void direct_any(const int16_t *xq, const float *sx, const float *sums, const int8_t *wq,
-                       const float *d, const float *m, int64_t K, int64_t N, int bits, int mr,
-                       int64_t g0, int ng, float *out) {
-    const int64_t nb = K / QK, group_bytes = K * LANES * bits / 8;
-#define DIRECT(B, R, G)                                                                    \
-    direct_tile(xq, sx, sums, wq + g * group_bytes, d + g * nb * LANES,                    \
-                m ? m + g * nb * LANES : NULL, K, N, B, R, G, out + g * LANES)
-#define BY_ROWS(B, G)                                                                      \
-    switch (mr) {                                                                          \
-    case 4: DIRECT(B, 4, G); break;                                                        \
-    case 3: DIRECT(B, 3, G); break;                                                        \
-    case 2: DIRECT(B, 2, G); break;                                                        \
-    default: DIRECT(B, 1, G); break;                                                       \
-    }
-    const int wide = mr <= 2 ? DG : DG / 2;
-    for (int64_t g = g0; g < g0 + ng;) {
-        const int left = (int)(g0 + ng - g);
-        if (left >= wide && wide == DG) {
-            if (bits == 4) { BY_ROWS(4, DG) } else { BY_ROWS(8, DG) }
-            g += DG;
-        } else if (left >= DG / 2) {
-            if (bits == 4) { BY_ROWS(4, DG / 2) } else { BY_ROWS(8, DG / 2) }
-            g += DG / 2;
-        } else {
-            if (bits == 4) { BY_ROWS(4, 1) } else { BY_ROWS(8, 1) }
-            g += 1;
-        }
-    }
-#undef BY_ROWS
-#undef DIRECT
-}
 
 int i16_vector_lanes(void) { return 16; }
 
@@ -480,32 +447,6 @@ static inline __attribute__((always_inline)) void direct_tile(
                 _mm256_storeu_ps(out + i * N + j * LANES + 8 * h, facc[i][j][h]);
 }
 
-static void direct_any(const int16_t *xq, const float *sx, const float *sums, const int8_t *wq,
-                       const float *d, const float *m, int64_t K, int64_t N, int bits, int mr,
-                       int64_t g0, int ng, float *out) {
-    const int64_t nb = K / QK, group_bytes = K * LANES * bits / 8;
-#define DIRECT(B, R, G)                                                                    \
-    direct_tile(xq, sx, sums, wq + g * group_bytes, d + g * nb * LANES,                    \
-                m ? m + g * nb * LANES : NULL, K, N, B, R, G, out + g * LANES)
-#define BY_ROWS(B, G)                                                                      \
-    switch (mr) {                                                                          \
-    case 4: DIRECT(B, 4, G); break;                                                        \
-    case 3: DIRECT(B, 3, G); break;                                                        \
-    case 2: DIRECT(B, 2, G); break;                                                        \
-    default: DIRECT(B, 1, G); break;                                                       \
-    }
-    for (int64_t g = g0; g < g0 + ng;) {
-        if (mr <= 2 && g0 + ng - g >= DG) {
-            if (bits == 4) { BY_ROWS(4, DG) } else { BY_ROWS(8, DG) }
-            g += DG;
-        } else {
-            if (bits == 4) { BY_ROWS(4, 1) } else { BY_ROWS(8, 1) }
-            g += 1;
-        }
-    }
-#undef BY_ROWS
-#undef DIRECT
-}
 
 int i16_vector_lanes(void) { return 8; }
 
@@ -550,6 +491,43 @@ static void tile_any(const int16_t *xq, const float *sx, const float *sums, cons
 int i16_vector_lanes(void) { return 0; }
 #define MR 4
 #define NR 3
+#endif
+
+#ifdef DIRECT_ROWS
+/* Groups [g0, g0 + ng) for all M (<= DIRECT_ROWS) rows by the vector path's direct_tile,
+ * with constant sizes so the tile stays in registers: DG groups a tile for up to two rows,
+ * DG / 2 for more, single groups for what is left. */
+static void direct_any(const int16_t *xq, const float *sx, const float *sums, const int8_t *wq,
+                       const float *d, const float *m, int64_t K, int64_t N, int bits, int mr,
+                       int64_t g0, int ng, float *out) {
+    const int64_t nb = K / QK, group_bytes = K * LANES * bits / 8;
+#define DIRECT(B, R, G)                                                                    \
+    direct_tile(xq, sx, sums, wq + g * group_bytes, d + g * nb * LANES,                    \
+                m ? m + g * nb * LANES : NULL, K, N, B, R, G, out + g * LANES)
+#define BY_ROWS(B, G)                                                                      \
+    switch (mr) {                                                                          \
+    case 4: DIRECT(B, 4, G); break;                                                        \
+    case 3: DIRECT(B, 3, G); break;                                                        \
+    case 2: DIRECT(B, 2, G); break;                                                        \
+    default: DIRECT(B, 1, G); break;                                                       \
+    }
+    const int wide = mr <= 2 ? DG : DG / 2;
+    for (int64_t g = g0; g < g0 + ng;) {
+        const int left = (int)(g0 + ng - g);
+        if (left >= wide && wide == DG) {
+            if (bits == 4) { BY_ROWS(4, DG) } else { BY_ROWS(8, DG) }
+            g += DG;
+        } else if (left >= DG / 2) {
+            if (bits == 4) { BY_ROWS(4, DG / 2) } else { BY_ROWS(8, DG / 2) }
+            g += DG / 2;
+        } else {
+            if (bits == 4) { BY_ROWS(4, 1) } else { BY_ROWS(8, 1) }
+            g += 1;
+        }
+    }
+#undef BY_ROWS
+#undef DIRECT
+}
 #endif
 
 /* The panel's quants (count of them, `bits` wide) widened to int16 in wq's element order, in
