@@ -89,12 +89,16 @@ def test_deltas_carry_several_tokens_with_contiguous_indices(plain):
     assert deltas[-1].num_output_tokens == 48
 
 
-def test_seeded_sampled_output_equals_plain_decoding(plain):
+@pytest.mark.parametrize("kind", ["sampled", "penalised"])
+def test_sampled_and_penalised_output_equals_plain_decoding(plain, kind):
+    """Seeded sampled requests, and penalised ones (greedy and sampled), draft too: a penalised
+    row's penalties count the drafts before it as output, as plain decoding counts the tokens
+    there."""
     with LLM(tiny("ngram")) as llm:
-        out = llm.generate(PROMPTS, SAMPLED)
+        out = llm.generate(PROMPTS, SAMPLED if kind == "sampled" else PENALISED)
         stats = llm.core.speculator.stats
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
-        assert [c.token_ids for c in out] == plain["sampled"]
+        assert [c.token_ids for c in out] == plain[kind]
         assert_sound(llm)
 
 
@@ -142,17 +146,6 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(plain):
     assert reference.finish_reason == "stop" and reference.stop_reason == stop
     assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (
         reference.token_ids, reference.text, reference.finish_reason, reference.stop_reason)
-
-
-def test_penalties_see_the_drafts_before_each_row(plain):
-    """Penalised requests (greedy and sampled) draft too: each row's penalties count the
-    drafts before it as output, as plain decoding counts the tokens there."""
-    with LLM(tiny("ngram")) as llm:
-        out = llm.generate(PROMPTS, PENALISED)
-        stats = llm.core.speculator.stats
-        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
-        assert [c.token_ids for c in out] == plain["penalised"]
-        assert_sound(llm)
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
