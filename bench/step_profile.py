@@ -107,11 +107,13 @@ def instrument(runner, timers: Timers) -> None:
 def decode_plans(batch: int, context: int, block_size: int, steps: int):
     """A prefill plan that fills `batch` sequences to `context` tokens, then decode plans."""
     from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
+    from tokstream.sampling_params import SamplingParams
 
     blocks_per_seq = -(-(context + steps + 1) // block_size)
     generator = torch.Generator().manual_seed(0)
     ids = [f"r{i}" for i in range(batch)]
-    prefill = StepPlan(0, [NewRequestData(r, 0.0, 1.0, 0, i) for i, r in enumerate(ids)], [
+    greedy = SamplingParams(temperature=0.0)
+    prefill = StepPlan(0, [NewRequestData(r, greedy, i) for i, r in enumerate(ids)], [
         ScheduledChunk(r, torch.randint(10, 40000, (context,), generator=generator).tolist(), 0,
                        list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 0)
         for i, r in enumerate(ids)])

@@ -68,7 +68,7 @@ def main() -> None:
         times = []
         for step in range(STEPS):
             logits = torch.randn(ROWS, vocab, generator=generator) * 4
-            rows = [SamplingRow(NewRequestData(str(i), 1.0, 1.0, 0, seed=i), step,
+            rows = [SamplingRow(NewRequestData(str(i), SamplingParams(), seed=i), step,
                                 output_ids=outputs[i], constraint=constraints[i])
                     for i in range(ROWS)]
             begin = time.perf_counter()

@@ -165,10 +165,12 @@ def test_argmax_rows_matches_torch_with_ties_nans_and_infinities(rows, cols):
 
 def test_greedy_sampling_takes_the_c_argmax(monkeypatch):
     from tokstream.engine.messages import NewRequestData
+    from tokstream.sampling_params import SamplingParams
     from tokstream.worker import sampler
 
     logits = torch.randn(4, 1000)
-    rows = [sampler.SamplingRow(NewRequestData("r", 0.0, 1.0, -1, 0), 0) for _ in range(4)]
+    greedy = NewRequestData("r", SamplingParams(temperature=0.0), 0)
+    rows = [sampler.SamplingRow(greedy, 0) for _ in range(4)]
     expected = logits.argmax(dim=-1).tolist()
     calls = []
     real = cpu_small_ops.argmax_rows

@@ -12,6 +12,7 @@ import torch
 from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_state_dict
+from tokstream.sampling_params import SamplingParams
 from tokstream.structured import StructuredOutput
 from tokstream.tokenizer import dummy_tokenizer
 from tokstream.worker.grammar import Grammars
@@ -55,9 +56,9 @@ def test_other_streams_decode_while_a_grammar_is_built(source, model):
     free = iter(range(32))
     prompt = [5, 6, 7, 8, 9, 10, 11, 12]  # "g": prefilled 2 tokens a step, 4 steps
     # Step 0: "a" prefills; "g" (constrained) is learned and prefills its first chunk.
-    plan = StepPlan(0, [NewRequestData("a", 0.0, 1.0, 0, 0),
-                        NewRequestData("g", 0.0, 1.0, 0, 0, num_prompt_tokens=len(prompt),
-                                       grammar=grammar)],
+    plan = StepPlan(0, [NewRequestData("a", SamplingParams(temperature=0.0), 0),
+                        NewRequestData("g", SamplingParams(temperature=0.0, grammar=grammar), 0,
+                                       num_prompt_tokens=len(prompt))],
                     [ScheduledChunk("a", [3, 4], 0, [next(free)], 0),
                      ScheduledChunk("g", prompt[:2], 0, [next(free), next(free)], None)])
     token_a = runner.execute(plan).sampled_token_ids[0]

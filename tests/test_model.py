@@ -11,12 +11,14 @@ from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.model.presets import dummy_config
 from tokstream.model.weights import load_state_dict
 from tokstream.model.source import resolve_model
+from tokstream.sampling_params import SamplingParams
 from tokstream.worker.attention import AttentionMetadata, paged_attention, write_kv
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import ModelRunner, allocate_kv_caches
 from tokstream.worker.sampler import SamplingRow, position_seed, sample
 
 BLOCK = 4
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,8 @@ def run_sequence(model, tokens, chunk_sizes, decode_from):
         needed = -(-(pos + size) // BLOCK) - len(table)
         new_blocks = [free.pop() for _ in range(needed)]
         table += new_blocks
-        plan = StepPlan(step, new_requests=[NewRequestData("r", 0.0, 1.0, 0, 0)] if step == 0 else [],
+        new = [NewRequestData("r", GREEDY, 0)] if step == 0 else []
+        plan = StepPlan(step, new_requests=new,
                         chunks=[ScheduledChunk("r", tokens[pos:pos + size], pos, new_blocks, None)])
         runner.update_requests(plan)
         input_ids, positions, meta, _, _ = runner.prepare(plan)
@@ -112,14 +115,14 @@ def test_mixed_batch_matches_separate_runs(model):
     rng.shuffle(free)
     # Step 1: prefill a[:8] and b[:5].
     tables = {"a": [free.pop() for _ in range(2)], "b": [free.pop() for _ in range(2)]}
-    plan = StepPlan(1, [NewRequestData(n, 0.0, 1.0, 0, 0) for n in "ab"], [
+    plan = StepPlan(1, [NewRequestData(n, GREEDY, 0) for n in "ab"], [
         ScheduledChunk("a", seqs["a"][:8], 0, tables["a"], 0),
         ScheduledChunk("b", seqs["b"][:5], 0, tables["b"], 0)])
     runner.execute(plan)
     # Step 2: decode a[8] and b[5] while prefilling all of c.
     tables["a"].append(free.pop())
     tables["c"] = [free.pop() for _ in range(2)]
-    plan = StepPlan(2, [NewRequestData("c", 0.0, 1.0, 0, 0)], [
+    plan = StepPlan(2, [NewRequestData("c", GREEDY, 0)], [
         ScheduledChunk("a", seqs["a"][8:9], 8, tables["a"][2:], 1),
         ScheduledChunk("b", seqs["b"][5:6], 5, [], 1),
         ScheduledChunk("c", seqs["c"], 0, tables["c"], 0)])
@@ -134,7 +137,8 @@ def test_mixed_batch_matches_separate_runs(model):
 
 
 def row(temperature, top_p, top_k, seed, position) -> SamplingRow:
-    return SamplingRow(NewRequestData("r", temperature, top_p, top_k, seed), position)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    return SamplingRow(NewRequestData("r", params, seed), position)
 
 
 def test_sampling_is_a_pure_function_of_seed_and_position():

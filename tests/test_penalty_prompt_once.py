@@ -11,9 +11,13 @@ import torch
 from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_state_dict
+from tokstream.sampling_params import SamplingParams
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import ModelRunner, allocate_kv_caches
 from tokstream.worker.sampler import SamplingRow, process, prompt_mask
+
+PENALISED = SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.5,
+                           repetition_penalty=1.3)
 
 BLOCK = 16
 PROMPT_TOKENS = 300
@@ -50,8 +54,7 @@ def test_a_penalised_request_reads_its_prompt_once():
     runner = ModelRunner(model, caches, BLOCK, torch.device("cpu"))
     rng = random.Random(0)
     prompt = [rng.randrange(3, 512) for _ in range(PROMPT_TOKENS)]
-    settings = NewRequestData("p", 0.0, 1.0, 0, 0, presence_penalty=0.5, frequency_penalty=0.5,
-                              repetition_penalty=1.3, num_prompt_tokens=len(prompt))
+    settings = NewRequestData("p", PENALISED, 0, num_prompt_tokens=len(prompt))
     blocks = iter(range(64))
     table = [next(blocks) for _ in range(-(-PROMPT_TOKENS // BLOCK))]
     token = runner.execute(StepPlan(0, [settings], [
@@ -86,8 +89,7 @@ def test_penalties_make_no_torch_op_over_the_vocabulary():
     rng = random.Random(1)
     prompt = [rng.randrange(vocab) for _ in range(300)]
     output = [rng.randrange(vocab) for _ in range(40)]
-    settings = NewRequestData("p", 0.0, 1.0, 0, 0, presence_penalty=0.5, frequency_penalty=0.5,
-                              repetition_penalty=1.3, num_prompt_tokens=len(prompt))
+    settings = NewRequestData("p", PENALISED, 0, num_prompt_tokens=len(prompt))
     row = SamplingRow(settings, 40, [], output, prompt_seen=prompt_mask(prompt, vocab))
     logits = torch.randn(vocab)
 

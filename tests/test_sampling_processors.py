@@ -21,9 +21,9 @@ VOCAB = 64
 
 
 def row(position=0, prompt_ids=(), output_ids=(), **settings) -> SamplingRow:
-    base = dict(temperature=1.0, top_p=1.0, top_k=0, seed=1)
-    base.update(settings)
-    return SamplingRow(NewRequestData("r", **base), position, list(prompt_ids), list(output_ids))
+    seed = settings.pop("seed", 1)
+    return SamplingRow(NewRequestData("r", SamplingParams(**settings), seed), position,
+                       list(prompt_ids), list(output_ids))
 
 
 def logits(seed: int = 0) -> torch.Tensor:

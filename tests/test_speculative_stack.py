@@ -11,6 +11,7 @@ from helpers.prefill import prefill_logits
 from test_decode_stack import BLOCK_SIZE, give_int16, native_model, random_caches
 from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.kernels import cpu_decode_stack
+from tokstream.sampling_params import SamplingParams
 from tokstream.worker.decode_stack import stack_for_step
 from tokstream.worker.model_runner import ModelRunner
 
@@ -22,7 +23,8 @@ T0, DRAFTS = 41, [42, 43, 44]
 
 
 def greedy(request_id: str, num_prompt: int) -> NewRequestData:
-    return NewRequestData(request_id, 0.0, 1.0, 0, 0, num_prompt_tokens=num_prompt)
+    return NewRequestData(request_id, SamplingParams(temperature=0.0), 0,
+                          num_prompt_tokens=num_prompt)
 
 
 def runner_after_prefill(model) -> ModelRunner:

@@ -12,6 +12,7 @@ from helpers.prefill import prefill_logits
 from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_state_dict
+from tokstream.sampling_params import SamplingParams
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import ModelRunner, allocate_kv_caches
 
@@ -33,9 +34,10 @@ def test_a_chunk_with_drafts_samples_after_each_position(model):
     t0, drafts = 77, [78, 79, 80]
     caches = allocate_kv_caches(model.config, 32, BLOCK, 1, torch.float32, torch.device("cpu"))
     runner = ModelRunner(model, caches, BLOCK, torch.device("cpu"))
-    penalised = NewRequestData("r", 0.0, 1.0, 0, 0, frequency_penalty=0.5,
+    penalised = NewRequestData("r", SamplingParams(temperature=0.0, frequency_penalty=0.5), 0,
                                num_prompt_tokens=len(prompt))
-    runner.execute(StepPlan(1, [penalised, NewRequestData("o", 0.0, 1.0, 0, 0)], [
+    plain = NewRequestData("o", SamplingParams(temperature=0.0), 0)
+    runner.execute(StepPlan(1, [penalised, plain], [
         ScheduledChunk("r", prompt, 0, [3, 9, 4], 0),
         ScheduledChunk("o", other, 0, [11, 12], 0)]))
     # A plain decode of "o" first, then "r"'s last token and three drafts (positions 9-12).
@@ -59,7 +61,7 @@ def test_a_chunk_with_drafts_samples_after_each_position(model):
 
 def test_kept_blocks_drops_a_rejected_tail_before_new_blocks():
     runner = ModelRunner(None, [], BLOCK, torch.device("cpu"))
-    runner.update_requests(StepPlan(1, [NewRequestData("r", 0.0, 1.0, 0, 0)], [
+    runner.update_requests(StepPlan(1, [NewRequestData("r", SamplingParams(temperature=0.0), 0)], [
         ScheduledChunk("r", list(range(7)), 0, [5, 6], 0)]))
     runner.update_requests(StepPlan(2, chunks=[
         ScheduledChunk("r", [1, 2, 3, 4, 5], 7, [8, 2], 1, num_draft_tokens=4, kept_blocks=2)]))

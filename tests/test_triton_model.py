@@ -73,7 +73,7 @@ class Driver:
             (decodes if decoding else prefills).append(ScheduledChunk(
                 str(i), tokens, self.done[i], new, len(self.outputs[i]) if final else None))
             self.done[i] += n
-        new_requests = [NewRequestData(str(i), 0.0, 1.0, 0, 0)
+        new_requests = [NewRequestData(str(i), SamplingParams(temperature=0.0), 0)
                         for i in range(len(self.prompts))] if self.step == 0 else []
         self.step += 1
         return StepPlan(self.step, new_requests, decodes + prefills, finished_ids)

@@ -111,3 +111,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def processed(self) -> bool:
+        """Whether anything but temperature, top_k and top_p changes the logits (the sampler
+        then processes the row by itself)."""
+        return (bool(self.logit_bias) or bool(self.grammar) or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or (self.min_p > 0.0 and not self.greedy))

@@ -108,9 +108,6 @@ def new_request_data(request: Request, start: int) -> NewRequestData:
     """A request's sampling settings for the workers, at its (re-)admission from start."""
     p = request.params
     return NewRequestData(
-        request.request_id, p.temperature, p.top_p, p.top_k, request.seed, min_p=p.min_p,
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, logprobs=p.logprobs,
-        num_prompt_tokens=len(request.prompt_token_ids), grammar=p.grammar,
-        prompt_logprobs=p.prompt_logprobs if request.scores_prompt else None,
+        request.request_id, p, request.seed, num_prompt_tokens=len(request.prompt_token_ids),
+        scores_prompt=request.scores_prompt,
         history=request.token_slice(0, start) if p.needs_history else [])

@@ -78,11 +78,6 @@ class RequestState:
     """(vocab,) bool: the prompt's tokens for a repetition penalty, worked out at the first
     sampled token (the prompt is whole by then): once, not on every step."""
 
-    @property
-    def needs_history(self) -> bool:
-        s = self.sampling
-        return (s.presence_penalty != 0.0 or s.frequency_penalty != 0.0
-                or s.repetition_penalty != 1.0 or bool(s.grammar))
 
 
 class ModelRunner:
@@ -212,10 +207,10 @@ class ModelRunner:
             self.requests.pop(request_id, None)
         for new in plan.new_requests:
             state = self.requests[new.request_id] = RequestState(new, [])
-            if state.needs_history:
+            if state.sampling.params.needs_history:
                 state.history = list(new.history)
-            if new.grammar and self.rank == 0:
-                state.constraint = self.grammars.constraint(new.grammar)
+            if new.params.grammar and self.rank == 0:
+                state.constraint = self.grammars.constraint(new.params.grammar)
         for chunk in plan.chunks:
             state = self.requests[chunk.request_id]
             if chunk.kept_blocks is not None:  # blocks of rejected drafts went back
@@ -260,7 +255,7 @@ class ModelRunner:
                 prefills.append(PrefillSeq(query_start, n, start + n, table.to(self.device)))
             if chunk.sample_index is not None:
                 history, num_prompt = state.history or [], state.sampling.num_prompt_tokens
-                if state.sampling.repetition_penalty != 1.0 and state.prompt_seen is None:
+                if state.sampling.params.repetition_penalty != 1.0 and state.prompt_seen is None:
                     state.prompt_seen = prompt_mask(history[:num_prompt],
                                                     self.model.config.vocab_size)
                 # With drafts, one row after each of the last 1 + k positions: row i samples

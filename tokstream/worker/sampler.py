@@ -18,6 +18,7 @@ import torch
 
 from tokstream.engine.messages import NewRequestData, TokenLogprobs
 from tokstream.kernels import cpu_small_ops
+from tokstream.sampling_params import SamplingParams
 from tokstream.worker.grammar import Constraint
 
 _MASK64 = (1 << 64) - 1
@@ -49,16 +50,8 @@ class SamplingRow:
     for the repetition penalty; None: from prompt_ids."""
 
     @property
-    def greedy(self) -> bool:
-        return self.settings.temperature == 0.0 or self.settings.top_k == 1
-
-    @property
-    def processed(self) -> bool:
-        """Whether anything but temperature, top_k and top_p changes this row's logits."""
-        s = self.settings
-        return bool(s.logit_bias) or self.constraint is not None or s.presence_penalty != 0.0 \
-            or s.frequency_penalty != 0.0 or s.repetition_penalty != 1.0 \
-            or (s.min_p > 0.0 and not self.greedy)
+    def params(self) -> SamplingParams:
+        return self.settings.params
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
@@ -68,7 +61,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     rows' softmax and running sums in one batched pass (measured at 32 rows over SmolLM2's
     49,152 tokens: 2 ms a step, where per-row Gumbel noise took 17.7 ms). Each row's result
     depends only on its own logits and uniform, never on what shares the batch."""
-    plain = [i for i, row in enumerate(rows) if row.greedy and not row.processed]
+    plain = [i for i, row in enumerate(rows) if row.params.greedy and not row.params.processed]
     tokens = [0] * len(rows)
     if plain:  # one batched argmax for the rows nothing else touches
         for i, token in zip(plain, argmax_rows(logits if len(plain) == len(rows)
@@ -77,10 +70,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     drawn: list[int] = []
     warped: list[torch.Tensor] = []
     for i, row in enumerate(rows):
-        if row.greedy and not row.processed:
+        if row.params.greedy and not row.params.processed:
             continue
-        base = process(logits[i], row) if row.processed else logits[i]
-        if row.greedy:
+        base = process(logits[i], row) if row.params.processed else logits[i]
+        if row.params.greedy:
             tokens[i] = int(base.argmax())
         else:
             drawn.append(i)
@@ -114,11 +107,11 @@ def token_logprobs(logits: torch.Tensor, rows: list[SamplingRow],
                    tokens: list[int]) -> list[TokenLogprobs | None]:
     """The sampled tokens' log-probabilities for the rows that asked (None for the others);
     [] when none did, so a step without them costs nothing."""
-    if all(row.settings.logprobs is None for row in rows):
+    if all(row.params.logprobs is None for row in rows):
         return []
     out: list[TokenLogprobs | None] = []
     for i, row in enumerate(rows):
-        num_top = row.settings.logprobs
+        num_top = row.params.logprobs
         if num_top is None:
             out.append(None)
             continue
@@ -150,7 +143,7 @@ def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor,
 def process(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """One row's logits (vocab,) after the grammar's mask, logit_bias and the penalties (a new
     tensor)."""
-    s = row.settings
+    s = row.params
     out = logits.clone()
     if row.constraint is not None:
         allowed = row.constraint.allowed(row.output_ids)
@@ -171,7 +164,7 @@ def penalise(values: np.ndarray, row: SamplingRow) -> None:
     float32, in place. In numpy, one thread: torch splits each vocabulary-sized op over the
     rank's intra-op threads, and on a loaded machine each such op waited for a descheduled
     thread (one penalised row's penalties: p99 108-130 ms with 2 threads, 0.6 ms with 1)."""
-    s = row.settings
+    s = row.params
     output = np.asarray(row.output_ids, dtype=np.int64)  # (output,)
     if s.repetition_penalty != 1.0:
         # The prompt's tokens come once per request (prompt_seen); a step adds the output's.
@@ -198,7 +191,7 @@ def prompt_mask(prompt_ids: list[int], vocab_size: int) -> torch.Tensor:
 def warp(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     """A sampled row's logits (vocab,) after temperature, min_p, top_k and top_p: the tokens
     they drop at -inf."""
-    s = row.settings
+    s = row.params
     scaled = logits / s.temperature
     if s.min_p > 0.0:
         probs = scaled.softmax(-1)

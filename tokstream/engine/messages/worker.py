@@ -8,37 +8,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokstream.sampling_params import SamplingParams
+
 
 @dataclass
 class NewRequestData:
     """A request the worker has not seen (or must forget and relearn after a preemption). The
-    worker samples each of its tokens with these settings as they came (SamplingRow.settings)."""
+    worker samples each of its tokens with its SamplingParams as the gateway checked them,
+    whole (SamplingRow.settings): a new sampling option is a field there and its use in the
+    sampler, nothing between."""
 
     request_id: str
-    temperature: float
-    top_p: float
-    top_k: int
+    params: SamplingParams
     seed: int
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: int | None = None
-    """Alternatives to return with each sampled token's log-probability; None: none."""
+    """The request's seed (params.seed, or the one the core drew for it at admission)."""
     num_prompt_tokens: int = 0
     """Positions below this are the prompt: penalties tell prompt from output by position,
     so a request re-prefilled after a preemption or a restart counts the same tokens."""
-    grammar: str = ""
-    """The llguidance grammar the output must follow ('' when free)."""
-    prompt_logprobs: int | None = None
-    """Alternatives to return with each prompt token's log-probability (prompt logprobs),
-    scored from the prefill's own hidden states; None: none (also once the request has
-    output: its prompt was scored before its first token)."""
+    scores_prompt: bool = False
+    """Score the prompt (params.prompt_logprobs) from the prefill's own hidden states; False
+    also once the request has output: its prompt was scored before its first token."""
     history: list[int] = field(default_factory=list)
     """For a penalised or constrained request: its tokens at the positions before its first
     chunk (a cached prefix the worker is not sent), so the worker knows every token the
     penalties count and the grammar has consumed."""
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Alternatives to return with each prompt token's log-probability; None: none."""
+        return self.params.prompt_logprobs if self.scores_prompt else None
 
 
 @dataclass
