@@ -8,6 +8,10 @@ Definitions (vllm bench serve's, so numbers compare):
   for a request when its worst gap is within it: a reader sees the longest stall, not the mean.
 - Jain's index over per-tenant throughput x: (sum x)^2 / (n * sum x^2); 1 is perfectly even,
   1/n is one tenant taking everything.
+- Speculative decoding over a run (vLLM's spec_decode counters, read from the server's /metrics
+  before and after it): acceptance rate = accepted / drafted tokens; mean acceptance length =
+  1 + accepted tokens / drafts (tokens a verify step yields); per position i, drafts accepted
+  at position i / drafts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ from tokstream.stats import percentile
 
 PERCENTILES = (50, 90, 99)
 SLO_KEYS = ("ttft", "itl", "tpot", "e2e")
+SPEC_DECODE = {"vllm:spec_decode_num_drafts_total": "drafts",
+               "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+               "vllm:spec_decode_num_accepted_tokens_total": "accepted_tokens"}
+"""The spec_decode samples read from /metrics (summed over labels) -> the report's names."""
+SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+"""Summed over labels but position, into accepted_per_position."""
 
 
 def distribution(values: list[float]) -> dict:
@@ -111,3 +121,53 @@ def summarize(samples: list[dict], duration_s: float, slo: dict[str, float]) -> 
         "goodput": {"requests_per_s": per_s(len(good)), "requests": len(good),
                     "fraction": len(good) / len(samples) if samples else None, "slo": slo},
     }
+
+
+def spec_decode_counters(text: str) -> dict | None:
+    """The spec_decode counters of a Prometheus text exposition: drafts, draft_tokens,
+    accepted_tokens and accepted_per_position (position 0 first). None when it has none of
+    them (a server without speculative decoding, as vLLM's without a speculative config)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counters = {name: 0.0 for name in SPEC_DECODE.values()}
+    per_position: dict[int, float] = {}
+    seen = False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in SPEC_DECODE:
+                counters[SPEC_DECODE[sample.name]] += sample.value
+                seen = True
+            elif sample.name == SPEC_PER_POSITION and "position" in sample.labels:
+                position = int(sample.labels["position"])
+                per_position[position] = per_position.get(position, 0.0) + sample.value
+    if not seen:
+        return None
+    counters["accepted_per_position"] = [per_position.get(i, 0.0)
+                                         for i in range(max(per_position, default=-1) + 1)]
+    return counters
+
+
+def speculation_over_run(before: dict | None, after: dict | None) -> dict | None:
+    """A run's speculative decoding from spec_decode_counters before and after it: the counter
+    deltas and the rates over them (None where nothing was drafted). None when the server has
+    no speculation: no counters, or none drafted by the run's end (tokstream keeps them at zero
+    with speculation off). counters_reset: a counter went down (the engine core restarted
+    during the run), so the figures count from that restart only."""
+    if before is None or after is None or not after["draft_tokens"]:
+        return None
+    names = list(SPEC_DECODE.values())
+    reset = any(after[name] < before[name] for name in names) or any(
+        a < b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"]))
+    start = ({**dict.fromkeys(names, 0.0), "accepted_per_position": []} if reset
+             else before)
+    delta = {name: round(after[name] - start[name]) for name in names}
+    positions = after["accepted_per_position"]
+    earlier = start["accepted_per_position"] + [0.0] * len(positions)
+    per_position = [round(count - earlier[i]) for i, count in enumerate(positions)]
+    drafts, drafted, accepted = delta["drafts"], delta["draft_tokens"], delta["accepted_tokens"]
+    return {**delta, "accepted_per_position": per_position,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "acceptance_per_position": [count / drafts for count in per_position]
+            if drafts else [],
+            "counters_reset": reset}

@@ -5,7 +5,9 @@ tpot_s, e2e_s (p50/p90/p99), output_tokens_per_s and goodput. The run's summary 
 integrity check (every stream: ends exactly once, indices contiguous, digest and usage match
 the tokens received), clamped and mis-sized prompts, late open-loop arrivals and the fairness
 block (tokstream.loadgen.fairness: Jain's index against each tenant's max-min fair share, and
-the raw and TTFT indexes).
+the raw and TTFT indexes), and the server's speculative decoding over the run when it has
+it (tokstream.loadgen.metrics.speculation_over_run: drafted and accepted tokens, acceptance
+rate; the server's counters, so other traffic during the run counts too).
 """
 
 from __future__ import annotations
@@ -61,8 +63,10 @@ def integrity_summary(samples: list[dict]) -> dict:
     return {"streams_checked": checked, "streams_failed": failed_streams, "problems": problems}
 
 
-def build_report(samples: list[dict], config: dict, slo: dict, extra: dict) -> dict:
-    """Every class and tenant of the mix gets a block, those that sent nothing included."""
+def build_report(samples: list[dict], config: dict, slo: dict, extra: dict,
+                 speculation: dict | None = None) -> dict:
+    """Every class and tenant of the mix gets a block, those that sent nothing included; the
+    summary has speculation only when given (the server speculated)."""
     duration = run_span(samples)
     mix = config["mix"]
     classes = sorted({c["name"] for c in mix["classes"]} | {s["workload"] for s in samples})
@@ -90,6 +94,8 @@ def build_report(samples: list[dict], config: dict, slo: dict, extra: dict) -> d
         "integrity": integrity_summary(samples),
         "fairness": fairness(samples, per_tenant, mix.get("tenant_weights")),
     })
+    if speculation is not None:
+        summary["speculation"] = speculation
     for tenant, block in per_tenant.items():
         block["fair_share"] = summary["fairness"]["per_tenant"].get(tenant)
     return {"version": 1, "config": config, **extra, "summary": summary, "class": per_class,

@@ -158,6 +158,19 @@ def open_session(options: Options, mix: Mix) -> Session:
     return Session(options, mix, keys, slo, out, prepare(options, mix, keys))
 
 
+def read_spec_decode(url: str) -> dict | None:
+    """The server's spec_decode counters from /metrics (metrics.spec_decode_counters), None
+    when it has none or cannot be read: a run's report then has no speculation, and says
+    nothing else about it (a server with tenants wants a key for /metrics, unless its load
+    series are public)."""
+    try:
+        response = httpx.get(url + "/metrics", timeout=10.0)
+        response.raise_for_status()
+        return metrics.spec_decode_counters(response.text)
+    except (httpx.HTTPError, ValueError):  # ValueError: not a Prometheus exposition
+        return None
+
+
 @dataclass
 class StageResult:
     """One Locust run, summarised (its report.json is written in its directory)."""
@@ -188,7 +201,9 @@ def run_stage(session: Session, settings: dict, out: Path, mix: Mix | None = Non
     limit_s = (settings["duration_s"] or 1e9) + options.drain_timeout_s + 60
     if not settings["duration_s"]:
         limit_s = settings["requests"] * options.request_timeout_s + 60
+    counters_before = read_spec_decode(options.url)
     done = run_locust(config, out, limit_s)
+    speculation = metrics.speculation_over_run(counters_before, read_spec_decode(options.url))
     samples = read_samples(results)
     public = {k: v for k, v in config.items() if k not in ("keys", "book", "results_path")}
     public.update(mix_name=mix.name, tenants_with_keys=sorted(session.keys),
@@ -196,7 +211,8 @@ def run_stage(session: Session, settings: dict, out: Path, mix: Mix | None = Non
                   slo=session.slo, max_error_rate=options.max_error_rate,
                   max_integrity_failures=options.max_integrity_failures)
     report = build_report(samples, public, session.slo,
-                          {"started_at": started_at, "locust": done.get("locust_stats", {})})
+                          {"started_at": started_at, "locust": done.get("locust_stats", {})},
+                          speculation)
     reasons = verdict(report, options.max_error_rate, options.max_integrity_failures)
     report["verdict"] = {"ok": not reasons, "reasons": reasons}
     (out / "report.json").write_text(json.dumps(report), encoding="utf-8")

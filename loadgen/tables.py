@@ -44,6 +44,22 @@ def _fair_share_table(shares: dict[str, dict]) -> Table:
     return table
 
 
+def _share(value) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def speculation_line(spec: dict) -> str:
+    """The server's speculative decoding over the run, in one line."""
+    line = (f"speculation: {spec['accepted_tokens']:,} of {spec['draft_tokens']:,} drafted "
+            f"tokens accepted ({_share(spec['acceptance_rate'])}) in {spec['drafts']:,} "
+            f"drafts, mean acceptance length {_num(spec['mean_acceptance_length'], 2)}")
+    if spec["acceptance_per_position"]:
+        line += "; by position " + " ".join(map(_share, spec["acceptance_per_position"]))
+    if spec["counters_reset"]:
+        line += " (the engine restarted during the run: counted since then)"
+    return line
+
+
 def print_sweep(report: dict, console: Console | None = None) -> None:
     """The sweep's table: one row a stage, then its capacity and verdict."""
     import sys
@@ -114,6 +130,8 @@ def print_report(report: dict, reasons: list[str], console: Console | None = Non
         f"{summary['prompt_tokens_mismatched']}; open-loop arrivals late: "
         f"{summary['late_arrivals']}",
     ]
+    if "speculation" in summary:
+        lines.append(speculation_line(summary["speculation"]))
     if summary["errors"]:
         lines.append(f"errors: {summary['errors']}")
     for line in lines:

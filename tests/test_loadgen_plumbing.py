@@ -39,6 +39,8 @@ class FakeServer:
     def __init__(self, context: int = 4096, token_delay_s: float = 0.002, keys=None):
         self.context, self.token_delay_s, self.keys = context, token_delay_s, keys
         self.fault = lambda n: None
+        self.metrics = None
+        """A callable giving /metrics' text (None: /metrics is not found)."""
         self.requests: list[dict] = []
         self.lock = threading.Lock()
 
@@ -52,6 +54,13 @@ class FakeServer:
             def do_GET(self):
                 if self.path == "/v1/models":
                     self.reply(200, {"data": [{"id": "toy", "max_model_len": fake.context}]})
+                elif self.path == "/metrics" and fake.metrics is not None:
+                    data = fake.metrics().encode()
+                    self.send_response(200)
+                    self.send_header("content-type", "text/plain; version=0.0.4")
+                    self.send_header("content-length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
                 else:
                     self.reply(404, {"type": "error", "error": {"type": "not_found_error"}})
 

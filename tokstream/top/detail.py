@@ -28,7 +28,13 @@ def describe(row: RequestDetail) -> Text:
                 f"/{row.max_tokens}  blocks {engine.blocks if engine else '-'}  TTFT "
                 f"{fmt.ms(row.ttft_ms)}  ITL {fmt.ms(row.itl_ms)}  "
                 f"{fmt.number(row.tokens_per_s, 1)} tok/s  age "
-                f"{fmt.seconds(row.age_s)}  pending {row.pending_tokens}\n")
+                f"{fmt.seconds(row.age_s)}  pending {row.pending_tokens}")
+    drafted = engine.draft_tokens if engine else None
+    if isinstance(drafted, int) and isinstance(engine.accepted_tokens, int):  # speculating
+        share = f" ({engine.accepted_tokens / drafted:.0%})" if drafted else ""
+        text.append(f"  drafted {fmt.number(drafted)} accepted "
+                    f"{fmt.number(engine.accepted_tokens)}{share}")
+    text.append("\n")
     text.append(f"temperature {params.temperature}  top_p {params.top_p}  top_k "
                 f"{params.top_k}  seed {params.seed}  stop {params.stop}", style="dim")
     return text

@@ -1,14 +1,16 @@
 """The header: what the server is (model, device, dtype, TP), how it is (replica status, ranks
 with pid, memory and CPU, devices), how long it has been up and how fast it serves; the two
 latency classes (which long prefill is held back behind short prompts, the long share); and
-top's own status (disconnected, paused, sort and filter)."""
+speculative decoding's acceptance when it is on; and top's own status (disconnected, paused,
+sort and filter)."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.widgets import Static
 
-from tokstream.state_snapshot import PrefillPolicy, ReplicaStatus, StateSnapshot
+from tokstream.state_snapshot import (PrefillPolicy, ReplicaStatus, Speculation,
+                                      StateSnapshot)
 from tokstream.top import format as fmt
 
 STATUS_COLOUR = {ReplicaStatus.READY: "bold #98c379", ReplicaStatus.RECOVERING: "bold #e5c07b",
@@ -20,7 +22,7 @@ def _known(value) -> str:
 
 
 def describe(state: StateSnapshot, url: str, prompt_rate: float | None,
-             output_rate: float | None) -> Text:
+             output_rate: float | None, recent_acceptance: float | None = None) -> Text:
     replica = state.replica
     status = replica.status
     text = Text()
@@ -46,6 +48,36 @@ def describe(state: StateSnapshot, url: str, prompt_rate: float | None,
     policy = state.batch.prefill_policy
     if policy:  # a core that reports its prefill policy
         text.append("\n").append_text(describe_policy(policy))
+    if speculating(state.speculation):
+        text.append("\n").append_text(describe_speculation(state.speculation,
+                                                           recent_acceptance))
+    return text
+
+
+def speculating(spec: Speculation) -> bool:
+    """Speculation is on (an older core sends no section: it reads as off)."""
+    return bool(spec.method) and spec.method != "off"
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def describe_speculation(spec: Speculation, recent: float | None) -> Text:
+    """One line: the method and k, tokens accepted of those drafted since the core started,
+    the acceptance between the last two polls (recent), and per draft position the share of
+    drafts accepted there (vLLM's per-position acceptance)."""
+    text = Text()
+    text.append("speculation ", style="bold")
+    text.append(f"{spec.method} k={spec.num_speculative_tokens}")
+    drafted, accepted = spec.num_draft_tokens or 0, spec.num_accepted_tokens or 0
+    overall = accepted / drafted if drafted else None
+    text.append(f"  accepted {fmt.number(accepted)}/{fmt.number(drafted)} drafted tokens")
+    text.append(f" {_share(overall)}", style="bold #98c379" if overall else "")
+    text.append(f" since start, {_share(recent)} last poll")
+    if spec.num_drafts and spec.accepted_per_position:
+        text.append("  by position " + " ".join(
+            _share(count / spec.num_drafts) for count in spec.accepted_per_position))
     return text
 
 
@@ -75,7 +107,8 @@ class Header(Static):
     """
 
     def show(self, state: StateSnapshot | None, url: str, prompt_rate: float | None,
-             output_rate: float | None, notice: Text) -> None:
-        text = describe(state, url, prompt_rate, output_rate) if state else Text(
-            f"tokstream top {url}", style="bold")
+             output_rate: float | None, notice: Text,
+             recent_acceptance: float | None = None) -> None:
+        text = describe(state, url, prompt_rate, output_rate, recent_acceptance) if state \
+            else Text(f"tokstream top {url}", style="bold")
         self.update(text + Text("\n") + notice)

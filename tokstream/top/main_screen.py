@@ -12,7 +12,7 @@ from textual.widgets import ContentSwitcher, DataTable, Footer, Input
 
 from tokstream.top.batch import BatchPanel
 from tokstream.top.detail import DetailScreen
-from tokstream.top.header import Header
+from tokstream.top.header import Header, speculating
 from tokstream.top.kv_map import KvMap
 from tokstream.top.tables import HEADINGS, EventsTable, RequestsTable, TenantsTable
 from tokstream.top.view import COLUMNS, filter_rows, request_rows, sort_rows, tenant_rows
@@ -99,7 +99,8 @@ class MainScreen(Screen):
         app = self.app
         state = app.frame.state if app.frame else None
         self.header.show(state, app.source.url, app.history.rate("prompt_tokens"),
-                         app.history.rate("output_tokens"), self.notice())
+                         app.history.rate("output_tokens"), self.notice(),
+                         app.history.recent_acceptance())
         if app.frame is None:
             return
         # Only the view on screen: a hidden one is drawn when it is switched to.
@@ -107,7 +108,8 @@ class MainScreen(Screen):
         if view in ("overview", "requests"):
             rows = sort_rows(filter_rows(request_rows(state), self.filter_text),
                              self.sort_column, self.reverse)
-            self.requests_tables[view == "requests"].show(rows, self.sort_column, self.reverse)
+            self.requests_tables[view == "requests"].show(rows, self.sort_column, self.reverse,
+                                                          speculating(state.speculation))
         if view in ("overview", "cache"):
             self.kv_maps[view == "cache"].show(state.kv)
         if view == "overview":

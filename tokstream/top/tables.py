@@ -15,6 +15,8 @@ HEADINGS = {"id": "ID", "tenant": "TENANT", "state": "STATE", "prompt_tokens": "
 WIDTHS = {"id": 28, "tenant": 10, "state": 10, "prompt_tokens": 8, "output_tokens": 8,
           "blocks": 8, "ttft_ms": 8, "itl_ms": 8, "tokens_per_s": 7, "age_s": 8}
 """Fixed, so columns stay put from one refresh to the next (longer values are cut)."""
+ACCEPTED_WIDTH = 11
+"""The ACCEPTED column (speculation on only, after the others; not in the sort cycle)."""
 STATE_COLOUR = {"waiting": "#abb2bf", "submitted": "#abb2bf", "prefill": "#61afef",
                 "decode": "#98c379", "preempted": "#e5c07b", "recovering": "#e06c75",
                 "finishing": "#5c6370"}
@@ -42,6 +44,15 @@ def _cell(row: RequestRow, column: str) -> Text | str:
     return fmt.number(value)
 
 
+def _accepted(row: RequestRow) -> str:
+    """Accepted/drafted tokens, '-' for a request the core has not drafted for (not in the
+    core yet, or a core that does not count them)."""
+    drafted, accepted = row.draft_tokens, row.accepted_tokens
+    if not isinstance(drafted, int) or not isinstance(accepted, int):  # None or ABSENT
+        return "-"
+    return f"{fmt.number(accepted)}/{fmt.number(drafted)}"
+
+
 class RequestsTable(DataTable):
     """Rows keyed by request id; the cursor stays on its request across refreshes."""
 
@@ -49,14 +60,19 @@ class RequestsTable(DataTable):
         self.cursor_type = "row"
         self.zebra_stripes = True
 
-    def show(self, rows: list[RequestRow], sort_column: str, reverse: bool) -> None:
+    def show(self, rows: list[RequestRow], sort_column: str, reverse: bool,
+             speculating: bool = False) -> None:
+        """speculating: add the ACCEPTED column (accepted/drafted tokens of each request)."""
         selected = self.selected_id
         self.clear(columns=True)
         for column in COLUMNS:
             arrow = (" ▼" if reverse else " ▲") if column == sort_column else ""
             self.add_column(HEADINGS[column] + arrow, key=column, width=WIDTHS[column])
+        if speculating:
+            self.add_column("ACCEPTED", key="accepted", width=ACCEPTED_WIDTH)
         for row in rows:
-            self.add_row(*(_cell(row, c) for c in COLUMNS), key=row.id)
+            cells = [_cell(row, c) for c in COLUMNS]
+            self.add_row(*cells, *([_accepted(row)] if speculating else []), key=row.id)
         if selected is not None and selected in self.rows:
             self.move_cursor(row=self.get_row_index(selected), animate=False)
 

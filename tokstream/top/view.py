@@ -89,6 +89,9 @@ class Sample:
     running: int
     step_tokens: int
     waiting: int
+    draft_tokens: int = 0
+    """Speculative decoding's counters since the core started (0 with it off)."""
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -105,9 +108,11 @@ class History:
             self.samples.clear()  # a new server (or the same snapshot twice): start over
         # Prompt tokens: prefilled by the engine (its own counter); output tokens: delivered
         # to callers (/metrics).
+        spec = frame.state.speculation
         self.samples.append(Sample(uptime, batch.prefill_tokens_total or 0,
                                    frame.counters.get("output_tokens", 0.0),
-                                   batch.running, batch.last_step_tokens, batch.waiting))
+                                   batch.running, batch.last_step_tokens, batch.waiting,
+                                   spec.num_draft_tokens or 0, spec.num_accepted_tokens or 0))
         while uptime - self.samples[0].uptime_s > HISTORY_S:
             self.samples.popleft()
 
@@ -118,6 +123,17 @@ class History:
         before, now = self.samples[-2], self.samples[-1]
         return max(0.0, getattr(now, name) - getattr(before, name)) / (now.uptime_s
                                                                        - before.uptime_s)
+
+    def recent_acceptance(self) -> float | None:
+        """Accepted over drafted tokens between the last two polls (None: no drafts then, or
+        a single poll so far)."""
+        if len(self.samples) < 2:
+            return None
+        before, now = self.samples[-2], self.samples[-1]
+        drafted = now.draft_tokens - before.draft_tokens
+        if drafted <= 0:  # nothing drafted, or the core restarted and its counters with it
+            return None
+        return max(0, now.accepted_tokens - before.accepted_tokens) / drafted
 
     def series(self, name: str) -> list[float]:
         return [float(getattr(s, name)) for s in self.samples]
