@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokstream.body_bounds import Bound, check_bounds, on_apis
 from tokstream.errors import UserInputError
 from tokstream.structured import StructuredOutput
 
@@ -17,16 +18,21 @@ class SamplingParams:
 
     max_tokens: int = 256
     """Most output tokens to generate."""
-    temperature: float = 1.0
+    temperature: float = field(default=1.0, metadata={"body": on_apis(
+        openai=Bound(0, 2), anthropic=Bound(0, 1))})
     """0 means greedy.
 
     The logits are divided by it after logit_bias and the penalties, before min_p, top_k and
     top_p drop tokens (vLLM's order; tokstream/worker/sampler.py)."""
-    top_p: float = 1.0
+    top_p: float = field(default=1.0, metadata={"body": on_apis(
+        both=Bound(0, 1, exclusive_minimum=True))})
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 means no limit."""
-    seed: int | None = None
+    top_k: int = field(default=0, metadata={"body": on_apis(
+        openai=Bound(-1, integer=True, description="vLLM extension; -1 or 0 = off"),
+        anthropic=Bound(0, integer=True))})
+    """Keep only the k most likely tokens; 0 (or -1, as vLLM takes it) means no limit."""
+    seed: int | None = field(default=None, metadata={"body": on_apis(
+        both=Bound(0, 2**63 - 1, integer=True, description="tokstream extension"))})
     """Randomness is a pure function of (seed, output position); None gets one at admission."""
     stop: list[str] = field(default_factory=list)
     """Stop strings, matched on the text; never streamed, not even partially."""
@@ -36,14 +42,18 @@ class SamplingParams:
     """Keep going past end-of-sequence tokens (benchmarks)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
-    min_p: float = 0.0
+    min_p: float = field(default=0.0, metadata={"body": on_apis(
+        openai=Bound(0, 1, description="vLLM extension"))})
     """Drop tokens whose probability is below min_p times the most likely one's (after
     temperature); 0 keeps all."""
-    presence_penalty: float = 0.0
+    presence_penalty: float = field(default=0.0, metadata={"body": on_apis(
+        openai=Bound(-2, 2))})
     """Subtracted once from the logit of every token already in the output (OpenAI)."""
-    frequency_penalty: float = 0.0
+    frequency_penalty: float = field(default=0.0, metadata={"body": on_apis(
+        openai=Bound(-2, 2))})
     """Subtracted from a token's logit once per time it is already in the output (OpenAI)."""
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = field(default=1.0, metadata={"body": on_apis(
+        openai=Bound(0, 10, exclusive_minimum=True, description="vLLM extension"))})
     """Divides positive logits and multiplies negative ones of every token in the prompt or
     the output (Hugging Face, vLLM); 1 is off."""
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -65,24 +75,11 @@ class SamplingParams:
             raise UserInputError("max_tokens must be an integer")
         if self.max_tokens < 1:
             raise UserInputError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0:  # also catches NaN
-            raise UserInputError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UserInputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise UserInputError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise UserInputError("seed must be in [0, 2**63)")
+        out_of_bounds = check_bounds(self)
+        if out_of_bounds:
+            raise UserInputError(out_of_bounds)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise UserInputError("stop sequences must be non-empty strings")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise UserInputError(f"min_p must be in [0, 1], got {self.min_p}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise UserInputError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise UserInputError("repetition_penalty must be in (0, 10], got "
-                                 f"{self.repetition_penalty}")
         for token, bias in self.logit_bias.items():
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 raise UserInputError(f"logit_bias: token ids must be integers >= 0, got {token!r}")

@@ -15,6 +15,7 @@ from tokstream.server.api_request import chat_turns, read_request
 from tokstream.server.channel import Batch
 from tokstream.server.errors import ANTHROPIC, ApiError, api_route, bad_request
 from tokstream.server.responses import collect
+from tokstream.server.sampling_options import bounded_options
 from tokstream.server.sse import (EventStreamResponse, final_integrity, integrity, sse,
                                   stream_failure, wants_integrity)
 from tokstream.server.state import Prompt, Server
@@ -22,7 +23,7 @@ from tokstream.server.streams import Stream
 from tokstream.server.tool_template import encode_chat, message_text
 from tokstream.server.tools import Tool, ToolRequest, tool_sampling
 from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_messages,
-                                         get_number, get_object, get_strings, parse_off_loop,
+                                         get_object, get_strings, parse_off_loop,
                                          reject_unsupported, sampling_params, shown)
 
 ROLES = ("user", "assistant")
@@ -98,11 +99,8 @@ def parse(body: dict, server: Server) -> Prompt:
     reject_unsupported(body, {"thinking": lambda v: not (isinstance(v, dict)
                                                          and v.get("type") == "disabled")})
     get_object(body, "metadata")
-    temperature = get_number(body, "temperature", 1.0, minimum=0.0, maximum=1.0)
-    top_p = get_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True)
-    top_k = get_int(body, "top_k", 0, minimum=0)
+    options = bounded_options(body, "anthropic")
     stop = get_strings(body, "stop_sequences", allow_single=False)
-    seed = get_int(body, "seed", None, minimum=0, maximum=2**63 - 1)
     ignore_eos = get_bool(body, "ignore_eos")
     stream = get_bool(body, "stream")
     tools = tool_request(body)
@@ -116,8 +114,8 @@ def parse(body: dict, server: Server) -> Prompt:
     token_ids = encode_messages(server, chat, tools.tools if tools else ())
     check_fits(len(token_ids), max_tokens, server.max_model_len, "messages")
     params = sampling_params({"stop": "stop_sequences", "structured": "output_config.format"},
-                             max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                             top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos, **output)
+                             max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,
+                             **options, **output)
     return Prompt(token_ids, params, stream, tools=tools)
 
 

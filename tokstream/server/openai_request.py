@@ -10,12 +10,12 @@ from tokstream.server.choices import num_choices
 from tokstream.server.echo import Echo
 from tokstream.server.errors import bad_request
 from tokstream.server.openai_tools import tool_fields, tool_request
-from tokstream.server.sampling_options import sampling_extras
+from tokstream.server.sampling_options import bounded_options, sampling_extras
 from tokstream.server.state import Prompt, Server
 from tokstream.server.tool_template import encode_chat
 from tokstream.server.tools import ToolRequest, tool_sampling
 from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int,
-                                         get_number, get_object, get_strings,
+                                         get_object, get_strings,
                                          reject_unsupported, sampling_params)
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -98,16 +98,13 @@ def parse(body: dict, server: Server, chat: bool) -> Prompt:
     max_tokens = get_int(body, "max_tokens", max_tokens, minimum=1 if chat else 0)
     if max_tokens == 0 and not echo:  # vLLM's rule: 0 only to score an echoed prompt
         raise bad_request("max_tokens", "must be >= 1 (0 only with echo: true), got 0")
-    temperature = get_number(body, "temperature", 1.0, minimum=0.0, maximum=2.0)
-    top_p = get_number(body, "top_p", 1.0, minimum=0.0, maximum=1.0, exclusive_minimum=True)
-    top_k = get_int(body, "top_k", 0, minimum=-1)
+    options = bounded_options(body, "openai")
+    options["top_k"] = max(options["top_k"], 0)  # vLLM's -1 is 0's "no limit"
     stop = get_strings(body, "stop", allow_single=True)
-    seed = get_int(body, "seed", None, minimum=0, maximum=2**63 - 1)
     n = num_choices(body)
     ignore_eos = get_bool(body, "ignore_eos")
     stream = get_bool(body, "stream")
-    options = get_object(body, "stream_options") or {}
-    get_bool(options, "include_usage")
+    get_bool(get_object(body, "stream_options") or {}, "include_usage")
     extras = sampling_extras(body, chat, server.tokenizer.vocab_size)
     tools = tool_request(body) if chat else None
     extras.update(tool_sampling(tools, extras["structured"]))
@@ -120,9 +117,8 @@ def parse(body: dict, server: Server, chat: bool) -> Prompt:
     max_tokens = check_fits(len(token_ids), 1 if prompt_only else max_tokens,
                             server.max_model_len, "messages" if chat else "prompt")
     params = sampling_params({"structured": "response_format"}, max_tokens=max_tokens,
-                             temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
-                             seed=seed, stop=stop, ignore_eos=ignore_eos,
-                             prompt_logprobs=prompt_logprobs, **extras)
+                             stop=stop, ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs,
+                             **options, **extras)
     shown = Echo(echoed_prompt(body, token_ids, server), prompt_only) if echo else None
     return Prompt(token_ids, params, stream, tools=tools, n=n, echo=shown)
 

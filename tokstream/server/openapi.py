@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+from tokstream.body_bounds import body_bounds
+from tokstream.sampling_params import SamplingParams
 from tokstream.state_snapshot import RequestDetail, StateSnapshot
 from tokstream.wire import json_schema
 
@@ -27,9 +29,15 @@ OUTPUT_FORMAT = {"type": "object", "required": ["type", "schema"], "properties":
     "type": {"const": "json_schema"}, "schema": {"type": "object"}}}
 """Structured outputs: the output is constrained to the JSON schema."""
 
+
+
+def bounded(api: str) -> dict:
+    """The numeric sampling options api reads, from their SamplingParams fields' bounds (the
+    same that the routes check: server/sampling_options.py bounded_options)."""
+    return {name: bound.schema() for name, (bound, _) in body_bounds(SamplingParams, api).items()}
+
+
 SAMPLING = {
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-    "seed": {"type": "integer", "minimum": 0, "description": "tokstream extension"},
     "ignore_eos": {"type": "boolean", "description": "tokstream/vLLM extension"},
     "stream": {"type": "boolean"},
 }
@@ -43,8 +51,7 @@ MESSAGES_BODY = {
             "type": "object", "required": ["role", "content"],
             "properties": {"role": {"enum": ["user", "assistant"]}, "content": TEXT_BLOCKS}}},
         "system": TEXT_BLOCKS,
-        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
-        "top_k": {"type": "integer", "minimum": 0},
+        **bounded("anthropic"),
         "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
         "metadata": {"type": "object", "properties": {"user_id": {"type": "string"}}},
         "output_config": {"type": "object", "properties": {"format": OUTPUT_FORMAT, "effort": {
@@ -63,17 +70,11 @@ COUNT_BODY = {"type": "object", "required": ["model", "messages"],
 OPENAI_COMMON = {
     "model": {"type": "string"},
     "max_tokens": {"type": "integer", "minimum": 1},
-    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-    "top_k": {"type": "integer", "minimum": -1, "description": "vLLM extension; -1 or 0 = off"},
+    **bounded("openai"),
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "n": {"type": "integer", "minimum": 1, "maximum": 16,
           "description": "choices, each seeded seed + index"},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": 10,
-                           "description": "vLLM extension"},
-    "min_p": {"type": "number", "minimum": 0, "maximum": 1, "description": "vLLM extension"},
     "logit_bias": {"type": "object", "additionalProperties": {
         "type": "number", "minimum": -100, "maximum": 100}},
     "response_format": {"type": "object", "properties": {

@@ -7,22 +7,34 @@ naming its field."""
 from __future__ import annotations
 
 import json
+import math
 
+from tokstream.body_bounds import body_bounds
 from tokstream.errors import UserInputError
-from tokstream.sampling_params import MAX_LOGPROBS
+from tokstream.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokstream.server.errors import bad_request
 from tokstream.server.validation import _kind, get_bool, get_int, get_number, get_object
 from tokstream.structured import StructuredOutput
 
 
+def bounded_options(body: dict, api: str) -> dict:
+    """Every numeric sampling option api reads (temperature, top_p, top_k, seed, and on OpenAI
+    routes the penalties and min_p), each checked against the bounds its SamplingParams field
+    declares (tokstream/body_bounds.py): a 400 naming the field when out of them."""
+    out = {}
+    for name, (bound, default) in body_bounds(SamplingParams, api).items():
+        if bound.integer:
+            out[name] = get_int(body, name, default, minimum=bound.minimum,
+                                maximum=bound.maximum)
+        else:
+            out[name] = get_number(body, name, default, minimum=bound.minimum,
+                                   maximum=math.inf if bound.maximum is None else bound.maximum,
+                                   exclusive_minimum=bound.exclusive_minimum)
+    return out
+
+
 def sampling_extras(body: dict, chat: bool, vocab_size: int) -> dict:
     extras = {
-        "presence_penalty": get_number(body, "presence_penalty", 0.0, minimum=-2.0, maximum=2.0),
-        "frequency_penalty": get_number(body, "frequency_penalty", 0.0, minimum=-2.0,
-                                        maximum=2.0),
-        "repetition_penalty": get_number(body, "repetition_penalty", 1.0, minimum=0.0,
-                                         maximum=10.0, exclusive_minimum=True),
-        "min_p": get_number(body, "min_p", 0.0, minimum=0.0, maximum=1.0),
         "logit_bias": logit_bias(body, vocab_size),
         "logprobs": chat_logprobs(body) if chat else get_int(body, "logprobs", None, minimum=0,
                                                              maximum=MAX_LOGPROBS),
