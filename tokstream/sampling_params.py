@@ -46,6 +46,11 @@ class SamplingParams:
         openai=Bound(0, 1, description="vLLM extension"))})
     """Drop tokens whose probability is below min_p times the most likely one's (after
     temperature); 0 keeps all."""
+    top_n_sigma: float = field(default=0.0, metadata={"body": on_apis(openai=Bound(
+        0, description="Top-n-sigma: keep the tokens whose logit is within n standard "
+                       "deviations of the largest; 0 = off"))})
+    """Top-nσ (Tang et al., 2024): drop tokens whose logit is more than n standard deviations
+    (over the vocabulary) below the largest; the same at any temperature. 0 keeps all."""
     presence_penalty: float = field(default=0.0, metadata={"body": on_apis(
         openai=Bound(-2, 2))})
     """Subtracted once from the logit of every token already in the output (OpenAI)."""

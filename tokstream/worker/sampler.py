@@ -189,10 +189,14 @@ def prompt_mask(prompt_ids: list[int], vocab_size: int) -> torch.Tensor:
 
 
 def warp(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """A sampled row's logits (vocab,) after temperature, min_p, top_k and top_p: the tokens
-    they drop at -inf."""
+    """A sampled row's logits (vocab,) after temperature, top_n_sigma, min_p, top_k and top_p:
+    the tokens they drop at -inf."""
     s = row.params
     scaled = logits / s.temperature
+    if s.top_n_sigma > 0.0:
+        finite = scaled[scaled.isfinite()]
+        threshold = finite.max() - s.top_n_sigma * finite.std()
+        scaled = scaled.masked_fill(scaled < threshold, float("-inf"))
     if s.min_p > 0.0:
         probs = scaled.softmax(-1)
         scaled = scaled.masked_fill(probs < s.min_p * probs.max(), float("-inf"))
