@@ -243,7 +243,7 @@ class SchedulerConfig:
                                  "max_long_requests_per_tenant >= 0")
 
 
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "auto")
 
 
 @dataclass
@@ -251,17 +251,19 @@ class SpeculativeConfig:
     """Speculative decoding: tokens drafted per request, checked by the model in one pass."""
 
     method: str = "off"
-    """off, or ngram: drafts copied from the request's own prompt and output (prompt lookup),
-    verified in one forward pass; output is the same as without it.
+    """off; ngram: drafts copied from the request's own prompt and output (prompt lookup),
+    verified in one forward pass, as many each step as match; or auto: the same drafts, as
+    many each step as the request's recent acceptance says pay for their cost at the step's
+    batch size (none when none do). Output is the same as without it.
 
     Off by default until bench/ measures where it pays (issue 34). Requests whose sampling
     the verification does not yet cover decode one token a step (speculation.py)."""
     num_speculative_tokens: int = 4
-    """Most tokens drafted per request and step (ngram)."""
+    """Most tokens drafted per request and step (auto chooses up to this many)."""
     prompt_lookup_max: int = 4
-    """Longest suffix of a request's tokens looked up earlier in them (ngram)."""
+    """Longest suffix of a request's tokens looked up earlier in them (ngram, auto)."""
     prompt_lookup_min: int = 2
-    """Shortest suffix looked up (ngram); a shorter match drafts nothing."""
+    """Shortest suffix looked up (ngram, auto); a shorter match drafts nothing."""
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:

@@ -118,7 +118,7 @@ class Speculation(Wire):
     counters)."""
 
     method: str = "off"
-    """off or ngram (--speculative)."""
+    """off, ngram or auto (--speculative)."""
     num_speculative_tokens: int = 0
     """Most tokens drafted per request and step."""
     num_drafts: int = 0
@@ -130,6 +130,9 @@ class Speculation(Wire):
     """Drafts accepted at each draft position (0 first)."""
     acceptance_rate: float | None = None
     """num_accepted_tokens / num_draft_tokens (None before any draft)."""
+    last_step_draft_tokens: int | None = ABSENT
+    """Drafted positions verified in the latest step that decoded (what auto chose; absent
+    from a core that predates it)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

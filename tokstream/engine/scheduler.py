@@ -21,6 +21,7 @@ import time
 from tokstream.config import SchedulerConfig
 from tokstream.engine.admission import admit_waiting, running_order  # noqa: F401 (re-export)
 from tokstream.engine.block_manager import BlockManager, SwapSpace
+from tokstream.engine.draft_length import StepPrice
 from tokstream.engine.fairness import FairnessLedger
 from tokstream.engine.preemption import allocate_or_preempt, release_swap
 from tokstream.engine.prefill_share import (LongPrefillShare, is_long_prefill, limit_for,
@@ -191,7 +192,7 @@ class Scheduler:
                 if num_new == 0:
                     continue
                 step.long_left -= num_new
-            drafts = self._drafts(request, num_new, step.budget)
+            drafts = self._drafts(request, num_new, step)
             # Drafted positions take only blocks free beyond one for each running request
             # still to be given work: drafts never make anyone be preempted.
             unscheduled = len(self.running) - len(step.scheduled) - 1
@@ -217,16 +218,23 @@ class Scheduler:
             (step.decodes if work.is_decode or work.is_verify else step.prefills).append(work)
             step.spend(work.num_tokens)
 
-    def _drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+    def _drafts(self, request: Request, num_new: int, step: StepDraft) -> list[int]:
         """Drafted tokens to verify after request's last one this step ([] unless it
         decodes with speculation on): at most what the budget has room for, and no more than
-        could be kept before max_tokens or the model's context ends it."""
+        could be kept before max_tokens or the model's context ends it; under auto, those
+        that pay at this step's batch (draft_length.py)."""
         if self.speculator is None or num_new != 1 or self._is_prefilling(request):
             return []
-        most = min(budget - 1,
+        most = min(step.budget - 1,
                    request.params.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)
-        return self.speculator.draft(request, most)
+
+        def price() -> StepPrice:  # the speculator asks once a step, under auto only
+            decoding = [r for r in self.running if not self._is_prefilling(r)]
+            # A decode's one row attends every token of its request.
+            return StepPrice.of(self.step_cost, len(decoding),
+                                sum(r.num_tokens for r in decoding))
+        return self.speculator.draft(request, most, step, price)
 
     def num_new_tokens(self, request: Request, budget: int) -> int:
         """Tokens of request to compute this step: one for a decode, else a prefill chunk."""

@@ -16,6 +16,9 @@ token, and everything after it is discarded. The output is the same token for to
 only the same distribution. (Rejection sampling would accept more of a sampled request's
 drafts; this accepts a draft only where the sample happens to equal it.)
 
+With --speculative auto a request drafts only as many tokens as its recent acceptance says
+pay for their rows at the step's batch (draft_length.py); ngram drafts all it may.
+
 Penalties see, at each row, the output as plain decoding would have it there (the drafts
 before the row: model_runner keeps the history by position), and each row's log-probabilities
 are the model's for the token sampled there, so both are covered too. Not covered yet, so
@@ -25,9 +28,11 @@ matcher would have to advance over each draft and back.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokstream.config import SpeculativeConfig
+from tokstream.engine.draft_length import DraftLengths, StepPrice
 from tokstream.engine.ngram_drafter import NgramConfig, NgramDrafter
 from tokstream.engine.request import Request
 
@@ -89,13 +94,33 @@ class Speculator:
         self.stats = SpeculationStats()
         self.per_request: dict[str, list[int]] = {}
         """Live request id -> [tokens drafted for it, of those accepted] (/v1/state rows)."""
+        self.lengths = (DraftLengths(config.num_speculative_tokens)
+                        if config.method == "auto" else None)
+        """Each request's recent acceptance, for choosing its k (auto only)."""
+        self.last_step_draft_tokens = 0
+        """Drafted positions verified in the latest step that decoded."""
+        self._step: object = None
+        """The step being scheduled (the scheduler's StepDraft), so that its price is worked
+        out once and the count above restarts with it."""
+        self._price: StepPrice | None = None
 
-    def draft(self, request: Request, most: int) -> list[int]:
+    def draft(self, request: Request, most: int, step: object = None,
+              price: Callable[[], StepPrice] | None = None) -> list[int]:
         """Up to min(most, num_speculative_tokens) tokens to verify after request's last
-        token ([] when it may not draft or nothing matches)."""
+        token ([] when it may not draft or nothing matches); with auto, as many of those as
+        pay at the price of the step (price() is called once a step)."""
+        if step is not self._step:
+            self._step, self._price, self.last_step_draft_tokens = step, None, 0
         k = min(most, self.config.num_speculative_tokens)
         if k <= 0 or why_not_speculated(request) is not None:
             return []
+        if self.lengths is not None:
+            if self._price is None and price is not None:
+                self._price = price()
+            k = self.lengths.choose(request.request_id, self._price,
+                                    request.num_computed_tokens, k)
+            if k == 0:
+                return []
         drafter = self.drafters.get(request.request_id)
         if drafter is None or len(drafter.tokens) > request.num_tokens:
             drafter = self.drafters[request.request_id] = NgramDrafter(config=self.ngram)
@@ -110,11 +135,16 @@ class Speculator:
         counts = self.per_request.setdefault(request_id, [0, 0])
         counts[0] += len(draft_token_ids)
         counts[1] += accepted
+        self.last_step_draft_tokens += len(draft_token_ids)
+        if self.lengths is not None:
+            self.lengths.observe(request_id, len(draft_token_ids), accepted)
         return accepted
 
     def forget(self, request_id: str) -> None:
         self.drafters.pop(request_id, None)
         self.per_request.pop(request_id, None)
+        if self.lengths is not None:
+            self.lengths.forget(request_id)
 
     def request_counts(self, request_id: str) -> dict:
         """A request's row in /v1/state: tokens drafted for it and accepted."""
@@ -129,4 +159,5 @@ class Speculator:
                 "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
                 "num_accepted_tokens": stats.num_accepted_tokens,
                 "accepted_per_position": list(stats.accepted_per_position),
-                "acceptance_rate": stats.acceptance_rate}
+                "acceptance_rate": stats.acceptance_rate,
+                "last_step_draft_tokens": self.last_step_draft_tokens}
