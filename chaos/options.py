@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
+from tokstream.config import SPECULATIVE_METHODS
 from tokstream.errors import UserInputError
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
@@ -50,6 +51,9 @@ class Options:
     spare: bool = False
     """Start the server with warm spares (serve --spare --spare-core: a rank group and an
     engine core)."""
+    speculative: str = "off"
+    """Speculative decoding of the server chaos starts (serve --speculative's method, e.g.
+    ngram)."""
     streams: int | None = None
     """Streams per round (default per experiment)."""
     max_tokens: int = 32
@@ -71,6 +75,9 @@ class Options:
             raise UserInputError(f"--streams must be at least 2, not {self.streams}")
         if self.max_tokens < 8:
             raise UserInputError(f"--max-tokens must be at least 8, not {self.max_tokens}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise UserInputError(f"--speculative must be one of "
+                                 f"{', '.join(SPECULATIVE_METHODS)}, not {self.speculative!r}")
         if self.rank is not None and self.rank < 0:
             raise UserInputError(f"rank must be 0 or more, not {self.rank}")
         if self.url is None and (self.admin_key or self.api_key):

@@ -38,7 +38,9 @@ def run(options: Options) -> dict:
         raise UserInputError(f"rank {options.rank}: the server has ranks 0..{tp - 1} (--tp {tp})")
     args = ["--model", options.model, "--device", options.device, "--tp", str(tp),
             "--ping-interval", "1", *(["--dtype", options.dtype] if options.dtype else []),
-            *(["--spare", "--spare-core"] if options.spare else []), *exp.serve_args]
+            *(["--spare", "--spare-core"] if options.spare else []),
+            *(["--speculative", options.speculative] if options.speculative != "off" else []),
+            *exp.serve_args]
     with OwnServer(args, env=exp.serve_env) as target:
         return asyncio.run(_main(options, target))
 
@@ -75,9 +77,14 @@ async def _main(options: Options, target: Target) -> dict:
         report["reference"] = await _reference(ctx, violations)
         if ctx.exp.reference:
             ctx.say(f"fault-free reference run done ({ctx.exp.reference})")
+        # The core's draft counts, to show drafts were accepted (a core that replaced a killed
+        # one counts from zero: what it shows, it accepted after the fault).
+        report["speculation"] = {"after_reference": await _speculation(api), "after_rounds": []}
         report["rounds"] = []
         for index in range(options.repeat):
             result = await run_round(ctx, index)
+            if exp.name != "drain":  # after a drain the server is gone
+                report["speculation"]["after_rounds"].append(await _speculation(api))
             found = result.pop("violations")
             result["violations"] = {k: n for k, n in found.counts.items() if n}
             violations.merge(found)
@@ -121,6 +128,11 @@ async def _steady_state(api: ServerAPI, target: Target, clock: float,
     return {"health": health, "status": state.replica.status, "model": model,
             "probe": rows[0]["class"], "baseline_used_blocks": idle.kv.used_blocks,
             "spare_core_ready": spare_ready, "state": idle}
+
+
+async def _speculation(api: ServerAPI) -> dict:
+    """Speculative decoding's counts of the engine core serving now (/v1/state)."""
+    return (await api.state()).speculation.to_wire()
 
 
 async def _facts(api: ServerAPI, state: StateSnapshot) -> ServerFacts:
