@@ -125,7 +125,8 @@ def test_the_fit_follows_a_machine_that_gets_slower():
 
 
 def test_a_chunk_deep_in_a_prompt_gets_fewer_tokens_for_the_same_time():
-    model = StepCostModel(coefficients=[0.0, 0.0, 1024 * 1e-3, float(1 << 20) * 1e-6])
+    model = StepCostModel(coefficients=[0.0, 0.0, 1024 * 1e-3, float(1 << 20) * 1e-6],
+                          largest_prefill_tokens=1 << 20)  # no extrapolation limit here
     shallow = model.prefill_tokens_within(0.1, start=0)
     deep = model.prefill_tokens_within(0.1, start=4000)
     assert deep < shallow / 4

@@ -29,6 +29,16 @@ features divided by these so its equations stay well conditioned."""
 NUM_FEATURES = len(FEATURE_SCALES)
 MIN_PREFILL_TOKEN_S = 1e-6
 """The least a prompt token is taken to cost when sizing a chunk (a real model's is 100x more)."""
+PROBE_PREFILL_TOKENS = 64
+"""The largest chunk sized from the fit before it has seen a step carry that many prompt
+tokens (see EXTRAPOLATION)."""
+EXTRAPOLATION = 2.0
+"""A chunk sized from the fit holds at most this many times the most prompt tokens a measured
+step has carried: past what it has seen the fit is a guess. Measured (SmolLM2, 2 cores): after
+one 80-token warm-up prefill the fit put 0.1 s in the fixed cost of carrying prefill and 8 us
+a token, so a 150 ms ITL target "fitted" a 1,000-token prompt in one step that took 2.6 s,
+and two streams decoding beside it waited that long. Growing by this factor, a chunk that size
+is three steps away, each measured, none far past the target."""
 
 
 def attended_tokens(start: int, num_tokens: int) -> int:
@@ -83,6 +93,9 @@ class StepCostModel:
     robust_after: int = 8
     """Observations before Huber weights apply (the first ones are the fit)."""
     num_observations: int = 0
+    largest_prefill_tokens: int = 0
+    """The most prompt tokens one measured step carried (never forgotten: what the fit may
+    extrapolate from, prefill_tokens_within)."""
     coefficients: list[float] = field(default_factory=lambda: [0.0] * NUM_FEATURES)
     """Seconds per scaled feature (FEATURE_SCALES' order)."""
     typical_residual_s: float = 0.0
@@ -120,9 +133,14 @@ class StepCostModel:
                 + self.per_attended_token_s * attended_tokens(start, num_tokens))
 
     def prefill_tokens_within(self, seconds: float, start: int) -> int:
-        """Most tokens of a chunk from position start whose predicted cost fits in seconds."""
+        """Most tokens of a chunk from position start whose predicted cost fits in seconds,
+        and no more than EXTRAPOLATION times what a measured step has carried."""
         if seconds <= 0:
             return 0
+        seen = max(PROBE_PREFILL_TOKENS, int(EXTRAPOLATION * self.largest_prefill_tokens))
+        return min(seen, self._tokens_predicted_within(seconds, start))
+
+    def _tokens_predicted_within(self, seconds: float, start: int) -> int:
         # seconds = c*n + d*(n*start + n(n+1)/2): the positive root of the quadratic in n,
         # written 2s / (l + sqrt(l^2 + 2ds)) so a tiny d does not cancel it to zero.
         # A token never costs nothing: a fit that puts every prefill step's cost in its fixed
@@ -135,6 +153,7 @@ class StepCostModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         """Fold in one measured step."""
         x = shape.features()
+        self.largest_prefill_tokens = max(self.largest_prefill_tokens, shape.prefill_tokens)
         weight = 1.0
         if self.num_observations:
             predicted = self.predict(shape)
