@@ -8,11 +8,10 @@ exponentially weighted mean of its outcomes (DECAY per observation of that posit
 from PRIOR_ACCEPTANCE as PRIOR_WEIGHT observations that fade like any others. Short memory:
 an answer quotes, then stops, then quotes again.
 
-Cost. scheduled.step_shape counts only one-token chunks as decodes, so the fit prices a verify
-chunk's positions as prefill tokens: draft j of a request whose last token sits at position s
-costs c + d (s + 1 + j) (StepCostModel.per_prefill_token_s, one token; per_attended_token_s,
-the keys it attends). The fit's one-off charge for a step carrying prefill (e, f) is left out:
-it is not a row's, and a step of decodes and verify chunks runs in the decode stack anyway.
+Cost. A verify chunk's positions are decode rows (scheduled.step_shape; the ranks run them in
+the decode stack), so draft j of a request whose last token sits at position s costs
+b + d (s + 1 + j) (StepCostModel.per_decode_s, one row; per_attended_token_s, the keys it
+attends).
 
 The rule. A step that takes T seconds for N tokens, given one more row of Δt seconds that
 yields y tokens on average, serves (N + y) / (T + Δt) > N / T exactly when y / Δt > N / T. So
@@ -59,7 +58,7 @@ class StepPrice:
     tokens_per_second: float
     """N / T: the step's decodes over the fit's time for them, drafts aside."""
     row_s: float
-    """c: a drafted position as a token of the fit (at least MIN_PREFILL_TOKEN_S)."""
+    """b: a drafted position as a decode row of the fit (at least MIN_PREFILL_TOKEN_S)."""
     attended_pair_s: float
     """d: each key a drafted position attends."""
 
@@ -69,7 +68,7 @@ class StepPrice:
         seconds = step_cost.decode_seconds(num_decodes, attended)
         fitted = step_cost.num_observations >= COLD_START_STEPS and seconds > 0
         return cls(fitted, num_decodes / seconds if fitted else 0.0,
-                   max(step_cost.per_prefill_token_s, MIN_PREFILL_TOKEN_S),
+                   max(step_cost.per_decode_s, MIN_PREFILL_TOKEN_S),
                    step_cost.per_attended_token_s)
 
     def row_seconds(self, start: int, position: int) -> float:

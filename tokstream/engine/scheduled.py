@@ -98,8 +98,11 @@ class SchedulerOutput:
 
 
 def step_shape(work: list[ScheduledWork]) -> StepShape:
-    """A step's work as the cost model sees it (decodes counted as the scheduler does)."""
-    decodes = sum(1 for w in work if w.is_decode)
+    """A step's work as the cost model sees it. A verify chunk's positions are decode rows:
+    the ranks run them as such, in the one-call decode stack (model_runner.prepare); counted as
+    prompt tokens they made a step of decodes and verifications look like one carrying prefill,
+    and taught the fit prefill costs from decode-stack times."""
+    decodes = sum(w.num_tokens for w in work if w.is_decode or w.is_verify)
     return StepShape(decodes, sum(w.num_tokens for w in work) - decodes,
                      sum(attended_tokens(w.start, w.num_tokens) for w in work))
 
