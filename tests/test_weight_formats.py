@@ -243,7 +243,8 @@ def test_kv_cache_dtype_choices(monkeypatch):
 
 
 @pytest.mark.parametrize("bfloat16_share, start", [(0.8, quant_linear.STREAMED_BELOW),
-                                                   (0.5, 8)])
+                                                   (0.6, quant_linear.STREAMED_BELOW),
+                                                   (0.4, 8)])
 def test_bfloat16_must_beat_the_stack_by_its_margin(monkeypatch, bfloat16_share, start):
     """Below STREAMED_BELOW rows a bfloat16 copy takes rows only where it is faster than the
     quantised paths by more than what leaving the one-call decode stack costs."""

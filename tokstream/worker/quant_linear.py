@@ -226,13 +226,16 @@ STREAMED_BELOW = 64
 order as well: their weights take 16 bits where the fused kernel reads 5, so where the bytes
 read bound the product, one weight timed alone (warm in the caches) flatters them (measured:
 int16 fastest from 1 row alone, but a batch-1 step 13.2 ms with it against 9.1 ms without)."""
-STACK_MARGIN = 0.75
+STACK_MARGIN = 0.5
 """Below STREAMED_BELOW rows a bfloat16 copy must take under this fraction of the quantised
 paths' time: its products leave the one-call decode stack (cpu_decode_stack.c) for the
 per-layer Python path, whose cost the streamed timing (every path called from Python) does not
 show. Measured on a Zen 4 (batch-32 decode steps, alternated three times): streamed products
-bfloat16 35.2 ms against int16's 41.6, yet the step 89.8 ms with them against 72.6 ms on int16
-in the stack; at 16 and 64 rows the two steps were level."""
+bfloat16 35.2 ms against int16's 41.6 (0.85), yet the step 89.8 ms with them against 72.6 ms
+on int16 in the stack. On a Zen 5 (amd-f26m2-bf16) 0.75 let bfloat16 in at 32 rows, streamed
+19.2 ms against int16's 25.6 (0.75), and 32 streams served 374 tok/s against 502 with int16
+in the stack (bench/compare_vllm.py, default against --weights native, one quiet run): even
+at 0.75 the stack won by a third, so a copy must halve the time to pay for leaving it."""
 COPIES = ("bfloat16", "int16")
 """The extra forms a weight may keep beside its blocks, in the order a memory budget gives
 them out (bfloat16 serves the many-row steps, prefill among them, where the matrix units
