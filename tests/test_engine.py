@@ -107,7 +107,7 @@ def test_bad_input_is_refused_and_harms_nothing():
         (ok,) = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0))
         assert len(ok.token_ids) >= 1
     for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_p=1.5),
-                dict(top_k=-1), dict(stop=[""])):
+                dict(top_k=-2), dict(temperature=2.5), dict(stop=[""])):
         with pytest.raises(UserInputError):
             SamplingParams(**bad)
 
