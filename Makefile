@@ -16,7 +16,8 @@ ARGS ?=
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile $(LOCK)/requirements.txt $(LOCK)/model.txt $(LOCK)/triton.txt
+$(STAMP): pyproject.toml Makefile $(LOCK)/requirements.txt $(LOCK)/model.txt $(LOCK)/triton.txt \
+    $(LOCK)/instructor.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@# Keep a torch that is already there (a CUDA build on a GPU box); otherwise take the CPU
@@ -29,6 +30,8 @@ $(STAMP): pyproject.toml Makefile $(LOCK)/requirements.txt $(LOCK)/model.txt $(L
 	$(BIN)/python -c "import triton" 2>/dev/null || \
 		$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(LOCK)/triton.txt
 	$(BIN)/python -m pip install -q --require-hashes -r $(LOCK)/requirements.txt
+	@# --no-deps: instructor's jiter<0.15, rich<15 pins exclude the lock's; its test runs on them.
+	$(BIN)/python -m pip install -q --no-deps --require-hashes -r $(LOCK)/instructor.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
