@@ -186,13 +186,18 @@ class SchedulerConfig:
     shorter prompt waits, long prefills take at most this share of a step's token budget
     (1 = first come, first served)."""
     long_prefill_step_ms: float = 0.0
-    """Under the ITL target, a step carrying a long prefill's chunk is held to this many ms
-    by the measured step cost, streams decoding or not (0 = itl_target_ms, never past it).
-
-    So a short prompt arriving during such a step waits at most this long. In
+    """Under the ITL target, while streams decode, a step carrying a long prefill's chunk is
+    held to this many ms by the measured step cost (0 = itl_target_ms, never past it); with
+    nothing decoding, to itl_target_ms (a short prompt arriving waits at most that long). In
     bench/flood_sim.py (simulated, not measured) 75 ms cut chat ITL p99 150 -> 129 ms and TTFT
     p99 287 -> 209 ms but let the 8k prompts' TTFT reach 19.5 s of their 20 s period: the
     default stays the target until bench/flood_bench.py measures it."""
+    long_prefill_alone: bool = False
+    """While streams decode under the ITL target, a long prefill's chunks run in steps of
+    their own (with any short prompts' chunks, no decodes), every other step, instead of
+    sharing the decodes' steps; such a step is held so that it and the decode step before it
+    stay within long_prefill_step_ms. Decode steps then keep the one-call decode stack, and
+    the long prompts' share of the time is bounded by that alternation."""
     itl_target_ms: float = 150.0
     """Inter-token latency target while streams decode (0 = off): a step that carries decodes
     gets only the prefill the measured step cost predicts will fit under it; a step with

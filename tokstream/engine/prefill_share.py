@@ -41,6 +41,8 @@ class PrefillTime:
     """What a step that carries a long prefill's chunk may take in all."""
     num_decodes: int = 0
     """The step's decodes, which cost more in a step that carries prefill."""
+    alone: bool = False
+    """A prefill step between decode steps: every chunk in it is held to long_limit_s."""
     granted: int = 0
     """Prefill tokens given so far this step."""
 
@@ -61,22 +63,44 @@ class PrefillTime:
 
 
 def prefill_allowance(config: SchedulerConfig, step_cost: StepCostModel,
-                      decodes: list[ScheduledWork]) -> PrefillTime | None:
+                      decodes: list[ScheduledWork],
+                      alone_limit_s: float | None = None) -> PrefillTime | None:
     """The step's prefill allowance under the ITL target; None (the budget alone limits)
-    with the target off, chunking off, or no step measured yet."""
+    with the target off, chunking off, or no step measured yet. alone_limit_s: the step is
+    a prefill step between decode steps, held to that many seconds."""
     target_s = config.itl_target_ms / 1000
     if not (target_s and config.chunked_prefill and step_cost.num_observations):
         return None
+    if alone_limit_s is not None:
+        return PrefillTime(step_cost, step_cost.decode_seconds(0, 0), alone_limit_s,
+                           alone_limit_s, alone=True)
     decode_s = step_cost.decode_seconds(
         len(decodes), sum(attended_tokens(w.start, w.num_tokens) for w in decodes))
     floor_s = decode_s + target_s * config.itl_min_prefill_share if decodes else 0.0
-    long_s = min(target_s, long_step_seconds(config))
+    # With nothing decoding only a short prompt's arrival waits on the step: the target.
+    long_s = min(target_s, long_step_seconds(config)) if decodes else target_s
     return PrefillTime(step_cost, decode_s, max(target_s, floor_s) if decodes else None,
                        max(long_s, floor_s), len(decodes))
 
 
 def long_step_seconds(config: SchedulerConfig) -> float:
     return (config.long_prefill_step_ms or config.itl_target_ms) / 1000
+
+
+def prefill_steps_apart(config: SchedulerConfig) -> bool:
+    """Long prefills run in prefill steps of their own while streams decode (and never in
+    the decodes' steps): long_prefill_alone, under an ITL target, chunked."""
+    return config.long_prefill_alone and bool(config.itl_target_ms) and config.chunked_prefill
+
+
+def alone_step_seconds(config: SchedulerConfig, step_cost: StepCostModel,
+                       decoding: list[Request]) -> float:
+    """What a prefill step between decode steps may take: long_prefill_step_ms less the
+    predicted decode step of the requests decoding (a stream's gap is the two steps), and at
+    least itl_min_prefill_share of it, so the long prompts always progress."""
+    long_s = min(config.itl_target_ms / 1000, long_step_seconds(config))
+    decode_s = step_cost.decode_seconds(len(decoding), sum(r.num_tokens for r in decoding))
+    return max(long_s - decode_s, long_s * config.itl_min_prefill_share)
 
 
 def limit_for(config: SchedulerConfig, request: Request, prefill_time: PrefillTime | None,
@@ -93,6 +117,8 @@ def limit_for(config: SchedulerConfig, request: Request, prefill_time: PrefillTi
         return None
     if long:
         return prefill_time.long_limit_s
+    if prefill_time.alone and not request.recovering:
+        return prefill_time.short_limit_s
     if request.recovering or prefill_time.short_limit_s is None:
         # A failure's recomputation: every stream it stalled, those decoding again included,
         # is better off with it done at once than spread thin over the steps of a target

@@ -24,8 +24,9 @@ from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.draft_length import StepPrice
 from tokstream.engine.fairness import FairnessLedger
 from tokstream.engine.preemption import allocate_or_preempt, release_swap
-from tokstream.engine.prefill_share import (LongPrefillShare, is_long_prefill, limit_for,
-                                            long_prefill_allowance)
+from tokstream.engine.prefill_share import (LongPrefillShare, alone_step_seconds,
+                                            is_long_prefill, limit_for,
+                                            long_prefill_allowance, prefill_steps_apart)
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduled import ScheduledWork, SchedulerOutput, step_shape
 from tokstream.engine.speculation import Speculator
@@ -72,6 +73,9 @@ class Scheduler:
         self.long_first = False
         """The latest step gave long prefills' chunks before short prompts (they were owed
         their share)."""
+        self.last_step_alone = False
+        """The latest step was a prefill step between decode steps (long_prefill_alone): the
+        next one decodes."""
         self.clock = time.monotonic
         """Requests' arrivals are on this clock (tests give both a fake one)."""
         self.forgotten_ids: list[str] = []
@@ -128,18 +132,43 @@ class Scheduler:
         def short(request: Request) -> bool:
             return self._is_prefilling(request) and not long(request)
 
-        self._continue_running(step, lambda r: not self._is_prefilling(r))  # decodes
-        if self.long_first:  # behind their share of the prefill time: in running order
+        step.alone_limit_s = self._alone_limit()
+        if step.alone_limit_s is None:
+            self._continue_running(step, lambda r: not self._is_prefilling(r))  # decodes
+        else:  # no work for the decodes this step, but they are not preemption's victims
+            step.scheduled.update(r.request_id for r in self.running
+                                  if not self._is_prefilling(r))
+        # Under long_prefill_alone, long chunks stay out of a step that decodes.
+        with_long = not (step.decodes and prefill_steps_apart(config))
+        if self.long_first and with_long:  # behind their share of the prefill time
             self._continue_running(step, long)
             self._continue_running(step, short)
         else:  # short prompts, running and waiting, then long chunks get what is left
             self._continue_running(step, short)
             admit_waiting(self, step, long_prompts=False)
-            self._continue_running(step, long)
-        admit_waiting(self, step, long_prompts=True)
+            if with_long:
+                self._continue_running(step, long)
+        if with_long:
+            admit_waiting(self, step, long_prompts=True)
+        self.last_step_alone = step.alone_limit_s is not None
         self._count_prefill_time(step)
         forgotten, self.forgotten_ids = self.forgotten_ids, []
         return step.done(forgotten)
+
+    def _alone_limit(self) -> float | None:
+        """The predicted seconds this step may take as a prefill step between decode steps
+        (long_prefill_alone: streams decode, a long prefill is pending, and the latest step
+        decoded); None: an ordinary step."""
+        config = self.config
+        if (self.last_step_alone or not prefill_steps_apart(config)
+                or not self.step_cost.num_observations):
+            return None
+        decoding = [r for r in self.running if not self._is_prefilling(r)]
+        long_pending = (any(self.is_long(r) for r in self.running)
+                        or any(is_long_prefill(config, r) for r in self.waiting))
+        if not (decoding and long_pending):
+            return None
+        return alone_step_seconds(config, self.step_cost, decoding)
 
     def is_long(self, request: Request) -> bool:
         """request's prefill is in the long class: long when it was admitted, or waiting with

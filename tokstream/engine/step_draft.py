@@ -29,6 +29,9 @@ class StepDraft:
     """Running requests given work: preemption takes its victims from the others."""
     suspect_taken: bool = False
     """The step carries a suspect (Scheduler.suspect_after_failures): it takes no other."""
+    alone_limit_s: float | None = None
+    """A prefill step between decode steps (SchedulerConfig.long_prefill_alone): no decodes,
+    and its prefill held to this many predicted seconds in all; None: an ordinary step."""
     _prefill_time: PrefillTime | None = field(default=None, init=False)
     _prefill_time_known: bool = field(default=False, init=False)
 
@@ -37,7 +40,8 @@ class StepDraft:
         """The step's prefill allowance under the ITL target, set at its first prefill chunk:
         it needs the step's decodes, which go first."""
         if not self._prefill_time_known:
-            self._prefill_time = prefill_allowance(config, step_cost, self.decodes)
+            self._prefill_time = prefill_allowance(config, step_cost, self.decodes,
+                                                   self.alone_limit_s)
             self._prefill_time_known = True
         return self._prefill_time
 

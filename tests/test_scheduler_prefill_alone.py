@@ -1,0 +1,98 @@
+"""Long prefills in steps of their own (issue 29 item 2, SchedulerConfig.long_prefill_alone):
+while streams decode, a long prompt's chunks run in prefill steps between decode steps, each
+held so that a decode step and the prefill step after it stay within long_prefill_step_ms.
+Pure Python: hand-built step times fed to the scheduler, on a clock of their own."""
+
+from test_scheduler_itl_target import decodes_of, make_request, prefill_tokens, start_decoders, truth
+from test_scheduler_latency_classes import arrive, chunk_of, scheduler, step
+from tokstream.engine.scheduler import step_shape
+
+
+def alone(**config):
+    # The target is 60 ms; each step costs 20 ms + 2 ms a decode + 1 ms a prompt token.
+    return scheduler(long_prefill_alone=True, long_prefill_step_ms=60.0, **config)
+
+
+def test_decode_steps_and_prefill_steps_alternate_within_the_long_step_time():
+    s = alone()
+    start_decoders(s, 2)
+    arrive(s, make_request("long", prompt_len=2000, max_tokens=4))
+    gaps, kinds = [], []
+    previous = None
+    for _ in range(12):
+        out = step(s)
+        seconds = truth(step_shape(out.work))
+        decoding = bool(decodes_of(out))
+        kinds.append("decode" if decoding else "prefill")
+        if decoding:
+            assert chunk_of(out, "long") == 0  # long chunks stay out of the decodes' steps
+            assert len(decodes_of(out)) == 2
+        else:
+            assert chunk_of(out, "long") > 0 and prefill_tokens(out) == chunk_of(out, "long")
+            if previous is not None:
+                gaps.append(previous + seconds)  # what a stream waits: the two steps
+        previous = seconds
+    assert kinds[:6] == ["prefill", "decode"] * 3 or kinds[:6] == ["decode", "prefill"] * 3
+    assert gaps and max(gaps) <= 0.060 + 0.001
+
+
+def test_the_long_prompt_finishes_and_the_streams_keep_decoding():
+    s = alone()
+    start_decoders(s, 2, max_tokens=10_000)
+    arrive(s, make_request("long", prompt_len=1500, max_tokens=2))
+    for _ in range(400):
+        step(s)
+        if "long" not in s.requests:
+            break
+    assert "long" not in s.requests  # prefilled and finished
+    assert all(len(s.requests[f"d{i}"].output_token_ids) > 20 for i in range(2))
+
+
+def test_a_short_prompt_starts_within_two_steps():
+    s = alone()
+    start_decoders(s, 2)
+    arrive(s, make_request("long", prompt_len=2000, max_tokens=4))
+    step(s)
+    step(s)
+    arrive(s, make_request("chat", prompt_len=10, max_tokens=4))
+    out = step(s)
+    if chunk_of(out, "chat") == 0:  # a prefill step that gave the long prompt its share
+        assert not decodes_of(out) and chunk_of(out, "long") > 0
+        out = step(s)
+    assert chunk_of(out, "chat") == 10 and s.requests["chat"].output_token_ids == [7]
+
+
+def test_with_nothing_decoding_a_long_prompt_runs_in_ordinary_steps():
+    s = alone()
+    arrive(s, make_request("long", prompt_len=2000, max_tokens=4))
+    for _ in range(4):
+        out = step(s)
+        assert chunk_of(out, "long") > 0
+    assert s.last_step_alone is False
+
+
+def test_off_by_default_long_chunks_share_the_decodes_steps():
+    s = scheduler(long_prefill_step_ms=60.0)
+    start_decoders(s, 2)
+    arrive(s, make_request("long", prompt_len=2000, max_tokens=4))
+    for _ in range(4):
+        out = step(s)
+        assert len(decodes_of(out)) == 2 and chunk_of(out, "long") > 0
+
+
+def test_a_prefill_step_never_preempts_a_stream_that_decodes():
+    # The long prompt arrived first, so the streams are behind it in running order: when the
+    # pool runs dry in a prefill step, the victim must be a request given work in it (the
+    # long prompt), never a stream the step gave nothing to do.
+    s = alone()
+    s.block_manager.__init__(num_blocks=160, block_size=4, enable_caching=True)
+    arrive(s, make_request("long", prompt_len=600, max_tokens=2))
+    for i in range(2):
+        s.clock.now += 1.0
+        arrive(s, make_request(f"d{i}", prompt_len=8, max_tokens=300))
+    victims_in_prefill_steps = []
+    for _ in range(150):
+        out = step(s)
+        if not decodes_of(out):
+            victims_in_prefill_steps += [r.request_id for r in out.preempted]
+    assert victims_in_prefill_steps and set(victims_in_prefill_steps) == {"long"}
