@@ -155,6 +155,9 @@ def main() -> None:
     parser.add_argument("--duration", default=None,
                         help="each loadtest's --duration (default: each mix's own)")
     parser.add_argument("--probe-duration", default="20s", help="the chat run's capacity probe")
+    parser.add_argument("--capacity", default=None,
+                        help="an earlier chat run's capacity.json: no probe, every run at that "
+                             "rate (variants of one server compared at one rate)")
     parser.add_argument("--drain-timeout", type=float, default=180.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mixes", default=",".join(MIXES),
@@ -184,12 +187,16 @@ def main() -> None:
     with ServeProcess(serve, new_session=True, reap=True, stop_timeout_s=30) as server:
         load_at_ready = os.getloadavg()
         chat_out = workdir / "chat"
+        capacity = Path(args.capacity).resolve() if args.capacity else chat_out / "capacity.json"
+        if args.capacity:  # the probe would have warmed the server up: a first minute is slow
+            loadtest(server.url, "chat", workdir / "warm-up", args,
+                     ["--capacity", str(capacity), "--duration", "20s"])
         report = loadtest(server.url, "chat", chat_out, args,
-                          ["--probe-duration", args.probe_duration])
+                          ["--capacity", str(capacity)] if args.capacity
+                          else ["--probe-duration", args.probe_duration])
         runs["chat"] = summarize(report)
         fraction = report["config"]["settings"]["capacity_fraction"]
-        same_rate = ["--capacity", str(chat_out / "capacity.json"),
-                     "--capacity-fraction", str(fraction)]
+        same_rate = ["--capacity", str(capacity), "--capacity-fraction", str(fraction)]
         for mix in mixes[1:]:
             mix_arg = args.flood_mix if mix == "long-prompt-flood" else mix
             try:

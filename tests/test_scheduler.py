@@ -25,6 +25,9 @@ def make_request(rid, prompt_len=10, max_tokens=8, prompt=None, salt="", **param
 def make_scheduler(num_blocks=64, block_size=4, budget=64, max_seqs=8, watermark=0,
                    caching=True, swap_blocks=None, **config):
     bm = BlockManager(num_blocks, block_size, enable_caching=caching)
+    # Long prefills share the decodes' steps here, held to the ITL target, unless a test asks
+    # for the defaults' prefill steps of their own (test_scheduler_prefill_alone.py).
+    config = {"long_prefill_alone": False, "long_prefill_step_ms": 0.0, **config}
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                              watermark_blocks=watermark, **config)
     swap = SwapSpace(swap_blocks) if swap_blocks is not None else None

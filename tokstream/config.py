@@ -185,19 +185,25 @@ class SchedulerConfig:
     they go before short prompts, else short prompts' prefill goes first; and while a
     shorter prompt waits, long prefills take at most this share of a step's token budget
     (1 = first come, first served)."""
-    long_prefill_step_ms: float = 0.0
-    """Under the ITL target, while streams decode, a step carrying a long prefill's chunk is
-    held to this many ms by the measured step cost (0 = itl_target_ms, never past it); with
-    nothing decoding, to itl_target_ms (a short prompt arriving waits at most that long). In
-    bench/flood_sim.py (simulated, not measured) 75 ms cut chat ITL p99 150 -> 129 ms and TTFT
-    p99 287 -> 209 ms but let the 8k prompts' TTFT reach 19.5 s of their 20 s period: the
-    default stays the target until bench/flood_bench.py measures it."""
-    long_prefill_alone: bool = False
+    long_prefill_step_ms: float = 60.0
+    """Under the ITL target, while streams decode, the gap a long prefill may put between two
+    tokens of a stream, held by the measured step cost (0 = itl_target_ms, never past it);
+    with nothing decoding a step carrying its chunk is held to itl_target_ms (a short prompt
+    arriving waits at most that long).
+
+    60 ms: bench/flood_bench.py on SmolLM2 (2-core AMD Zen 5, chat at 2.1 req/s plus 8k-token
+    prompt bursts; bench/results/flood_bench-amd-f26m2-bf16*.json): with the 150 ms target
+    chat ITL p50/p99 was 147/169 ms under the flood against 8/40 ms alone; 60 ms gave 58/84
+    ms with long_prefill_alone, and every 8k prompt still finished (TTFT p50 117 s)."""
+    long_prefill_alone: bool = True
     """While streams decode under the ITL target, a long prefill's chunks run in steps of
     their own (with any short prompts' chunks, no decodes), every other step, instead of
     sharing the decodes' steps; such a step is held so that it and the decode step before it
-    stay within long_prefill_step_ms. Decode steps then keep the one-call decode stack, and
-    the long prompts' share of the time is bounded by that alternation."""
+    stay within long_prefill_step_ms. Decode steps then keep the one-call decode stack.
+
+    Measured against sharing at 60 ms (bench/flood_bench.py, one sitting, chat 2.1 req/s plus
+    the flood): chat TTFT p99 96 vs 165 ms, ITL p50/p99 58/84 vs 61/98 ms, the 8k prompts'
+    TTFT p50 117 vs 119 s."""
     itl_target_ms: float = 150.0
     """Inter-token latency target while streams decode (0 = off): a step that carries decodes
     gets only the prefill the measured step cost predicts will fit under it; a step with

@@ -258,6 +258,9 @@ class PrefillPolicy(Wire):
     """The share of the last second's prefill time long prefills got (None: no prefill)."""
     long_first: bool = False
     """The latest step gave long chunks first: they were behind their share."""
+    long_prefill_alone: bool = False
+    """Long chunks run in prefill steps of their own between decode steps, a decode step and
+    the prefill step after it within long_step_ms (an older core sends nothing: False)."""
     long_prefills: list[LongPrefillRow] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -401,9 +404,9 @@ class TenantRow(Wire):
 
     name: str = ""
     weight: float | None = None
-    """The tenants file's settings, from here to max_concurrent (server/tenants.py): its share of
-    service when backlogged, its tier (lower is admitted first), its token budget and its live
-    requests at most (0: no limit)."""
+    """The tenants file's settings, from here to max_concurrent (server/access/tenants.py): its
+    share of service when backlogged, its tier (lower is admitted first), its token budget and
+    its live requests at most (0: no limit)."""
     priority: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None

@@ -54,11 +54,11 @@ def _next_request(scheduler: Scheduler, step: StepDraft, held: set[str],
     config = scheduler.config
     request = scheduler.waiting.peek(
         lambda r: may_start(config, scheduler.running, r)
-        and ((long_prompts and step.long_left > 0) or not is_long_prefill(config, r))
+        and ((long_prompts and step.long_left > 0) or not scheduler.is_long(r))
         and not (step.suspect_taken and scheduler.is_suspect(r)) and r.prompt_group not in held)
     if request is None:
         return None
-    if not long_prompts and is_long_prefill(config, request):
+    if not long_prompts and scheduler.is_long(request):
         return None  # a preempted long prompt, first in line: it comes back in order
     if request.prompt_group in held:
         return None  # a preempted member: those come back in order, after its prompt's blocks

@@ -121,6 +121,27 @@ class BlockManager:
         self.prefix_hits += request.num_computed_tokens
         return request.num_computed_tokens
 
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of a waiting request's prefix the cache holds now, as match_prefix would
+        count them, without taking the blocks. The chain hashes stay on the request, so asking
+        again each step costs dict lookups, not hashing."""
+        if (not self.enable_caching or request.block_ids or request.scores_prompt
+                or request.swapped_block_ids):
+            return 0
+        usable = (request.num_tokens - 1) // self.block_size
+        chain = request.prefix_chain
+        count = 0
+        while count < usable:
+            if count == len(chain):
+                start = count * self.block_size
+                chain.append(chain_hash(chain[-1] if chain else b"",
+                                        request.token_slice(start, start + self.block_size),
+                                        request.cache_salt))
+            if chain[count] not in self._block_of:
+                break
+            count += 1
+        return count * self.block_size
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the blocks request has filled since the last call (after a step)."""
         if not self.enable_caching:

@@ -8,6 +8,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from tokstream.engine.prefill_share import prefill_steps_apart
 from tokstream.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ def prefill_policy(scheduler: Scheduler) -> dict:
         "long_step_ms": long_step_ms,
         "long_share": scheduler.long_share.share,
         "long_first": scheduler.long_first,
+        "long_prefill_alone": prefill_steps_apart(config),
         "long_prefills": [
             {"id": r.request_id, "tenant": r.tenant, "prompt_tokens": len(r.prompt_token_ids),
              "left_tokens": r.num_tokens - r.num_computed_tokens,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from tokstream.config import SchedulerConfig
@@ -131,19 +131,22 @@ def limit_for(config: SchedulerConfig, request: Request, prefill_time: PrefillTi
     return prefill_time.short_limit_s
 
 
-def is_long_prefill(config: SchedulerConfig, request: Request) -> bool:
-    return (request.num_tokens - request.num_computed_tokens
+def is_long_prefill(config: SchedulerConfig, request: Request, cached_tokens: int = 0) -> bool:
+    """More than long_prefill_tokens left to compute (cached_tokens: a waiting request's
+    prefix the cache holds, which it will not compute)."""
+    return (request.num_tokens - request.num_computed_tokens - cached_tokens
             > config.long_prefill_tokens)
 
 
 def long_prefill_allowance(config: SchedulerConfig, budget: int, num_running: int,
-                           waiting: Iterable[Request]) -> int:
+                           waiting: Iterable[Request],
+                           is_long: Callable[[Request], bool]) -> int:
     """Tokens long prefills may take this step: a share of the budget while a shorter
     prompt waits and could start, else no limit."""
     share = config.long_prefill_share
     if (share < 1 and config.chunked_prefill
             and num_running < config.max_num_seqs
-            and any(not is_long_prefill(config, r) for r in waiting)):
+            and any(not is_long(r) for r in waiting)):
         return max(1, int(budget * share))
     return sys.maxsize
 

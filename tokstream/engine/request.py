@@ -64,6 +64,9 @@ class Request:
     request): the scheduler prefills it for one of them and the prefix cache serves the rest."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chain hashes of this request's full, computed blocks (prefix caching)."""
+    prefix_chain: list[bytes] = field(default_factory=list)
+    """Chain hashes of its first full blocks, as far as a waiting request's cache lookup got
+    (BlockManager.cached_prefix_tokens): its tokens there never change."""
     num_preemptions: int = 0
     num_failures: int = 0
     """Replica failures in a row this request was in flight at (reset by a step that ran)."""

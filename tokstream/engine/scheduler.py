@@ -125,7 +125,7 @@ class Scheduler:
         left, and what the workers should forget."""
         budget, config = self.config.max_num_batched_tokens, self.config
         step = StepDraft(budget, long_prefill_allowance(config, budget, len(self.running),
-                                                        self.waiting))
+                                                        self.waiting, self.is_long))
         self.long_first = self.long_share.owed(config)
         long = self.is_long
 
@@ -165,17 +165,19 @@ class Scheduler:
             return None
         decoding = [r for r in self.running if not self._is_prefilling(r)]
         long_pending = (any(self.is_long(r) for r in self.running)
-                        or any(is_long_prefill(config, r) for r in self.waiting))
+                        or any(self.is_long(r) for r in self.waiting))
         if not (decoding and long_pending):
             return None
         return alone_step_seconds(config, self.step_cost, decoding)
 
     def is_long(self, request: Request) -> bool:
         """request's prefill is in the long class: long when it was admitted, or waiting with
-        a long prefill ahead of it."""
+        a long prefill ahead of it beyond what the prefix cache holds (a request behind a
+        cached 2,000-token system prompt is short)."""
         if request.status == RequestStatus.RUNNING:
             return request.request_id in self.long_prompts and self._is_prefilling(request)
-        return is_long_prefill(self.config, request)
+        return is_long_prefill(self.config, request,
+                               self.block_manager.cached_prefix_tokens(request))
 
     def _count_prefill_time(self, step: StepDraft) -> None:
         """Count the step's predicted prefill seconds per class (for long_share)."""

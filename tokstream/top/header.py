@@ -95,8 +95,10 @@ def describe_policy(policy: PrefillPolicy) -> Text:
         text.append(f" {len(held)} held", style="bold #61afef")
         text.append(f" (most left: {row.id} {fmt.number(row.left_tokens)} tokens)")
     share = "-" if policy.long_share is None else f"{policy.long_share:.0%}"
+    limit = ("own steps, gaps ≤" if policy.long_prefill_alone else "chunks ≤") \
+        + fmt.ms(policy.long_step_ms)
     text.append(f"  share {share} of prefill, {policy.long_prefill_share:.0%} guaranteed"
-                f"  chunks ≤{fmt.ms(policy.long_step_ms)}  long past "
+                f"  {limit}  long past "
                 f"{fmt.number(policy.long_prefill_tokens)} tokens")
     return text
 
