@@ -1,8 +1,8 @@
 """TEST ONLY: a demux that corrupts tokens, so tests and chaos runs can show the integrity
 checker catches a lost, duplicated, reordered or misrouted token.
 
-The production demux (tokstream.server.streams.StreamRegistry) only offers a hook, `reroute`,
-that nothing in it sets; `install` plugs a mutation in, and only serve's hidden
+The production demux (tokstream.server.streaming.streams.StreamRegistry) only offers a hook,
+`reroute`, that nothing in it sets; `install` plugs a mutation in, and only serve's hidden
 --demux-mutation flag calls it (refused with tenants or a public bind, see ServerConfig).
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from tokstream.engine.messages import RequestDelta
 
 if TYPE_CHECKING:
-    from tokstream.server.streams import Stream, StreamRegistry
+    from tokstream.server.streaming.streams import Stream, StreamRegistry
 
 log = logging.getLogger("tokstream.server")
 

@@ -9,9 +9,9 @@ import pytest
 from tokstream.body_bounds import APIS, Bound, body_bounds, widest
 from tokstream.errors import UserInputError
 from tokstream.sampling_params import SamplingParams
-from tokstream.server.errors import ApiError
-from tokstream.server.openapi import CHAT_BODY, COMPLETION_BODY, MESSAGES_BODY
-from tokstream.server.sampling_options import bounded_options
+from tokstream.server.api_errors import ApiError
+from tokstream.server.operations.openapi import CHAT_BODY, COMPLETION_BODY, MESSAGES_BODY
+from tokstream.server.api.sampling_options import bounded_options
 
 BODY_SCHEMAS = {"openai": (CHAT_BODY, COMPLETION_BODY), "anthropic": (MESSAGES_BODY,)}
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from helpers.serving import ROOT, ServerProcess, interruptible
-from tokstream.server.tenants import hash_key
+from tokstream.server.access.tenants import hash_key
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(400)]
 

@@ -6,7 +6,7 @@ and a stop string's tokens are not listed; a token a stop string cuts keeps its 
 import pytest
 
 from tokstream.engine.messages import TokenLogprobs
-from tokstream.server.content_logprobs import ContentLogprobs
+from tokstream.server.api.content_logprobs import ContentLogprobs
 from tokstream.tokenizer import dummy_tokenizer
 
 TOKENIZER = dummy_tokenizer(512, bos_token_id=1, eos_token_ids=(2,))

@@ -323,7 +323,8 @@ def test_rollout_leaves_the_pool_before_it_drains(objects):
                  + readiness.get("timeoutSeconds", 1))
     assert sleep_s >= unready_s + 5, (sleep_s, unready_s)
     drain_s = float(args_of(container)["shutdown-timeout"])
-    flush_s, margin_s = 5, 10  # server/drain.py FLUSH_TIMEOUT_S; the core and ranks stopping
+    # server/replica/drain.py FLUSH_TIMEOUT_S; the core and ranks stopping
+    flush_s, margin_s = 5, 10
     assert spec["terminationGracePeriodSeconds"] >= sleep_s + drain_s + flush_s + margin_s
     # A stream the Gateway lets run as long as its timeout is one the drain lets finish.
     route = one(objects, "HTTPRoute", "tokstream")

@@ -1,6 +1,6 @@
 """A failed stream's error type comes from its kind, set where the failure was caught, not
-from words in its message (server/sse.py); a failure without a kind is taken for the server's
-(retry), never guessed from its words."""
+from words in its message (server/streaming/sse.py); a failure without a kind is taken for the
+server's (retry), never guessed from its words."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from tokstream.engine.messages import FinishReason, RequestDelta
 from tokstream.errors import (ErrorKind, OverloadedError, PromptTooLongError, ReplicaError,
                               error_kind)
 from tokstream.sampling_params import SamplingParams
-from tokstream.server.sse import stream_failure
-from tokstream.server.streams import StreamRegistry
+from tokstream.server.streaming.sse import stream_failure
+from tokstream.server.streaming.streams import StreamRegistry
 
 
 class _Engine:

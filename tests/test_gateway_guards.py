@@ -16,11 +16,11 @@ from tokstream.chaos.demux_mutation import install
 from tokstream.errors import UserInputError
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
-from tokstream.server.admission import Admission, AdmissionConfig
+from tokstream.server.access.gateway_admission import Admission, AdmissionConfig
 from tokstream.config import ServerConfig
-from tokstream.server.errors import ApiError
-from tokstream.server.streams import StreamRegistry
-from tokstream.server.tenants import Tenant
+from tokstream.server.api_errors import ApiError
+from tokstream.server.streaming.streams import StreamRegistry
+from tokstream.server.access.tenants import Tenant
 from tokstream.state_snapshot import StateSnapshot
 from tokstream.tokenizer import dummy_tokenizer, load_tokenizer
 
@@ -75,7 +75,7 @@ def test_demux_mutation_is_test_only(monkeypatch):
 
 
 def test_one_snapshot_is_shared_by_concurrent_readers():
-    from tokstream.server.snapshot import SharedSnapshot
+    from tokstream.server.operations.shared_snapshot import SharedSnapshot
 
     calls = 0
     release = asyncio.Event()

@@ -161,3 +161,53 @@ def test_the_engine_imports_nothing_of_the_worker():
                 if module.startswith("tokstream.engine")
                 for target, line in edges.items() if target.startswith("tokstream.worker")}
     assert not crossing, crossing
+
+
+MAX_MODULES_PER_FOLDER = 20
+"""Issue 33: a folder past ~20 modules no longer reads as one idea."""
+NAMES_BESIDE_THE_GATEWAY = ("tokstream", "tokstream.engine", "tokstream.worker")
+"""The packages whose modules a gateway module is read beside (it imports them): a gateway file
+named like one of theirs (admission.py, errors.py) said less than it seemed to."""
+
+
+def gateway_layout_problems(root: Path) -> list[str]:
+    """tokstream/server's folders hold at most MAX_MODULES_PER_FOLDER modules each, and no
+    two of its modules, nor one of them and one of NAMES_BESIDE_THE_GATEWAY, share a name."""
+    found = modules(root)
+    gateway = [name for name in found if name.startswith("tokstream.server.")
+               and found[name].name != "__init__.py"]
+    problems = []
+    folders: dict[str, list[str]] = {}
+    for name in gateway:
+        folders.setdefault(name.rpartition(".")[0], []).append(name)
+    problems += [f"{folder}: {len(names)} modules" for folder, names in sorted(folders.items())
+                 if len(names) > MAX_MODULES_PER_FOLDER]
+    owners: dict[str, list[str]] = {}
+    for name, path in found.items():
+        if path.name != "__init__.py" and (name in gateway or
+                                           name.rpartition(".")[0] in NAMES_BESIDE_THE_GATEWAY):
+            owners.setdefault(path.stem, []).append(name)
+    problems += [f"{stem}.py: {', '.join(sorted(names))}" for stem, names in sorted(owners.items())
+                 if len(names) > 1 and any(name in gateway for name in names)]
+    return problems
+
+
+def test_the_gateway_folders_stay_small_and_their_file_names_distinct():
+    server = (ROOT / "tokstream" / "server" / "server.py").read_text(encoding="utf-8")
+    assert "\nclass Server:" in server  # the hub, in a file named for it
+    assert not gateway_layout_problems(ROOT), gateway_layout_problems(ROOT)
+
+
+def test_the_gateway_layout_check_sees_a_crowded_folder_and_a_repeated_name(tmp_path):
+    for folder in PACKAGE_DIRS:
+        (tmp_path / folder).mkdir()
+    for folder in ("tokstream/engine", "tokstream/server", "tokstream/server/api"):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "tokstream" / "engine" / "admission.py").write_text("")
+    (tmp_path / "tokstream" / "server" / "admission.py").write_text("")
+    for i in range(MAX_MODULES_PER_FOLDER + 1):
+        (tmp_path / "tokstream" / "server" / "api" / f"m{i}.py").write_text("")
+    assert gateway_layout_problems(tmp_path) == [
+        f"tokstream.server.api: {MAX_MODULES_PER_FOLDER + 1} modules",
+        "admission.py: tokstream.engine.admission, tokstream.server.admission"]

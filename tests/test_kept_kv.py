@@ -19,8 +19,8 @@ from tokstream.checker import check_streams
 from tokstream.engine.messages import PoolAdopted
 from tokstream.engine.pool_files import PoolFiles
 from tokstream.errors import ReplicaError
-from tokstream.server import kept_pool
-from tokstream.server.tenants import hash_key
+from tokstream.server.replica import kept_pool
+from tokstream.server.access.tenants import hash_key
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(240)]
 

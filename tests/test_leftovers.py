@@ -17,7 +17,7 @@ import pytest
 
 from helpers.serving import ServerProcess, anthropic_body, record
 from tokstream.config import CacheConfig, EngineConfig
-from tokstream.server.supervisor import replacement_config
+from tokstream.server.replica.supervisor import replacement_config
 
 
 pytestmark = pytest.mark.timeout(180)

@@ -15,7 +15,7 @@ from test_loadgen_plumbing import FakeServer, write_mix_and_keys
 from tokstream.loadgen.metrics import spec_decode_counters, speculation_over_run
 from tokstream.loadgen.report import build_report
 from tokstream.loadgen.tables import speculation_line
-from tokstream.server.metrics import Metrics
+from tokstream.server.operations.metrics import Metrics
 
 
 def exposition(speculation: dict) -> str:

@@ -1,8 +1,8 @@
 """/metrics is not held by a busy engine core (issue 32 item 5): the endpoint picker polls every
 50 ms, gives up after 1 s and drops a replica whose numbers are 2 s old, while a core in a long
 step answers its snapshot only between steps. The route serves the latest snapshot it has and
-waits for a newer one at most SCRAPE_WAIT_S (server/metrics.py); the refresh lands for the next
-scrape.
+waits for a newer one at most SCRAPE_WAIT_S (server/operations/metrics.py); the refresh lands
+for the next scrape.
 
 The core here is one that answers its first snapshot and never another; the readers' patience
 is set past the test's own timeout, so a route that waited for that core would hang, not pass."""
@@ -16,8 +16,8 @@ from starlette.applications import Starlette
 
 from tokstream.config import EngineConfig, ServerConfig
 from tokstream.server.app import routes
-from tokstream.server.snapshot import SharedSnapshot
-from tokstream.server.state import Server
+from tokstream.server.operations.shared_snapshot import SharedSnapshot
+from tokstream.server.server import Server
 
 FOREVER_S = 3600.0
 

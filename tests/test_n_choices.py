@@ -159,9 +159,9 @@ def test_the_checker_names_damage_to_one_choice():
 
 def test_collecting_stops_at_a_failed_choice_and_aborts_the_others():
     from tokstream.engine.messages import RequestDelta
-    from tokstream.server.choices import collect_choices
-    from tokstream.server.sse import stream_failure
-    from tokstream.server.streams import Channel, Stream
+    from tokstream.server.api.choices import collect_choices
+    from tokstream.server.streaming.sse import stream_failure
+    from tokstream.server.streaming.streams import Channel, Stream
 
     class Registry:
         def __init__(self):
@@ -204,7 +204,7 @@ def auth(key=MAIN) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tokstream.server.tenants import hash_key
+    from tokstream.server.access.tenants import hash_key
 
     tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     tenants.write_text(f"""

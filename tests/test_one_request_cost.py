@@ -92,7 +92,7 @@ class CountingBackend:
 
 def test_top_logprobs_work_out_each_tokens_bytes_once():
     from tokstream.engine.messages import TokenLogprobs
-    from tokstream.server.content_logprobs import ContentLogprobs
+    from tokstream.server.api.content_logprobs import ContentLogprobs
 
     tokenizer = dummy_tokenizer(400, bos_token_id=0, eos_token_ids=(1,))
     counting = tokenizer.backend = CountingBackend(tokenizer.backend)
@@ -135,7 +135,7 @@ def test_count_tokens_with_special_token_text_builds_no_tokenizer_while_serving(
     from tokstream import tokenizer as tokenizer_module
     from tokstream.config import ServerConfig
     from tokstream.server.app import routes
-    from tokstream.server.state import Server
+    from tokstream.server.server import Server
 
     builds = []
     real = tokenizer_module.BackendTokenizer

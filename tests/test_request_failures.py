@@ -14,9 +14,9 @@ import asyncio
 from tokstream.engine.messages import RequestDelta
 from tokstream.errors import ErrorKind
 from tokstream.sampling_params import SamplingParams
-from tokstream.server import request_failures
-from tokstream.server.request_failures import RequestFailures
-from tokstream.server.streams import StreamRegistry
+from tokstream.server.replica import request_failures
+from tokstream.server.replica.request_failures import RequestFailures
+from tokstream.server.streaming.streams import StreamRegistry
 
 NAMES = ("a", "b", "c", "d")
 HOST_KILL_LAG_S = 0.3

@@ -332,8 +332,8 @@ def test_with_the_target_off_nothing_changes(chunking):
 
 def test_under_overload_decoders_keep_the_target_and_the_rest_wait_or_are_refused():
     from tokstream.config import AdmissionConfig
-    from tokstream.server.admission import Admission
-    from tokstream.server.errors import ANTHROPIC, OPENAI, ApiError, error_response
+    from tokstream.server.access.gateway_admission import Admission
+    from tokstream.server.api_errors import ANTHROPIC, OPENAI, ApiError, error_response
 
     s = itl_scheduler(target_ms=60.0)
     trained(s.step_cost)

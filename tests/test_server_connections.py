@@ -85,7 +85,7 @@ def test_connections_past_the_cap_get_503(server):
 
 
 def test_descriptors_stay_in_reserve():
-    from tokstream.server.connection_limits import connection_cap
+    from tokstream.server.access.connection_limits import connection_cap
 
     assert connection_cap(configured=0, reserve=128, descriptor_limit=1024) == 896
     assert connection_cap(configured=5000, reserve=128, descriptor_limit=1024) == 896

@@ -11,7 +11,7 @@ import pytest
 
 from helpers.serving import ROOT, ServerProcess, anthropic_body, arecord, openai_body
 from tokstream.checker import check_streams
-from tokstream.server.tenants import hash_key, load_tenants
+from tokstream.server.access.tenants import hash_key, load_tenants
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 

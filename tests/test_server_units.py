@@ -6,11 +6,11 @@ import pytest
 from tokstream.config import AdmissionConfig, ServerConfig
 from tokstream.engine.messages import RequestDelta
 from tokstream.errors import UserInputError
-from tokstream.server.admission import Admission
-from tokstream.server.errors import ApiError
+from tokstream.server.access.gateway_admission import Admission
+from tokstream.server.api_errors import ApiError
 from tokstream.settings import build_settings, load_profile
-from tokstream.server.streams import Channel
-from tokstream.server.tenants import Tenant, hash_key
+from tokstream.server.streaming.streams import Channel
+from tokstream.server.access.tenants import Tenant, hash_key
 
 
 def delta(index, text="x", finish=None):

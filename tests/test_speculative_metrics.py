@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokstream.config import SpeculativeConfig
 from tokstream.errors import UserInputError
-from tokstream.server.metrics import Metrics
+from tokstream.server.operations.metrics import Metrics
 from tokstream.settings import SERVE_FLAGS, build_settings
 from tokstream.state_snapshot import StateSnapshot
 

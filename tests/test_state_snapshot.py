@@ -10,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tokstream.server.openapi import openapi_schema
+from tokstream.server.operations.openapi import openapi_schema
 from tokstream.state_snapshot import (Batch, Event, Kv, ReplicaStatus, RequestDetail,
                                       StateSnapshot)
 from tokstream.wire import ABSENT

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from helpers.serving import ServerProcess, anthropic_body
-from tokstream.server.tenants import hash_key
+from tokstream.server.access.tenants import hash_key
 from tokstream.state_snapshot import Kv
 from tokstream.top.app import TopApp
 from tokstream.top.detail import DetailScreen

@@ -294,7 +294,7 @@ def serve(
 @app.command("hash-key")
 def hash_key_command(key: str = typer.Argument(..., help="An API key to store in a tenants file.")):
     """Print the sha256 hex a tenants file stores for KEY (key_sha256 / admin_key_sha256)."""
-    from tokstream.server.tenants import hash_key
+    from tokstream.server.access.tenants import hash_key
 
     typer.echo(hash_key(key))
 

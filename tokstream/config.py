@@ -365,7 +365,7 @@ class EngineConfig:
 
 @dataclass
 class AdmissionConfig:
-    """The gateway's bounded waiting queue (tokstream/server/admission.py)."""
+    """The gateway's bounded waiting queue (tokstream/server/access/gateway_admission.py)."""
 
     max_waiting_requests: int = 256
     """Admission: most requests waiting for their first token."""

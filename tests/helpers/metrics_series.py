@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from tokstream.server.metrics import Metrics
+from tokstream.server.operations.metrics import Metrics
 
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum",
                                                               "_created"),

@@ -2,7 +2,7 @@
 Waiting requests (new prompts, preempted and resumed requests) start in the waiting queue's
 order while the step's budget, the sequence cap and free blocks allow, each with the whole
 block table it holds (a cached prefix included). Not the gateway's admission bounds
-(tokstream/server/admission.py). Pure Python, no torch.
+(tokstream/server/access/gateway_admission.py). Pure Python, no torch.
 """
 
 from __future__ import annotations

@@ -272,7 +272,7 @@ class AsyncEngine:
     async def adopt_pool(self) -> PoolAdopted:
         """Have the core claim the pool files' block index and keep the cached blocks a dead
         core listed there (engine/pool_adoption.py). Only once no other process maps the files,
-        and before the first request (server/kept_pool.py)."""
+        and before the first request (server/replica/kept_pool.py)."""
         return await self._ask(AdoptPool)
 
     async def state(self) -> dict:

@@ -39,7 +39,7 @@ def layout_signature(*facts: object) -> bytes:
 
 class BlockIndex:
     """The index file at path, mapped by one engine core at a time (the gateway sees to that:
-    server/kept_pool.py)."""
+    server/replica/kept_pool.py)."""
 
     def __init__(self, path: str):
         self.path = path

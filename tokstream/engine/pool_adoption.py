@@ -3,7 +3,7 @@ registers the cached prefixes a dead core left there (adopt), and lets go of the
 its own rank group stops reading the pool those entries describe (follow_restart). No torch.
 
 The gateway asks for adopt (AdoptPool) once no process outside this core maps the pool files,
-and before this core's first request (server/kept_pool.py): until then another core's ranks
+and before this core's first request (server/replica/kept_pool.py): until then another core's ranks
 may still be writing blocks, and a core that has handed out a block may have written over
 what the index lists (BlockManager.attach_index refuses then).
 """

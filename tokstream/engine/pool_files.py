@@ -10,7 +10,7 @@ maps it; recovery.py decides whether to trust it).
 Who holds them: `tokstream serve`'s gateway, so that they outlive an engine core too; every
 core it starts (the spare core included) maps the same files, and the one that takes over
 after a death adopts the blocks the dead one listed in the index (block_index.py,
-server/kept_pool.py). An engine core started without them (in-process, tests) makes its own,
+server/replica/kept_pool.py). An engine core started without them (in-process, tests) makes its own,
 which die with it. Nothing is left behind, even after a SIGKILL.
 
 Ranks are forked from a forkserver, not from the holder, so they cannot inherit a descriptor;

@@ -24,17 +24,18 @@ from tokstream import gc_policy
 from tokstream.config import EngineConfig, ServerConfig
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.pool_files import PoolFiles
-from tokstream.server import admin_routes, anthropic_routes, openai_routes, tokenizer_routes
-from tokstream.server.connection_limits import (ConnectionLimits, connection_cap,
-                                                guarded_protocol, raise_descriptor_limit)
-from tokstream.server.cors import cors_middleware
-from tokstream.server.host_check import HostCheck
-from tokstream.server.kept_pool import hand_over
-from tokstream.server.errors import ApiError, api_for_path, error_response
-from tokstream.server.openapi import openapi_schema
-from tokstream.server import health
-from tokstream.server.drain import DrainingServer
-from tokstream.server.state import Server
+from tokstream.server.api import anthropic_routes, openai_routes, tokenizer_routes
+from tokstream.server.operations import admin_routes
+from tokstream.server.access.connection_limits import (ConnectionLimits, connection_cap,
+                                                       guarded_protocol, raise_descriptor_limit)
+from tokstream.server.access.cors import cors_middleware
+from tokstream.server.access.host_check import HostCheck
+from tokstream.server.replica.kept_pool import hand_over
+from tokstream.server.api_errors import ApiError, api_for_path, error_response
+from tokstream.server.operations.openapi import openapi_schema
+from tokstream.server.operations import health
+from tokstream.server.replica.drain import DrainingServer
+from tokstream.server.server import Server
 from tokstream.server.validation import shown
 
 log = logging.getLogger("tokstream.server")
@@ -139,7 +140,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, log_level: str
 
     server_config.check_bind()
     if server_config.tenants_file:
-        from tokstream.server.tenants import load_tenants
+        from tokstream.server.access.tenants import load_tenants
         load_tenants(server_config.tenants_file)  # fail fast on a bad file
     source = resolve_model(engine_config.model)
     tokenizer = load_tokenizer(source)

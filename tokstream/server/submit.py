@@ -13,15 +13,15 @@ from tokstream.checker import choice_request_id
 from tokstream.engine.messages import FinishReason
 from tokstream.errors import ReplicaError, UserInputError
 from tokstream.sampling_params import SamplingParams
-from tokstream.server.admission import Admission
-from tokstream.server.choices import TenantShare, choice_params
-from tokstream.server.errors import ApiError
-from tokstream.server.events import EventLog
-from tokstream.server.metrics import Metrics
-from tokstream.server.streams import Stream, StreamRegistry
-from tokstream.server.tenants import Tenant
-from tokstream.server.echo import Echo
-from tokstream.server.tools import ToolRequest
+from tokstream.server.access.gateway_admission import Admission
+from tokstream.server.api.choices import TenantShare, choice_params
+from tokstream.server.api_errors import ApiError
+from tokstream.server.operations.events import EventLog
+from tokstream.server.operations.metrics import Metrics
+from tokstream.server.streaming.streams import Stream, StreamRegistry
+from tokstream.server.access.tenants import Tenant
+from tokstream.server.api.echo import Echo
+from tokstream.server.api.tools import ToolRequest
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Submitter:
     def submit_choices(self, request_id: str, prompt: Prompt, tenant: Tenant | None,
                        api: str) -> list[Stream]:
         """Admit a request once and start its prompt.n choices, one stream each (see
-        server/choices.py); raises ApiError (429/529/503) when refused."""
+        server/api/choices.py); raises ApiError (429/529/503) when refused."""
         n = len(prompt.token_ids)
         reserved = prompt.n * prompt.params.max_tokens
         try:

@@ -13,7 +13,7 @@ from starlette.requests import ClientDisconnect
 
 from tokstream.errors import PromptTooLongError, UserInputError
 from tokstream.sampling_params import SamplingParams
-from tokstream.server.errors import ApiError, ClientGone, bad_request
+from tokstream.server.api_errors import ApiError, ClientGone, bad_request
 
 log = logging.getLogger("tokstream.server")
 

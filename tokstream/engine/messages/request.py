@@ -69,7 +69,7 @@ class RequestDelta:
     """Why the request failed, when finish_reason is 'error'."""
     error_kind: ErrorKind | None = None
     """Who is at fault, set where the failure was caught (an error delta without one is
-    taken as the replica's, see server/sse.py)."""
+    taken as the replica's, see server/streaming/sse.py)."""
     step_id: int = 0
     """The engine step that produced token_ids (0 for a delta no step produced)."""
     output_digest: str | None = None

@@ -1,0 +1,121 @@
+"""The OpenAI and vLLM sampling options beyond temperature/top_p/top_k/stop/seed, read from a
+request body into SamplingParams arguments: presence/frequency/repetition penalties, min_p,
+logit_bias, logprobs (chat: `logprobs` + `top_logprobs`; completions: an integer), and
+structured outputs (`response_format`, vLLM's `structured_outputs`). Each bad value is a 400
+naming its field."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from tokstream.body_bounds import body_bounds
+from tokstream.errors import UserInputError
+from tokstream.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokstream.server.api_errors import bad_request
+from tokstream.server.validation import _kind, get_bool, get_int, get_number, get_object
+from tokstream.structured import StructuredOutput
+
+
+def bounded_options(body: dict, api: str) -> dict:
+    """Every numeric sampling option api reads (temperature, top_p, top_k, seed, and on OpenAI
+    routes the penalties and min_p), each checked against the bounds its SamplingParams field
+    declares (tokstream/body_bounds.py): a 400 naming the field when out of them."""
+    out = {}
+    for name, (bound, default) in body_bounds(SamplingParams, api).items():
+        if bound.integer:
+            out[name] = get_int(body, name, default, minimum=bound.minimum,
+                                maximum=bound.maximum)
+        else:
+            out[name] = get_number(body, name, default, minimum=bound.minimum,
+                                   maximum=math.inf if bound.maximum is None else bound.maximum,
+                                   exclusive_minimum=bound.exclusive_minimum)
+    return out
+
+
+def sampling_extras(body: dict, chat: bool, vocab_size: int) -> dict:
+    extras = {
+        "logit_bias": logit_bias(body, vocab_size),
+        "logprobs": chat_logprobs(body) if chat else get_int(body, "logprobs", None, minimum=0,
+                                                             maximum=MAX_LOGPROBS),
+    }
+    structured = response_format(body)
+    vllm = structured_outputs(body)
+    if structured is not None and vllm is not None:
+        raise bad_request("structured_outputs", "give response_format or structured_outputs, "
+                                                "not both")
+    structured = structured or vllm
+    if structured is not None:
+        field = "response_format" if vllm is None else "structured_outputs"
+        try:  # compiled once here, so a bad schema is a 400 on its own field
+            extras["grammar"] = structured.grammar()
+        except UserInputError as error:
+            raise bad_request(field, str(error)) from None
+    extras["structured"] = structured
+    return extras
+
+
+def chat_logprobs(body: dict) -> int | None:
+    wanted = get_bool(body, "logprobs")
+    top = get_int(body, "top_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs", "needs logprobs: true")
+    return (top or 0) if wanted else None
+
+
+def logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    biases = get_object(body, "logit_bias") or {}
+    out = {}
+    for key, value in biases.items():
+        field = f"logit_bias.{key}"[:80]
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(field, "keys must be token ids") from None
+        if not 0 <= token < vocab_size:
+            raise bad_request(field, f"token id outside the vocabulary [0, {vocab_size})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -100 <= value <= 100:
+            raise bad_request(field, "must be a number in [-100, 100]")
+        out[token] = float(value)
+    return out
+
+
+def response_format(body: dict) -> StructuredOutput | None:
+    spec = get_object(body, "response_format")
+    if spec is None:
+        return None
+    kind = spec.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        schema = (spec.get("json_schema") or {})
+        if not isinstance(schema, dict) or not isinstance(schema.get("schema", {}), dict):
+            raise bad_request("response_format.json_schema.schema", "must be an object")
+        return StructuredOutput("json_schema", json.dumps(schema.get("schema", {})))
+    raise bad_request("response_format.type",
+                      "must be 'text', 'json_object' or 'json_schema', not " + _kind(kind))
+
+
+def structured_outputs(body: dict) -> StructuredOutput | None:
+    spec = get_object(body, "structured_outputs")
+    if spec is None:
+        return None
+    given = [k for k in ("json", "regex", "choice", "grammar") if spec.get(k) is not None]
+    if len(given) != 1:
+        raise bad_request("structured_outputs", "give exactly one of json, regex, choice or "
+                                                "grammar")
+    key = given[0]
+    value = spec[key]
+    if key == "json":
+        return StructuredOutput("json_schema", value if isinstance(value, str)
+                                else json.dumps(value))
+    if key == "choice":
+        if not isinstance(value, list):
+            raise bad_request("structured_outputs.choice", "must be an array of strings")
+        return StructuredOutput("choice", json.dumps(value))
+    if not isinstance(value, str):
+        raise bad_request(f"structured_outputs.{key}", "must be a string")
+    return StructuredOutput(key, value)

@@ -1,0 +1,91 @@
+"""The /v1/state snapshot: the engine core's own (KV, batch, its rows and events) joined with
+what only the gateway knows (streams, admission, tenants, replica status and restarts, ranks'
+and processes' memory). Built as tokstream.state_snapshot's classes, the ones top and chaos
+parse it with."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+from tokstream.server.operations import host_stats
+from tokstream.state_snapshot import (BATCH_FROM_CORE, AdmissionState, Batch, CoreSnapshot,
+                                      Kv, LastStep, ProcessInfo, Rank, Replica,
+                                      RequestRow, Speculation, StateSnapshot, TenantRow,
+                                      Timing)
+
+if TYPE_CHECKING:
+    from tokstream.server.server import Server
+
+
+class GatewaySnapshot:
+    def __init__(self):
+        self.usage = host_stats.ProcessUsage()
+
+    async def build(self, server: Server) -> StateSnapshot:
+        waited = time.perf_counter()
+        core = await server.core_snapshot()
+        started = time.perf_counter()
+        snapshot = self._join(server, CoreSnapshot.from_wire(core or {}))
+        snapshot.timing = Timing(core_wait_ms=(started - waited) * 1000,
+                                 gateway_build_ms=(time.perf_counter() - started) * 1000)
+        return snapshot
+
+    def _join(self, server: Server, core: CoreSnapshot) -> StateSnapshot:
+        now = time.monotonic()
+        engine = server.engine
+        engine_rows = {row.id: row for row in core.requests}
+        requests = [_request_row(stream, engine_rows.get(stream.request_id), now)
+                    for stream in server.registry.streams.values()]
+        last = core.last_step or LastStep()
+        # The current group's ranks (the core's snapshot may predate a restart).
+        worker_pids = engine.info.get("worker_pids") or core.worker_pids
+        roles = ([("gateway", os.getpid()), ("engine", engine.pid)]
+                 + [(f"rank{rank}", pid) for rank, pid in enumerate(worker_pids)])
+        usage = self.usage.measure([pid for _, pid in roles])
+        supervisor = server.supervisor
+        for event in core.events:
+            event.extra["source"] = "engine"
+        return StateSnapshot(
+            replica=Replica(
+                status=server.status, restarts=supervisor.total_restarts,
+                restarts_by_kind=dict(supervisor.restarts),
+                resumed_requests=dict(supervisor.resumed_requests),
+                recovery_s={k: list(v) for k, v in supervisor.recovery_seconds.items()},
+                model=server.model_id, dtype=engine.info.get("dtype"),
+                device=engine.config.device, tp=engine.config.tp, spare=engine.config.spare,
+                max_model_len=server.max_model_len, uptime_s=time.time() - server.started,
+                error=engine.dead),
+            ranks=[Rank(rank=rank, pid=pid, alive=host_stats.alive(pid), **usage[pid])
+                   for rank, pid in enumerate(worker_pids)],
+            kv=core.kv if core.kv is not None else Kv.from_wire({}),
+            batch=Batch(running=core.running, waiting=core.waiting,
+                        max_num_seqs=core.max_num_seqs, token_budget=core.token_budget,
+                        last_step_tokens=last.num_tokens, last_step_seqs=last.num_seqs,
+                        last_step_ms=last.step_ms, step_id=core.step_id,
+                        num_preemptions=core.num_preemptions,
+                        **{key: core.extra[key] for key in BATCH_FROM_CORE
+                           if key in core.extra}),
+            speculation=(core.speculation if core.speculation is not None
+                         else Speculation.from_wire({})),
+            admission=AdmissionState.from_wire(server.admission.snapshot()),
+            requests=requests,
+            tenants=([TenantRow.from_wire(t.row()) for t in server.tenants.tenants]
+                     if server.tenants else []),
+            fairness=core.tenants,
+            events=server.events.merged(core.events),
+            engine=ProcessInfo(pid=engine.pid, alive=host_stats.alive(engine.pid)),
+            gateway=ProcessInfo(pid=os.getpid()),
+            memory=host_stats.memory(roles, usage, engine.config.device))
+
+
+def _request_row(stream, core_row, now: float) -> RequestRow:
+    if core_row is None:
+        state = "finishing" if stream.final else "submitted"
+        return RequestRow(**vars(stream.row(now)), state=state, phase=state)
+    return RequestRow(**vars(stream.row(now)), state=core_row.state, blocks=core_row.blocks,
+                      preemptions=core_row.preemptions, computed_tokens=core_row.computed_tokens,
+                      phase=core_row.phase if core_row.phase is not None else core_row.state,
+                      draft_tokens=core_row.draft_tokens,
+                      accepted_tokens=core_row.accepted_tokens)
