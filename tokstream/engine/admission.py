@@ -33,11 +33,16 @@ def admit_waiting(scheduler: Scheduler, step: StepDraft, long_prompts: bool = Tr
     in a step that had to preempt: the pool is tight."""
     config = scheduler.config
     prefill_time = step.prefill_time(config, scheduler.step_cost)
-    held = groups_prefilling(scheduler.running, scheduler.block_manager)
+    blocks = scheduler.block_manager
+    held = groups_prefilling(scheduler.running, blocks)
+    # Prefix blocks running requests are computing: a waiting request that needs one next
+    # waits for the cache to have it (a burst behind one new system prompt computes it once).
+    pending = blocks.blocks_in_flight(r for r in scheduler.running
+                                      if r.num_tokens - r.num_computed_tokens > 1)
     while scheduler.waiting and step.budget > 0 and not step.out.preempted:
         if len(scheduler.running) >= config.max_num_seqs:
             break
-        request = _next_request(scheduler, step, held, long_prompts)
+        request = _next_request(scheduler, step, held, long_prompts, pending)
         if request is None:
             break
         if can_never_fit(config, scheduler.block_manager, request):
@@ -46,16 +51,18 @@ def admit_waiting(scheduler: Scheduler, step: StepDraft, long_prompts: bool = Tr
             continue
         if not _start(scheduler, step, request, prefill_time, held):
             break
+        pending |= blocks.blocks_in_flight([request])
 
 
 def _next_request(scheduler: Scheduler, step: StepDraft, held: set[str],
-                  long_prompts: bool) -> Request | None:
+                  long_prompts: bool, pending: set[bytes]) -> Request | None:
     """The request to start next; None when the rest wait for a later step."""
     config = scheduler.config
     request = scheduler.waiting.peek(
         lambda r: may_start(config, scheduler.running, r)
         and ((long_prompts and step.long_left > 0) or not scheduler.is_long(r))
-        and not (step.suspect_taken and scheduler.is_suspect(r)) and r.prompt_group not in held)
+        and not (step.suspect_taken and scheduler.is_suspect(r)) and r.prompt_group not in held
+        and not scheduler.block_manager.prefix_in_flight(r, pending))
     if request is None:
         return None
     if not long_prompts and scheduler.is_long(request):

@@ -129,18 +129,45 @@ class BlockManager:
                 or request.swapped_block_ids):
             return 0
         usable = (request.num_tokens - 1) // self.block_size
-        chain = request.prefix_chain
         count = 0
         while count < usable:
-            if count == len(chain):
-                start = count * self.block_size
-                chain.append(chain_hash(chain[-1] if chain else b"",
-                                        request.token_slice(start, start + self.block_size),
-                                        request.cache_salt))
-            if chain[count] not in self._block_of:
+            if self.prefix_chain(request, count + 1)[count] not in self._block_of:
                 break
             count += 1
         return count * self.block_size
+
+    def prefix_chain(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The chain hashes of request's first num_blocks full blocks (at least), computed once
+        and kept on the request (prefix_chain)."""
+        chain = request.prefix_chain
+        while len(chain) < num_blocks:
+            start = len(chain) * self.block_size
+            chain.append(chain_hash(chain[-1] if chain else b"",
+                                    request.token_slice(start, start + self.block_size),
+                                    request.cache_salt))
+        return chain
+
+    def blocks_in_flight(self, prefilling: Iterable[Request]) -> set[bytes]:
+        """Chain hashes of the prompt blocks these requests are still to compute: a waiting
+        request whose next uncached block is among them waits for it (prefix_in_flight)."""
+        if not self.enable_caching:
+            return set()
+        pending: set[bytes] = set()
+        for request in prefilling:
+            usable = (request.num_tokens - 1) // self.block_size
+            computed = request.num_computed_tokens // self.block_size
+            if computed < usable:
+                pending.update(self.prefix_chain(request, usable)[computed:usable])
+        return pending
+
+    def prefix_in_flight(self, request: Request, pending: set[bytes]) -> bool:
+        """The next block of request's prefix that the cache lacks is being computed by a
+        running request: starting now would compute it a second time."""
+        if not pending or request.scores_prompt or request.swapped_block_ids:
+            return False
+        usable = (request.num_tokens - 1) // self.block_size
+        count = self.cached_prefix_tokens(request) // self.block_size
+        return count < usable and self.prefix_chain(request, count + 1)[count] in pending
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the blocks request has filled since the last call (after a step)."""

@@ -97,10 +97,12 @@ def alone_step_seconds(config: SchedulerConfig, step_cost: StepCostModel,
                        decoding: list[Request]) -> float:
     """What a prefill step between decode steps may take: long_prefill_step_ms less the
     predicted decode step of the requests decoding (a stream's gap is the two steps), and at
-    least itl_min_prefill_share of it, so the long prompts always progress."""
-    long_s = min(config.itl_target_ms / 1000, long_step_seconds(config))
+    least itl_min_prefill_share of the ITL target, as a chunk sharing a step gets, so long
+    prompts keep their pace however long the decode steps are."""
+    target_s = config.itl_target_ms / 1000
+    long_s = min(target_s, long_step_seconds(config))
     decode_s = step_cost.decode_seconds(len(decoding), sum(r.num_tokens for r in decoding))
-    return max(long_s - decode_s, long_s * config.itl_min_prefill_share)
+    return max(long_s - decode_s, target_s * config.itl_min_prefill_share)
 
 
 def limit_for(config: SchedulerConfig, request: Request, prefill_time: PrefillTime | None,
