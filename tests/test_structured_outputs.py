@@ -90,7 +90,9 @@ def test_a_free_request_beside_a_constrained_one_is_unchanged(llm):
 
 def test_preempted_constrained_requests_end_as_they_do_alone():
     params = [constrained(SCHEMAS[i % 4], seed=i) for i in range(6)]
-    prompts = [f"request {i} " * 6 for i in range(6)]
+    # Distinct from their first block: sharing one, all but the first would wait for it to be
+    # cached (a prefix in flight) and the pool would not run dry.
+    prompts = [f"{i} request " * 6 for i in range(6)]
     with LLM(tiny()) as engine:
         alone = [engine.generate([p], q)[0].text for p, q in zip(prompts, params)]
     with LLM(tiny(num_blocks=40)) as engine:
