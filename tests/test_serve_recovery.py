@@ -186,14 +186,17 @@ def model_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_folder):
-    # Prefix caching off: a prompt cached by an earlier run would skip its prefill. The step
+    # Prefix caching off: a prompt cached by an earlier run would skip its prefill; chunks of
+    # 8 keep the long prompt in prefill for ~150 steps, so a poll of /v1/state finds it there
+    # (in chunks of 32 its prefill was over between two polls in 1 of 3 runs). The step
     # deadline is well above any step of this tiny model, even on a loaded 2-core machine
     # (at 3 s a busy machine tripped it and counted a spurious restart).
     with ServerProcess("--profile", "ci", "--model", str(model_folder),
                        "--served-model-name", MODEL, "--tp", "2", "--spare",
                        "--step-timeout", "10", "--max-recovery-attempts", "2",
                        "--down-retry-interval", "1", "--num-blocks", "2048",
-                       "--max-num-batched-tokens", "32", "--no-prefix-caching") as server:
+                       "--max-num-batched-tokens", "32", "--max-prefill-chunk", "8",
+                       "--no-prefix-caching") as server:
         yield server
         processes = tree(server.process.pid)
     assert gone(processes), "processes outlived the server"
