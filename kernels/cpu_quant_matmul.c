@@ -185,18 +185,55 @@ static inline void small_pair(int64_t qtype, const uint8_t *row0, const uint8_t 
     }
 }
 
-#define SMALL_M 4 /* at most this many input rows: small_pair, no buffer */
+/* One weight row against MT (5-8) input rows, as small_pair but a row at a time: MT x 2
+ * accumulators fit the 32 registers for one row, not for two. Each quantised block is
+ * dequantised once for all MT rows (a verification chunk of drafted tokens, a small batch),
+ * and each input row's sum is built in the order small_pair builds it, so it is the same
+ * float as when the row is multiplied alone. */
+static inline void small_one(int64_t qtype, const uint8_t *row, int64_t K, const float *x,
+                             const int MT, float *out, int64_t ldo) {
+    const int64_t bytes = quant_block_bytes(qtype);
+    __m512 acc_lo[8], acc_hi[8];
+    for (int i = 0; i < MT; i++) acc_lo[i] = acc_hi[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / QK; b++) {
+        __m512 w_lo, w_hi;
+        _mm_prefetch((const char *)(row + (K / QK + b) * bytes + 256), _MM_HINT_T0);
+        block_vectors(qtype, row + b * bytes, &w_lo, &w_hi);
+        for (int i = 0; i < MT; i++) {
+            acc_lo[i] = _mm512_fmadd_ps(w_lo, _mm512_loadu_ps(x + i * K + b * QK), acc_lo[i]);
+            acc_hi[i] = _mm512_fmadd_ps(w_hi, _mm512_loadu_ps(x + i * K + b * QK + 16),
+                                        acc_hi[i]);
+        }
+    }
+    for (int i = 0; i < MT; i++) out[i * ldo] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[i],
+                                                                                    acc_hi[i]));
+}
+
+#define SMALL_M 8 /* at most this many input rows: small_pair or small_one, no buffer */
 
 static int small_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const float *x,
                         int64_t M, float *out) {
     if (M > SMALL_M) return 0;
     const int64_t row_bytes = K / QK * quant_block_bytes(qtype);
+    if (M > 4) {
+        #pragma omp parallel for schedule(dynamic, 32)
+        for (int64_t n = 0; n < N; n++) {
+            const uint8_t *row = w + n * row_bytes;
+            switch (M) {
+            case 5: small_one(qtype, row, K, x, 5, out + n, N); break;
+            case 6: small_one(qtype, row, K, x, 6, out + n, N); break;
+            case 7: small_one(qtype, row, K, x, 7, out + n, N); break;
+            default: small_one(qtype, row, K, x, 8, out + n, N); break;
+            }
+        }
+        return 1;
+    }
     /* on demand, as i16_matmul's panels: a preempted thread's rows go to the other */
     #pragma omp parallel for schedule(dynamic, 16)
     for (int64_t n = 0; n < N; n += 2) {
         /* an odd last row pairs with itself; only its first output is kept */
         const uint8_t *row1 = w + (n + 1 < N ? n + 1 : n) * row_bytes;
-        float part[SMALL_M * 2];
+        float part[4 * 2];
         switch (M) {
         case 1: small_pair(qtype, w + n * row_bytes, row1, K, x, 1, part, 2); break;
         case 2: small_pair(qtype, w + n * row_bytes, row1, K, x, 2, part, 2); break;
@@ -307,7 +344,7 @@ static inline void small_row(int64_t qtype, const uint8_t *row, int64_t K, const
     for (int i = 0; i < MT; i++) out[i] = sum8(_mm256_add_ps(acc[i][0], acc[i][1]));
 }
 
-#define SMALL_M 4 /* at most this many input rows: small_row, no buffer */
+#define SMALL_M 8 /* at most this many input rows: small_row, no buffer */
 
 static int small_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const float *x,
                         int64_t M, float *out) {
@@ -316,11 +353,15 @@ static int small_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, c
     #pragma omp parallel for schedule(dynamic, 32)
     for (int64_t n = 0; n < N; n++) {
         float part[SMALL_M];
-        switch (M) {
-        case 1: small_row(qtype, w + n * row_bytes, K, x, 1, part); break;
-        case 2: small_row(qtype, w + n * row_bytes, K, x, 2, part); break;
-        case 3: small_row(qtype, w + n * row_bytes, K, x, 3, part); break;
-        default: small_row(qtype, w + n * row_bytes, K, x, 4, part); break;
+        /* 5-8 input rows go four at a time over the row, its bytes in L1 the second time */
+        for (int64_t i0 = 0; i0 < M; i0 += 4) {
+            const float *xi = x + i0 * K;
+            switch (M - i0) {
+            case 1: small_row(qtype, w + n * row_bytes, K, xi, 1, part + i0); break;
+            case 2: small_row(qtype, w + n * row_bytes, K, xi, 2, part + i0); break;
+            case 3: small_row(qtype, w + n * row_bytes, K, xi, 3, part + i0); break;
+            default: small_row(qtype, w + n * row_bytes, K, xi, 4, part + i0); break;
+            }
         }
         for (int64_t i = 0; i < M; i++) out[i * N + n] = part[i];
     }
