@@ -143,15 +143,12 @@ def test_stop_tokens_and_max_tokens_cut_accepted_drafts():
         r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 37 for r in spec)
 
 
-def test_only_constrained_requests_draft_nothing():
-    """A grammar's matcher would have to follow each draft: such requests decode plainly;
-    penalised ones and those asking for logprobs draft."""
+def test_constrained_penalised_and_logprobs_requests_draft():
+    """A grammar's matcher follows each draft on the rank (worker/grammar.py), penalties and
+    logprobs see each row's output: every kind of request drafts."""
     s = spec_scheduler(num_blocks=128)
-    constrained = make_request("g", prompt=[1, 2, 3, 4] * 4, max_tokens=12, ignore_eos=True,
-                               grammar='start: "a"+')
-    run(s, [constrained], WorkerTables())
-    assert s.speculator.stats.num_drafts == 0
-    kinds = [dict(frequency_penalty=0.5), dict(repetition_penalty=1.2), dict(logprobs=2)]
+    kinds = [dict(grammar='start: "a"+'), dict(frequency_penalty=0.5),
+             dict(repetition_penalty=1.2), dict(logprobs=2)]
     for i, kind in enumerate(kinds):
         before = s.speculator.stats.num_drafts
         run(s, [make_request(f"k{i}", prompt=[1, 2, 3, 4] * 4, max_tokens=12,

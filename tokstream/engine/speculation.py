@@ -19,11 +19,11 @@ drafts; this accepts a draft only where the sample happens to equal it.)
 With --speculative auto a request drafts only as many tokens as its recent acceptance says
 pay for their rows at the step's batch (draft_length.py); ngram drafts all it may.
 
-Penalties see, at each row, the output as plain decoding would have it there (the drafts
-before the row: model_runner keeps the history by position), and each row's log-probabilities
-are the model's for the token sampled there, so both are covered too. Not covered yet, so
-drafted nothing (k = 0, plain decode): requests with a grammar (structured outputs), whose
-matcher would have to advance over each draft and back.
+Penalties and grammars see, at each row, the output as plain decoding would have it there
+(the drafts before the row: model_runner keeps the history by position, and a grammar's
+matcher follows the rows and rolls back to what was kept, worker/grammar.py), and each row's
+log-probabilities are the model's for the token sampled there, so all of them are covered. A
+draft the grammar refuses is never accepted: the row before it samples from a mask without it.
 """
 
 from __future__ import annotations
@@ -46,13 +46,6 @@ def num_accepted(draft_token_ids: list[int], sampled_token_ids: list[int]) -> in
             break
         accepted += 1
     return accepted
-
-
-def why_not_speculated(request: Request) -> str | None:
-    """Why request decodes without drafts whatever the settings (None: it may draft)."""
-    if request.params.grammar:
-        return "structured output"
-    return None
 
 
 @dataclass
@@ -112,7 +105,7 @@ class Speculator:
         if step is not self._step:
             self._step, self._price, self.last_step_draft_tokens = step, None, 0
         k = min(most, self.config.num_speculative_tokens)
-        if k <= 0 or why_not_speculated(request) is not None:
+        if k <= 0:
             return []
         if self.lengths is not None:
             if self._price is None and price is not None:

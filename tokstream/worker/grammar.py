@@ -54,13 +54,23 @@ class Grammars:
 
 
 class Constraint:
-    """One request's matcher and how many of its output tokens it has consumed."""
+    """One request's matcher and the tokens it has consumed.
+
+    With speculative decoding a step samples one row after each drafted token: row i's output
+    is the request's output plus drafts 1..i. The matcher follows the rows forward and, at
+    the next step, rolls back to what the request really kept (the common prefix), so every
+    row is masked as plain decoding would mask it there. A draft the grammar refuses cannot
+    be accepted (the row before it samples from a mask without it), so the rows after it are
+    discarded whatever their mask."""
 
     def __init__(self, matcher: "Future | object", vocab_size: int):
         self._matcher = matcher
         """The LLMatcher, or the Future of one still compiling (Grammars.constraint)."""
         self.vocab_size = vocab_size
-        self.consumed = 0
+        self.seen: list[int] = []
+        """The tokens the matcher has consumed, in order."""
+        self.lost = False
+        """The output holds a token the grammar refused: every token is allowed from then."""
         self._words = np.full((vocab_size + 31) // 32, -1, dtype=np.int32)
 
     @property
@@ -74,18 +84,40 @@ class Constraint:
             self._matcher = self._matcher.result()
         return self._matcher
 
-    def allowed(self, output_ids: list[int]) -> torch.Tensor | None:
-        """(vocab,) bool: the tokens the grammar allows after `output_ids`; None when the
-        matcher has failed (a token it could not take: every token is then allowed, and the
-        log says why)."""
-        if len(output_ids) < self.consumed:  # rewound: replay from the start
-            self.matcher.reset()
-            self.consumed = 0
-        if not self.matcher.consume_tokens(output_ids[self.consumed:]):
-            log.warning("grammar state lost: %s", self.matcher.get_error())
-        self.consumed = len(output_ids)
+    def allowed(self, output_ids: list[int], num_drafts: int = 0) -> torch.Tensor | None:
+        """(vocab,) bool: the tokens the grammar allows after `output_ids`, whose last
+        num_drafts tokens are drafts still to be verified; None when the output holds a token
+        the grammar refuses (every token is then allowed, and the log says why) or a draft
+        it refuses (the row is discarded)."""
+        if self.lost:
+            return None
+        self._rewind_to(output_ids)
+        new = output_ids[len(self.seen):]
+        taken = self.matcher.try_consume_tokens(new) if new else 0
+        self.seen.extend(new[:taken])
+        if taken < len(new):
+            if len(self.seen) < len(output_ids) - num_drafts:
+                self.lost = True
+                log.warning("grammar state lost: token %d refused after %d output tokens",
+                            new[taken], len(self.seen))
+            return None
         if self.matcher.is_error():
             return None
         self.matcher.unsafe_compute_mask_ptr(self._words.ctypes.data, self._words.nbytes)
         bits = np.unpackbits(self._words.view(np.uint8), bitorder="little")[:self.vocab_size]
         return torch.from_numpy(bits.astype(bool))
+
+    def _rewind_to(self, output_ids: list[int]) -> None:
+        """Roll the matcher back to the longest common prefix of what it consumed and
+        output_ids (rejected drafts; a preempted request's output recomputed)."""
+        same = 0
+        for seen, token in zip(self.seen, output_ids):
+            if seen != token:
+                break
+            same += 1
+        if same == len(self.seen):
+            return
+        if not self.matcher.rollback(len(self.seen) - same):
+            self.matcher.reset()
+            self.matcher.consume_tokens(self.seen[:same])
+        del self.seen[same:]

@@ -265,7 +265,7 @@ class ModelRunner:
                     sample_rows.append(query_start + last + i)
                     rows.append(SamplingRow(state.sampling, chunk.sample_index + i, [],
                                             history[num_prompt:start + last + i + 1],
-                                            state.constraint, state.prompt_seen))
+                                            state.constraint, state.prompt_seen, i))
         positions = torch.cat([torch.arange(a, b) for a, b in position_ranges])
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slot_parts).to(self.device),

@@ -48,6 +48,8 @@ class SamplingRow:
     prompt_seen: torch.Tensor | None = None
     """(vocab,) bool: the tokens the prompt holds (prompt_mask), worked out once per request
     for the repetition penalty; None: from prompt_ids."""
+    num_drafts: int = 0
+    """How many of output_ids' last tokens are drafts being verified in this step."""
 
     @property
     def params(self) -> SamplingParams:
@@ -146,7 +148,7 @@ def process(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     s = row.params
     out = logits.clone()
     if row.constraint is not None:
-        allowed = row.constraint.allowed(row.output_ids)
+        allowed = row.constraint.allowed(row.output_ids, row.num_drafts)
         if allowed is not None:
             out.masked_fill_(~allowed[:out.shape[0]], float("-inf"))
     if s.logit_bias:
