@@ -1,6 +1,6 @@
 """Decode attention over a CPU KV pool in private huge-page memory (the pool a rank allocates
-for itself) and in a shared memory file (the pool that outlives its rank: engine/pool_files.py),
-whose pages are 4 KiB where shmem THP is off. Alternated, repeated; ratios, not absolutes.
+for itself) and in a shared memory file (the pool that outlives its rank:
+engine/recovery/pool_files.py), whose pages are 4 KiB where shmem THP is off. Alternated, repeated; ratios, not absolutes.
 
     .venv/bin/python bench/kv_pool_pages.py --json bench/results/kv_pool_pages.json
 """
@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from recovery_timing import machine  # noqa: E402
-from tokstream.engine.pool_files import PoolFiles  # noqa: E402
+from tokstream.engine.recovery.pool_files import PoolFiles  # noqa: E402
 from tokstream.kernels import cpu_attention  # noqa: E402
 from tokstream.worker.shared_pool import carve, map_pool_file, pool_bytes  # noqa: E402
 from tokstream.worker.zeroed_memory import lazily_zeroed  # noqa: E402

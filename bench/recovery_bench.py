@@ -64,7 +64,7 @@ def run_mode(args, spare: bool) -> dict:
         all_resumed = max(resumed_at.values()) - killed_at
         return {
             "spare": spare, "startup_s": startup_s, "streams": args.streams,
-            "restarts": llm.core.restarts,
+            "restarts": llm.core.recovery.restarts,
             "recovery_s": all_resumed,
             "detect_s": detect_s,
             "restart_s": restart_s,

@@ -1,5 +1,5 @@
-"""The block index an engine core leaves in the gateway's files (engine/block_index.py) and
-the next core adopts (BlockManager.attach_index), pure Python: what claim keeps and what it
+"""The block index an engine core leaves in the gateway's files (engine/recovery/block_index.py)
+and the next core adopts (BlockManager.attach_index), pure Python: what claim keeps and what it
 starts afresh, and a property test over random add / abort / step / recover / core-death
 sequences against a simulated pool, in which no request ever attends to a slot holding
 anything but its own tokens' KV, across core deaths included."""
@@ -8,10 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokstream.engine import pool_adoption
-from tokstream.engine.block_index import BlockIndex, layout_signature
+from tokstream.engine.recovery.block_index import BlockIndex, layout_signature
+from tokstream.engine.recovery.pool_adoption import PoolAdoption
 from tokstream.engine.block_manager import BlockManager
-from tokstream.engine.pool_files import PoolFiles, PoolPaths
+from tokstream.engine.recovery.pool_files import PoolFiles, PoolPaths
 from tokstream.engine.request import RequestStatus
 from test_block_check import apply
 from test_scheduler import make_request, make_scheduler
@@ -208,43 +208,46 @@ def test_no_request_reads_another_requests_kv_across_core_deaths(index_path, ops
     assert not s.has_work
 
 
-# --- the engine core's side (pool_adoption) ---------------------------------------------------
+# --- the engine core's side (PoolAdoption) ---------------------------------------------------
 
-class StandInCore:
-    """What pool_adoption reads of an EngineCore."""
+class StandInExecutor:
+    """What PoolAdoption reads of an Executor: its group's pool layout, the pool's paths, and
+    its ranks' dtype and weights."""
 
     def __init__(self, index_path, layout):
-        self.block_manager = BlockManager(16, 4)
         self.layout = layout
-        self.executor = self
         self.group = self
+        self.ready = self
         self.pool = PoolPaths((), index_path)
-        self.config = self
-        self.model, self.dtype, self.weights = "dummy:tiny", "float32", "dequantized"
-        self.index_signature = None
-        self.events = []
+        self.dtype, self.weights = "float32", "dequantized"
 
     def pool_layout(self):
         return self.layout
 
-    def event(self, kind, request_id, **fields):
-        self.events.append(kind)
+
+def adoption(index_path, layout) -> tuple[PoolAdoption, StandInExecutor, list[str]]:
+    """A PoolAdoption over a fresh block manager; the executor; the event kinds it logs."""
+    events = []
+    executor = StandInExecutor(index_path, layout)
+    adopting = PoolAdoption(executor, BlockManager(16, 4), "dummy:tiny",
+                            lambda kind, request_id, **fields: events.append(kind))
+    return adopting, executor, events
 
 
 def test_a_core_lets_go_of_the_index_when_its_new_ranks_read_another_pool(index_path):
-    core = StandInCore(index_path, [("rank 0", "float32")])
-    assert pool_adoption.adopt(core) == (0, None)
+    core, executor, events = adoption(index_path, [("rank 0", "float32")])
+    assert core.adopt() == (0, None)
     served(core.block_manager, make_request("a", prompt=list(range(100, 113))))
-    pool_adoption.follow_restart(core)  # the same layout: the index stays
+    core.follow_restart()  # the same layout: the index stays
     assert core.block_manager.index is not None and len(core.block_manager.index.entries()) == 3
-    core.layout = None  # a restarted rank allocated a pool of its own
-    pool_adoption.follow_restart(core)
-    assert core.block_manager.index is None and core.events[-1] == "pool_index_dropped"
+    executor.layout = None  # a restarted rank allocated a pool of its own
+    core.follow_restart()
+    assert core.block_manager.index is None and events[-1] == "pool_index_dropped"
     # What the index listed was emptied: the next core adopts nothing of it.
-    assert pool_adoption.adopt(StandInCore(index_path, [("rank 0", "float32")])) == (0, None)
+    assert adoption(index_path, [("rank 0", "float32")])[0].adopt() == (0, None)
 
 
 def test_a_core_whose_ranks_have_pools_of_their_own_keeps_no_index(index_path):
-    core = StandInCore(index_path, None)
-    blocks, refused = pool_adoption.adopt(core)
+    core = adoption(index_path, None)[0]
+    blocks, refused = core.adopt()
     assert blocks == 0 and "their own" in refused and core.block_manager.index is None

@@ -73,7 +73,7 @@ class StandInCore:
     def __init__(self):
         self.added, self.aborted, self.armed = [], [], 0
         self.status, self.pending_deltas, self.has_work = "ready", [], False
-        self.executor = self
+        self.executor = self.recovery = self
         self.score_error: Exception | None = None
         self.gateway = None
         """The pipe's other end: asked to shut the loop down once it has read everything."""
@@ -86,6 +86,9 @@ class StandInCore:
     def abort(self, request_id):
         self.aborted.append(request_id)
         return RequestDelta(request_id, [], 0, "", finish_reason="abort")
+
+    def adopt_pool(self):
+        return len(self.added), None
 
     def arm_spare(self):
         self.armed += 1
@@ -116,9 +119,8 @@ def serve(core, *messages):
     return replies
 
 
-def test_the_core_acts_on_each_message_by_its_class(monkeypatch):
+def test_the_core_acts_on_each_message_by_its_class():
     core = StandInCore()
-    monkeypatch.setattr(core_process.pool_adoption, "adopt", lambda core: (len(core.added), None))
     replies = serve(core, Add(REQUEST), Add(EngineRequest("refused", [1], REQUEST.params)),
                     ArmSpare(), StateQuery(7), ScoreQuery(8, [1, 2, 3], 1), AdoptPool(9),
                     Abort("r1"))

@@ -22,7 +22,7 @@ class _Engine:
 def _failed(message: str, kind: ErrorKind | None):
     registry = StreamRegistry(_Engine())
     stream = registry.open("r", [1, 2], SamplingParams(max_tokens=4), None, "anthropic")
-    registry._deliver(RequestDelta("r", [], 0, "", finish_reason=FinishReason.ERROR,
+    registry.deliver(RequestDelta("r", [], 0, "", finish_reason=FinishReason.ERROR,
                                    error=message, error_kind=kind))
     return stream_failure(stream)
 

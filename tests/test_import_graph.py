@@ -2,8 +2,9 @@
 
 Function-local imports count as edges too: a local import whose target imports the importer
 (directly or not) only hides a cycle, and the definition it reaches for belongs elsewhere.
-`if TYPE_CHECKING:` imports never run and are left out. Lazy imports that break no cycle
-(torch, pynvml, a subcommand's body) are fine."""
+`if TYPE_CHECKING:` imports never run and are left out, except where a test asks for the
+type-level graph (a module function that takes its caller's whole object is such a cycle).
+Lazy imports that break no cycle (torch, pynvml, a subcommand's body) are fine."""
 
 from __future__ import annotations
 
@@ -48,9 +49,10 @@ def _imported_names(node: ast.Import | ast.ImportFrom, module: str, is_package: 
     return [base] + [f"{base}.{alias.name}" for alias in node.names]
 
 
-def import_graph(root: Path) -> dict[str, dict[str, int]]:
+def import_graph(root: Path, type_level: bool = False) -> dict[str, dict[str, int]]:
     """module -> {imported tokstream module: line of the first such import}; importing a.b.c
-    runs a and a.b too, so those are edges as well."""
+    runs a and a.b too, so those are edges as well. type_level: `if TYPE_CHECKING:` imports
+    are edges too."""
     found = modules(root)
     graph: dict[str, dict[str, int]] = {}
     for module, path in found.items():
@@ -59,7 +61,7 @@ def import_graph(root: Path) -> dict[str, dict[str, int]]:
         todo = list(ast.iter_child_nodes(tree))
         while todo:
             node = todo.pop()
-            if _is_type_checking(node):
+            if not type_level and _is_type_checking(node):
                 todo.extend(node.orelse)
                 continue
             todo.extend(ast.iter_child_nodes(node))
@@ -151,6 +153,34 @@ def test_the_checker_sees_a_cycle_that_a_local_import_hides(tmp_path):
     graph = import_graph(tmp_path)
     assert cycles(graph) == [["tokstream.a", "tokstream.b"]]  # c's edge back is type-only
     assert graph["tokstream.c"] == {"tokstream": 1, "tokstream.b": 1}
+
+
+TYPE_LEVEL_ACYCLIC = ("tokstream.engine.core", "tokstream.engine.recovery",
+                      "tokstream.engine.scoring", "tokstream.server")
+"""Modules (by prefix) in no import cycle even counting `if TYPE_CHECKING:` imports: the core
+and its snapshot, the recovery objects of both sides, scoring, the gateway (issue 33)."""
+
+
+def test_no_type_level_cycle_through_the_core_its_recovery_or_the_gateway():
+    """Issue 33: recover(core, ...), snapshot(core), score(core, ...) took the whole EngineCore
+    and GatewaySnapshot the whole Server, so each imported its caller back for the type."""
+    graph = import_graph(ROOT, type_level=True)
+    found = [component for component in cycles(graph)
+             if any(module.startswith(TYPE_LEVEL_ACYCLIC) for module in component)]
+    assert not found, "\n".join(_described(graph, component) for component in found)
+
+
+def test_the_type_level_graph_counts_type_checking_imports(tmp_path):
+    """The mutation: a module that imports its caller for a type only."""
+    for folder in PACKAGE_DIRS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "tokstream" / "core.py").write_text("from tokstream.helper import run\n")
+    (tmp_path / "tokstream" / "helper.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tokstream.core import X\n")
+    assert cycles(import_graph(tmp_path)) == []
+    assert cycles(import_graph(tmp_path, type_level=True)) == [["tokstream.core",
+                                                               "tokstream.helper"]]
 
 
 def test_the_engine_imports_nothing_of_the_worker():

@@ -94,7 +94,7 @@ def test_requests_swapped_out_and_back_equal_uninterrupted_ones(alone):
 
 
 def test_requests_resumed_after_a_rank_kill_equal_uninterrupted_ones(llm, alone):
-    restarts, killed = llm.core.restarts, []
+    restarts, killed = llm.core.recovery.restarts, []
 
     def kill_mid_decode(llm, tokens):
         if not killed and len(tokens["k0-0"]) >= 6:
@@ -102,7 +102,7 @@ def test_requests_resumed_after_a_rank_kill_equal_uninterrupted_ones(llm, alone)
             os.kill(killed[0], signal.SIGKILL)
 
     resumed = run(llm, requests("k"), kill_mid_decode)
-    assert killed and llm.core.restarts == restarts + 1
+    assert killed and llm.core.recovery.restarts == restarts + 1
     assert resumed == alone
 
 

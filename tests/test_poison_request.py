@@ -34,7 +34,7 @@ def run(llm, requests, max_restarts=6):
             tokens[delta.request_id] += delta.token_ids
             if delta.finished:
                 ends[delta.request_id] = (delta.finish_reason, delta.error, delta.error_kind)
-        assert llm.core.restarts <= max_restarts, "the replica keeps restarting"
+        assert llm.core.recovery.restarts <= max_restarts, "the replica keeps restarting"
         assert llm.core.scheduler.check() == []
     return tokens, ends
 
@@ -49,7 +49,7 @@ def test_a_request_that_breaks_every_step_is_ended_and_the_others_go_on(monkeypa
     with LLM(config(tp=1)) as llm:
         tokens, ends = run(llm, requests)
         core = llm.core
-        assert core.restarts == 3 and core.status == "ready"
+        assert core.recovery.restarts == 3 and core.status == "ready"
         assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
         failed = [e for e in core.events if e["kind"] == "request_failed"]
     reason, error, kind = ends.pop("poison")
@@ -79,10 +79,10 @@ def test_a_resubmitted_request_stays_a_suspect_until_it_gets_a_token(monkeypatch
             for delta in core.step():
                 if delta.request_id == "normal":
                     tokens += len(delta.token_ids)
-            if core.restarts and tokens_at_failure is None:
+            if core.recovery.restarts and tokens_at_failure is None:
                 tokens_at_failure = tokens
-            assert core.restarts <= 1
-    assert core.restarts == 1
+            assert core.recovery.restarts <= 1
+    assert core.recovery.restarts == 1
     assert tokens_at_failure >= 1
     assert tokens == GREEDY.max_tokens
 

@@ -15,7 +15,7 @@ import pytest
 
 from helpers.serving import ServerProcess, anthropic_body, record
 from tokstream.checker import check_streams
-from tokstream.server.replica.supervisor import RAPID_DEATHS_LIMIT
+from tokstream.server.replica.recovery import RAPID_DEATHS_LIMIT
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 

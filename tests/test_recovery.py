@@ -113,7 +113,7 @@ def test_killed_rank_is_replaced_and_streams_continue(reference, clean_run, rank
         fault = once(when, kill_rank(rank))
         out, _ = collect(llm, requests("r"), fault)
         assert fault.done, "the fault never fired"
-        assert llm.core.restarts == 1 and llm.core.status == "ready"
+        assert llm.core.recovery.restarts == 1 and llm.core.status == "ready"
         assert_kv_kept(llm, clean_run)
         assert not set(llm.core.executor.pids) & set(old_pids)
         assert llm.core.block_manager.num_free_blocks == llm.core.block_manager.num_blocks
@@ -137,7 +137,7 @@ def test_hung_rank_is_caught_by_the_step_deadline(reference, clean_run):
                     os.kill(pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-        assert llm.core.restarts == 1
+        assert llm.core.recovery.restarts == 1
         assert any(e["kind"] == "rank_failure" and "hung" in e["reason"]
                    for e in llm.core.events)
         assert_kv_kept(llm, clean_run)  # the stopped rank was killed before the pool was read
@@ -151,7 +151,7 @@ def test_two_faults_in_a_row_and_a_warm_spare(reference, clean_run):
                   once(lambda l, t: len(t["r1"]) >= 9, kill_rank(1))]
         out, _ = collect(llm, requests("r"), lambda l, t: [f(l, t) for f in faults])
         assert all(f.done for f in faults)
-        assert llm.core.restarts == 2
+        assert llm.core.recovery.restarts == 2
         # The first failure swapped the spare in rather than starting processes.
         assert llm.core.events and spare_pids[0] in [
             pid for e in llm.core.events if e["kind"] == "restarted" for pid in e["pids"]]
@@ -192,7 +192,7 @@ def test_recovery_that_keeps_failing_goes_down_then_comes_back(tmp_path, referen
         with pytest.raises(OverloadedError):
             llm.core.add_request(EngineRequest("late", PROMPTS[0], GREEDY))
         hidden.rename(folder)
-        llm.core.next_retry = 0.0  # don't wait out the back-off in a test
+        llm.core.recovery.next_retry = 0.0  # don't wait out the back-off in a test
         llm.core.step()
         assert llm.core.status == "ready"
         out, _ = collect(llm, requests("again"))
@@ -201,7 +201,7 @@ def test_recovery_that_keeps_failing_goes_down_then_comes_back(tmp_path, referen
 
 def test_without_a_shared_pool_every_request_is_recomputed(reference, clean_run, monkeypatch):
     # The path a GPU takes (its memory dies with the rank) and a host without memfd.
-    from tokstream.engine.pool_files import PoolFiles
+    from tokstream.engine.recovery.pool_files import PoolFiles
     monkeypatch.setattr(PoolFiles, "paths", lambda self: None)
     with LLM(config()) as llm:
         fault = once(mid_decode, kill_rank(1))

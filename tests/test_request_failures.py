@@ -1,5 +1,6 @@
-"""request_failures without processes (issue 31): the gateway's count of engine-core deaths per
-request, driven by hand-built deaths and token deltas through a real StreamRegistry. The
+"""The gateway's recovery (server/replica/recovery.py) without processes (issue 31): its count
+of engine-core deaths per request, driven by hand-built deaths and token deltas through a real
+StreamRegistry. The
 engine is a stand-in for the core process: it records what it was given, and a death is told
 by the step record's answer (the ids of the step it died in, or None: cannot tell).
 
@@ -14,8 +15,8 @@ import asyncio
 from tokstream.engine.messages import RequestDelta
 from tokstream.errors import ErrorKind
 from tokstream.sampling_params import SamplingParams
-from tokstream.server.replica import request_failures
-from tokstream.server.replica.request_failures import RequestFailures
+from tokstream.server.replica import recovery
+from tokstream.server.replica.recovery import ReplicaRecovery
 from tokstream.server.streaming.streams import StreamRegistry
 
 NAMES = ("a", "b", "c", "d")
@@ -24,7 +25,7 @@ HOST_KILL_LAG_S = 0.3
 
 
 class CoreStandIn:
-    """What the registry and RequestFailures ask of an AsyncEngine: it takes requests and
+    """What the registry and ReplicaRecovery ask of an AsyncEngine: it takes requests and
     remembers them; dead is set when the test kills it."""
 
     def __init__(self):
@@ -44,7 +45,7 @@ class CoreStandIn:
 def token(registry: StreamRegistry, name: str) -> None:
     stream = registry.streams[name]
     n = len(stream.delivered)
-    registry._deliver(RequestDelta(name, [5], n, "x", num_output_tokens=n + 1))
+    registry.deliver(RequestDelta(name, [5], n, "x", num_output_tokens=n + 1))
 
 
 def two_suspects_on_a_third_core():
@@ -54,7 +55,7 @@ def two_suspects_on_a_third_core():
     ended = []
     first = CoreStandIn()
     registry = StreamRegistry(first)
-    failures = RequestFailures(registry, 3, lambda kind, request_id, failures: ended.append(
+    failures = ReplicaRecovery(registry, 3, 3, lambda kind, request_id, failures: ended.append(
         request_id))
     for name in NAMES:
         registry.open(name, [1, 2, 3], SamplingParams(max_tokens=100), None, "completions")
@@ -107,7 +108,7 @@ def test_held_suspects_are_not_charged_when_the_step_record_cannot_tell():
 
 def test_a_suspect_that_kills_the_core_once_given_is_ended(monkeypatch):
     """The grace delays a poison request's last trial; it does not excuse it."""
-    monkeypatch.setattr(request_failures, "SUSPECT_GRACE_S", 0.05, raising=False)
+    monkeypatch.setattr(recovery, "SUSPECT_GRACE_S", 0.05, raising=False)
 
     async def run():
         registry, failures, ended, third = two_suspects_on_a_third_core()

@@ -5,7 +5,7 @@ import os
 
 import torch
 
-from tokstream.engine.pool_files import PoolFiles
+from tokstream.engine.recovery.pool_files import PoolFiles
 from tokstream.worker.shared_pool import carve, map_pool_file, pool_bytes
 
 SHAPE = (3, 5, 16, 8)

@@ -87,7 +87,7 @@ def test_the_standby_group_reloads_once_the_resumed_requests_have_a_token():
         while tokens < 3:
             tokens += sum(len(d.token_ids) for d in core.step())
         os.kill(core.executor.pids[0], signal.SIGKILL)
-        while not core.restarts:
+        while not core.recovery.restarts:
             tokens += sum(len(d.token_ids) for d in core.step())
         assert core.executor.spare is None  # not while the request waits for its re-prefill
         before = tokens

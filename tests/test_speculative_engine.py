@@ -59,7 +59,7 @@ def plain():
 
 def assert_sound(llm):
     core = llm.core
-    assert core.self_check_failures == 0
+    assert core.recovery.self_check_failures == 0
     assert core.scheduler.check() == []
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
 

@@ -29,7 +29,7 @@ from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, CoreDead
                                        RequestDelta, ScoreQuery, ScoreReply, ScoreResult,
                                        Shutdown, StartFailed, StateQuery, StateReply,
                                        StatusChanged)
-from tokstream.engine.pool_files import PoolFiles
+from tokstream.engine.recovery.pool_files import PoolFiles
 from tokstream.errors import ErrorKind, OverloadedError, ReplicaError, UserInputError
 from tokstream.state_snapshot import ReplicaStatus
 
@@ -57,7 +57,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         self.replica_status = ReplicaStatus.READY
-        """ready | recovering | down, as the core last reported (see EngineCore.recover)."""
+        """ready | recovering | down, as the core last reported (see CoreRecovery.recover)."""
         self.restarts = 0
         """Rank-group restarts this core has done."""
         self.resumed_requests = 0
@@ -271,8 +271,8 @@ class AsyncEngine:
 
     async def adopt_pool(self) -> PoolAdopted:
         """Have the core claim the pool files' block index and keep the cached blocks a dead
-        core listed there (engine/pool_adoption.py). Only once no other process maps the files,
-        and before the first request (server/replica/kept_pool.py)."""
+        core listed there (engine/recovery/pool_adoption.py). Only once no other process maps
+        the files, and before the first request (server/replica/kept_pool.py)."""
         return await self._ask(AdoptPool)
 
     async def state(self) -> dict:

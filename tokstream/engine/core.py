@@ -9,22 +9,22 @@ import logging
 import random
 import time
 from collections import deque
-from dataclasses import dataclass
 
-from tokstream import envs
 from tokstream.config import EngineConfig
 from tokstream.detokenizer import IncrementalDetokenizer
-from tokstream.engine import core_snapshot, recovery, scoring
+from tokstream.engine import core_snapshot
 from tokstream.engine.block_manager import BlockManager, SwapSpace
+from tokstream.engine.core_snapshot import StepStats
 from tokstream.engine.executor import Executor
 from tokstream.engine.messages import (EngineRequest, RequestDelta, ScoreResult, StepPlan,
                                        StepResult, TokenLogprobs, token_digest)
-from tokstream.engine.pool_files import PoolPaths
+from tokstream.engine.recovery.core_recovery import CoreRecovery
+from tokstream.engine.recovery.pool_files import PoolPaths
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.engine.scheduled import SchedulerOutput
 from tokstream.engine.scheduler import Scheduler
+from tokstream.engine.scoring import Scorer
 from tokstream.engine.speculation import Speculator
-from tokstream.engine.step_record import StepRecord
 from tokstream.errors import OverloadedError, PromptTooLongError, ReplicaError, UserInputError
 from tokstream.model.source import resolve_model
 from tokstream.state_snapshot import ReplicaStatus
@@ -34,13 +34,6 @@ log = logging.getLogger("tokstream.engine")
 
 MAX_EVENTS = 64
 """Recent engine events (preemptions, capacity finishes) kept for state snapshots."""
-
-
-@dataclass
-class StepStats:
-    num_tokens: int
-    num_seqs: int
-    step_s: float
 
 
 class EngineCore:
@@ -81,29 +74,12 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self._rng = random.Random()
-        self.status = ReplicaStatus.READY
-        """ready | recovering | down (see recover())."""
-        self.resuming: set[str] = set()
-        """Requests put back in line by the last rank-group restart that have not produced a
-        token since; the snapshot shows them as recovering."""
-        self.on_status = None
-        """Called with (status, reason) whenever the status changes (the core process
-        forwards it to the gateway)."""
-        self.restarts = 0
-        self.resumed_requests = 0
-        self.pending_deltas: list[RequestDelta] = []
-        """Deltas produced outside step() (a recovery during a score pass), sent with the next
-        step's."""
-        self.recovery_seconds: list[float] = []
-        self.next_retry = 0.0
-        self.self_check_failures = 0
-        """Self-checks of the block bookkeeping that found something (see self_check)."""
-        self._check_every_step = envs.SELF_CHECK.is_set()
-        self.step_record: StepRecord | None = None
-        """Where the gateway reads which requests a step computes if this core dies in it
-        (engine/step_record.py; None: in process, nobody reads it)."""
-        self.index_signature: bytes | None = None
-        """The pool layout the block index was claimed for (pool_adoption.adopt)."""
+        self.recovery = CoreRecovery(config, self.executor, self.scheduler, self.block_manager,
+                                     self.event, self._forget)
+        """Rank-group failures: the status, restarts, retries, pending deltas (recovery/)."""
+        self.scorer = Scorer(self.executor, self.block_manager, self.model_config.vocab_size,
+                             self.max_model_len, config.scheduler.watermark_blocks,
+                             self.recovery.recover_between_steps)
         log.info("%s", self.capacity_summary())
 
     def capacity_summary(self) -> str:
@@ -122,6 +98,16 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    @property
+    def status(self) -> ReplicaStatus:
+        """ready | recovering | down (CoreRecovery)."""
+        return self.recovery.status
+
+    @property
+    def pending_deltas(self) -> list[RequestDelta]:
+        """Deltas a recovery between steps left for the next step (CoreRecovery)."""
+        return self.recovery.pending_deltas
 
     def add_request(self, submitted: EngineRequest) -> None:
         prompt, outputs = submitted.prompt_token_ids, submitted.output_token_ids
@@ -153,11 +139,6 @@ class EngineCore:
             prompt_ids=prompt, delivered_ids=list(outputs))
         self.scheduler.add_request(request)
 
-    def set_status(self, status: ReplicaStatus, reason: str | None) -> None:
-        self.status = status
-        if self.on_status is not None:
-            self.on_status(status, reason)
-
     def abort(self, request_id: str) -> RequestDelta | None:
         request = self.scheduler.requests.get(request_id)
         if request is None:
@@ -168,9 +149,9 @@ class EngineCore:
     def step(self) -> list[RequestDelta]:
         """schedule -> execute -> update -> emit; a rank-group failure recovers instead."""
         started = time.perf_counter()
-        deltas, self.pending_deltas = self.pending_deltas, []
+        deltas = self.recovery.take_pending()
         if self.status == ReplicaStatus.DOWN:
-            recovery.retry_when_down(self)
+            self.recovery.retry_when_down()
             return deltas
         scheduled = self._schedule()
         deltas += [self.final_delta(r, "") for r in scheduled.finished]
@@ -179,30 +160,16 @@ class EngineCore:
         try:
             result = self._execute(scheduled)
         except ReplicaError as exc:
-            return deltas + self._failed(scheduled, str(exc))
+            return deltas + self.recovery.fail_step(scheduled, str(exc))
         return deltas + self._advance(scheduled, result, started)
 
     def _execute(self, scheduled: SchedulerOutput) -> StepResult:
         """Run the step on the ranks, with its requests in the step record while it runs."""
-        record = self.step_record
-        if record is not None:
-            record.begin([work.request.request_id for work in scheduled.work])
-        try:
+        with self.recovery.recording(scheduled):
             return self.executor.execute(self._plan(scheduled))
-        finally:
-            if record is not None:
-                record.end()
-
-    def _failed(self, scheduled: SchedulerOutput, reason: str) -> list[RequestDelta]:
-        """The rank group failed in the step: settle the requests it was computing, then
-        recover the group."""
-        return (recovery.fail_in_flight(self, scheduled, reason)
-                + recovery.recover(self, reason, scheduled))
 
     def _schedule(self) -> SchedulerOutput:
-        self.resuming.intersection_update(self.scheduler.requests)
-        if not self.resuming:
-            self.executor.reload_spare()  # only now: its loading would slow their re-prefill
+        self.recovery.reload_spare_once_resumed()
         scheduled = self.scheduler.schedule()
         for request in scheduled.preempted:
             self.event("preempted", request.request_id)
@@ -226,33 +193,22 @@ class EngineCore:
         before = {w.request.request_id: w.request.num_output_tokens
                   for w in scheduled.work if w.samples}
         advanced = self.scheduler.update(scheduled, result.sampled_token_ids)
-        # A failure streak ends at a token, as the gateway counts core deaths: a prefill chunk
-        # that ran proves nothing, and a resumed request keeps its last-chance isolation (no
-        # other suspect in its steps) until it has produced one.
-        for request in advanced:
-            request.num_failures = 0
+        self.recovery.produced(advanced)
         logprobs = _logprobs_by_request(scheduled, result)
         deltas = [self._emit(request, logprobs.get(request.request_id),
                              before[request.request_id]) for request in advanced]
-        self.resuming.difference_update(request.request_id for request in advanced)
         decodes = scheduled.num_decodes + scheduled.num_verify_tokens
         self.decode_tokens_total += decodes
         self.prefill_tokens_total += scheduled.num_tokens - decodes
         self.last_step = StepStats(scheduled.num_tokens, len(scheduled.work),
                                    time.perf_counter() - started)
         self.scheduler.observe_step(scheduled, self.last_step.step_s)
-        if self._check_every_step:
-            self.self_check("a step", rehash=False)
+        if self.recovery.check_every_step:
+            self.recovery.self_check("a step", rehash=False)
         return deltas
 
-    def recover(self, reason: str) -> list[RequestDelta]:
-        return recovery.recover(self, reason)
-
-    def self_check(self, after: str, rehash: bool = True) -> list[str]:
-        return recovery.self_check(self, after, rehash)
-
     def score(self, token_ids: list[int], start: int = 1) -> ScoreResult:
-        return scoring.score(self, token_ids, start)
+        return self.scorer.score(token_ids, start)
 
     def snapshot(self) -> dict:
         return core_snapshot.snapshot(self)
@@ -322,6 +278,11 @@ class EngineCore:
             step_id=self.step_id if last_token else 0,
             output_digest=token_digest(request.output_token_ids), queue_s=queue_s,
             logprobs=logprobs if logprobs and last_token else None, num_cached_tokens=cached)
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a request's output state (recovery ended it with an error delta)."""
+        self.detokenizers.pop(request_id, None)
+        self.cached_tokens.pop(request_id, None)
 
     def event(self, kind: str, request_id: str, **fields) -> None:
         self.events.append({"time": time.time(), "kind": kind, "request_id": request_id,

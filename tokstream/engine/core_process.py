@@ -14,15 +14,14 @@ import time
 
 from tokstream import envs, gc_policy
 from tokstream.config import EngineConfig
-from tokstream.engine import pool_adoption
 from tokstream.engine.child_process import become_child
 from tokstream.engine.heartbeat import start_beating
 from tokstream.engine.step_record import StepRecord
 from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, Batch, CoreDead,
                                        Deltas, PoolAdopted, ProtocolError, Ready, RequestDelta,
                                        ScoreQuery, ScoreReply, Shutdown, StartFailed,
-                                       StartTimes, StateQuery, StateReply, StatusChanged)
-from tokstream.engine.pool_files import PoolPaths
+                                       StartTimes, StateQuery, StateReply)
+from tokstream.engine.recovery.pool_files import PoolPaths
 from tokstream.errors import (ErrorKind, OverloadedError, ReplicaError, TokstreamError,
                               UserInputError, error_kind)
 from tokstream.state_snapshot import ReplicaStatus
@@ -39,7 +38,7 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
     """The core's process: dies with the gateway and leaves SIGTERM to it (child_process);
     its rank groups keep their files under run_dir, which the gateway removes. spawned_at:
     the gateway's time.monotonic() as it started this process. pool: the gateway's KV pool
-    files (engine/pool_files.py; None: the core makes its own). heartbeat: the counter this
+    files (engine/recovery/pool_files.py; None: the core makes its own). heartbeat: the counter this
     process bumps for as long as it runs (engine/heartbeat.py; None: nobody watches).
     step_record: where it writes the requests of the step it computes (engine/step_record.py)."""
     entered = time.monotonic()
@@ -66,17 +65,14 @@ def core_main(conn, config: EngineConfig, parent_pid: int, run_dir: str | None =
         conn.send(StartFailed(kind, str(exc)))
         return
     if step_record is not None:
-        core.step_record = StepRecord(step_record)
+        core.recovery.step_record = StepRecord(step_record)
     conn.send(Ready(
         start_times=_start_times(core.executor.group, spawned_at or entered, entered, imported),
         model=core.model_config.name, dtype=core.dtype, weights=core.weights, pid=os.getpid(),
         worker_pids=core.executor.pids, num_blocks=core.block_manager.num_blocks,
         block_size=core.block_manager.block_size, max_model_len=core.max_model_len,
         vocab_size=core.model_config.vocab_size, capacity=core.capacity_summary()))
-    core.on_status = lambda status, reason: conn.send(StatusChanged(
-        status, reason, restarts=core.restarts, worker_pids=core.executor.pids,
-        resumed_requests=core.resumed_requests, recoveries=len(core.recovery_seconds),
-        recovery_s=core.recovery_seconds[-1] if core.recovery_seconds else None))
+    core.recovery.on_status = conn.send
     gc_policy.settle_after_start()
     try:
         _serve(conn, core, config.scheduler.arrival_gather_ms / 1000)
@@ -151,7 +147,7 @@ def _handle(conn, core, message, out: list[RequestDelta]) -> bool:
         case StateQuery(token):
             conn.send(StateReply(token, core.snapshot()))
         case AdoptPool(token):
-            conn.send(PoolAdopted(token, *pool_adoption.adopt(core)))
+            conn.send(PoolAdopted(token, *core.recovery.adopt_pool()))
         case ScoreQuery(token, token_ids, start):
             conn.send(_score(core, token, token_ids, start))
         case _:  # a Batch inside a Batch included

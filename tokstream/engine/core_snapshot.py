@@ -6,28 +6,60 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from tokstream.engine.prefill_share import prefill_steps_apart
 from tokstream.engine.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from tokstream.engine.core import EngineCore
+    from tokstream.config import EngineConfig
+    from tokstream.engine.block_manager import BlockManager, SwapSpace
+    from tokstream.engine.executor import Executor
+    from tokstream.engine.recovery.core_recovery import CoreRecovery
     from tokstream.engine.scheduler import Scheduler
+    from tokstream.engine.speculation import Speculator
 
 REF_COUNT_CHARS = "0123456789"
 
 
-def snapshot(core: EngineCore) -> dict:
+@dataclass
+class StepStats:
+    """The last step's size and time."""
+
+    num_tokens: int
+    num_seqs: int
+    step_s: float
+
+
+class CoreState(Protocol):
+    """What the snapshot reads of the engine core (EngineCore)."""
+
+    config: EngineConfig
+    scheduler: Scheduler
+    block_manager: BlockManager
+    swap_space: SwapSpace | None
+    speculator: Speculator | None
+    executor: Executor
+    recovery: CoreRecovery
+    step_id: int
+    prefill_tokens_total: int
+    decode_tokens_total: int
+    last_step: StepStats | None
+    events: deque[dict]
+
+
+def snapshot(core: CoreState) -> dict:
     """Plain-data state for /v1/state: scheduler, block map, requests, events, pids."""
     now = time.monotonic()
-    scheduler, blocks = core.scheduler, core.block_manager
+    scheduler, blocks, recovery = core.scheduler, core.block_manager, core.recovery
     sched = core.config.scheduler
     requests = []
     for request in scheduler.requests.values():
         requests.append({
             "id": request.request_id, "state": request.status.name.lower(),
-            "phase": phase(core, request),
+            "phase": phase(recovery.resuming, request),
             "tenant": request.tenant, "priority": request.priority,
             "prompt_tokens": len(request.prompt_token_ids),
             "output_tokens": request.num_output_tokens,
@@ -42,10 +74,10 @@ def snapshot(core: EngineCore) -> dict:
     last = core.last_step
     return {
         "pid": os.getpid(),
-        "status": core.status,
-        "restarts": core.restarts,
-        "resumed_requests": core.resumed_requests,
-        "recovery_s": core.recovery_seconds[-1] if core.recovery_seconds else None,
+        "status": recovery.status,
+        "restarts": recovery.restarts,
+        "resumed_requests": recovery.resumed_requests,
+        "recovery_s": recovery.recovery_seconds[-1] if recovery.recovery_seconds else None,
         "worker_alive": core.executor.alive(),
         "worker_pids": core.executor.pids,
         "step_id": core.step_id,
@@ -72,11 +104,11 @@ def snapshot(core: EngineCore) -> dict:
                "swap_blocks": core.swap_space.num_blocks if core.swap_space else 0,
                "free_swap_blocks": (core.swap_space.num_free_blocks
                                     if core.swap_space else 0),
-               "block_map": block_map(core),
+               "block_map": block_map(blocks, scheduler),
                # Problems the bookkeeping has now (none when sound), and how many
                # self-checks since the start found any.
                "self_check": core.scheduler.check(rehash=False),
-               "self_check_failures": core.self_check_failures},
+               "self_check_failures": recovery.self_check_failures},
         "speculation": (core.speculator.snapshot() if core.speculator is not None
                         else {"method": "off"}),
         "requests": requests,
@@ -114,27 +146,25 @@ def prefill_policy(scheduler: Scheduler) -> dict:
     }
 
 
-def phase(core: EngineCore, request: Request) -> str:
+def phase(resuming: set[str], request: Request) -> str:
     """waiting | prefill | decode | preempted | recovering: where a request is in its life.
     A running request decodes once every token but the newest sampled one is in the
     cache; one re-prefilling after a rank-group restart is recovering."""
-    if request.request_id in core.resuming:
+    if request.request_id in resuming:
         return "recovering"
     if request.status != RequestStatus.RUNNING:
         return request.status.name.lower()
     return "prefill" if request.num_computed_tokens < request.num_tokens - 1 else "decode"
 
 
-def block_map(core: EngineCore) -> dict:
+def block_map(blocks: BlockManager, scheduler: Scheduler) -> dict:
     """Compact per-block map: one character per block for its reference count ('0'-'9',
     '+' past 9); per owner, its block ids as [first, count] runs; and the blocks that hold
     a cached prefix (held or evictable) as runs."""
     ref_counts = "".join(REF_COUNT_CHARS[c] if c < 10 else "+"
-                         for c in core.block_manager.ref_counts)
-    owners = {request.request_id: _runs(request.block_ids)
-              for request in core.scheduler.running}
-    return {"ref_counts": ref_counts, "owners": owners,
-            "cached": core.block_manager.cached_runs}
+                         for c in blocks.ref_counts)
+    owners = {request.request_id: _runs(request.block_ids) for request in scheduler.running}
+    return {"ref_counts": ref_counts, "owners": owners, "cached": blocks.cached_runs}
 
 
 def _runs(block_ids: list[int]) -> list[list[int]]:

@@ -19,7 +19,7 @@ from tokstream import envs
 from tokstream.config import EngineConfig
 from tokstream.engine.messages import (ScoreRequest, ScoreResult, StepPlan, StepResult,
                                        WorkerFailed, WorkerReady)
-from tokstream.engine.pool_files import PoolFiles, PoolPaths
+from tokstream.engine.recovery.pool_files import PoolFiles, PoolPaths
 from tokstream.engine.rank_start import rank_context, rank_main
 from tokstream.errors import ReplicaError, UserInputError
 
@@ -139,7 +139,7 @@ class RankGroup:
 
     def pool_layout(self) -> list[tuple] | None:
         """Every rank's pool layout (WorkerReady.pool_layout) if every rank's pool is in the
-        pool files (engine/pool_files.py), else None."""
+        pool files (engine/recovery/pool_files.py), else None."""
         if len(self.ready) != self.config.tp or not all(r.kv_shared for r in self.ready):
             return None
         return [r.pool_layout() for r in self.ready]

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from tokstream import gc_policy
 from tokstream.config import EngineConfig, ServerConfig
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.pool_files import PoolFiles
+from tokstream.engine.recovery.pool_files import PoolFiles
 from tokstream.server.api import anthropic_routes, openai_routes, tokenizer_routes
 from tokstream.server.operations import admin_routes
 from tokstream.server.access.connection_limits import (ConnectionLimits, connection_cap,
@@ -78,8 +78,8 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id
               aliases: set[str], tokenizer, url: str | None = None) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        # The KV pool files outlive every engine core (engine/pool_files.py): the gateway holds
-        # them, and each core it starts maps them.
+        # The KV pool files outlive every engine core (engine/recovery/pool_files.py): the
+        # gateway holds them, and each core it starts maps them.
         pool = PoolFiles(engine_config.tp)
         try:
             engine = await AsyncEngine(engine_config, pool).start()

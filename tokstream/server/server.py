@@ -70,7 +70,7 @@ class Server:
         self.supervisor = EngineSupervisor(engine, self.registry, config.down_retry_s)
         self.supervisor.on_status = self._on_status
         self.supervisor.on_event = self.events.record
-        self.supervisor.on_restart = self.metrics.on_restart
+        self.supervisor.recovery.on_restart = self.metrics.on_restart
         self.draining = False
         """Set on SIGTERM (server/replica/drain.py): new requests are refused, open streams
         finish."""

@@ -1,4 +1,4 @@
-"""A rank's CPU KV pool mapped from its pool file (engine/pool_files.py), so that the rank
+"""A rank's CPU KV pool mapped from its pool file (engine/recovery/pool_files.py), so that the rank
 (or the engine core) replacing this one after a failure finds every computed block where it
 was.
 

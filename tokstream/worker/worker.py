@@ -28,7 +28,8 @@ def worker_main(conn, config: EngineConfig, rank: int, rendezvous: str | None = 
                 pool_file: str | None = None) -> None:
     """One rank. Plans arrive pickled once by the core and sent to every rank (send_bytes);
     only rank 0 answers. rendezvous: a file path unique to this rank group (tp > 1);
-    pool_file: this rank's KV pool file (engine/pool_files.py) (CPU; None: a pool of its own)."""
+    pool_file: this rank's KV pool file (engine/recovery/pool_files.py) (CPU; None: a pool of
+    its own)."""
     logging.basicConfig(level=envs.LOG.get(),
                         format="%(asctime)s %(name)s: %(message)s")
     try:

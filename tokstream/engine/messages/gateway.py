@@ -75,8 +75,9 @@ class ScoreQuery:
 
 @dataclass
 class AdoptPool:
-    """Take over the KV pool files' block index (engine/pool_adoption.py): the gateway sends
-    it once no other process maps the pool, before the first request; a PoolAdopted answers."""
+    """Take over the KV pool files' block index (engine/recovery/pool_adoption.py): the gateway
+    sends it once no other process maps the pool, before the first request; a PoolAdopted
+    answers."""
 
     token: int
 
@@ -177,7 +178,7 @@ class PoolAdopted:
 
 @dataclass
 class StatusChanged:
-    """The replica's status changed (EngineCore.recover): a rank-group restart began, ended,
+    """The replica's status changed (CoreRecovery.recover): a rank-group restart began, ended,
     or gave up."""
 
     status: ReplicaStatus

@@ -30,7 +30,7 @@ class WorkerReady:
     kv_cache_dtype: str = ""
     """The KV cache's dtype ('' from a worker that predates the choice: dtype's)."""
     kv_shared: bool = False
-    """The pool lives in this rank's pool file (CPU, engine/pool_files.py): it outlives the
+    """The pool lives in this rank's pool file (CPU, engine/recovery/pool_files.py): it outlives the
     rank, and the rank that replaces it maps the same KV."""
 
     def pool_layout(self) -> tuple:

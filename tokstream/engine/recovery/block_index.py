@@ -1,6 +1,6 @@
 """Which KV pool blocks hold which cached prefix, written where the next engine core can read
 it: the prefix cache's map (BlockManager) published, block by block, into a memory file the
-gateway holds beside the pool files (engine/pool_files.py).
+gateway holds beside the pool files (engine/recovery/pool_files.py).
 
 When an engine core dies its bookkeeping dies with it, but the pool it wrote does not: the
 gateway holds the files. The core that takes over reads this index (claim) and registers every

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tokstream.server.operations import host_stats
 from tokstream.state_snapshot import (BATCH_FROM_CORE, AdmissionState, Batch, CoreSnapshot,
@@ -16,14 +16,37 @@ from tokstream.state_snapshot import (BATCH_FROM_CORE, AdmissionState, Batch, Co
                                       Timing)
 
 if TYPE_CHECKING:
-    from tokstream.server.server import Server
+    from tokstream.engine.async_engine import AsyncEngine
+    from tokstream.server.access.gateway_admission import Admission
+    from tokstream.server.access.tenants import Tenants
+    from tokstream.server.operations.events import EventLog
+    from tokstream.server.replica.supervisor import EngineSupervisor
+    from tokstream.server.streaming.streams import StreamRegistry
+    from tokstream.state_snapshot import ReplicaStatus
+
+
+class ServerView(Protocol):
+    """What the snapshot reads of the gateway's hub (server.py's Server)."""
+
+    engine: AsyncEngine
+    registry: StreamRegistry
+    supervisor: EngineSupervisor
+    status: ReplicaStatus
+    model_id: str
+    max_model_len: int
+    started: float
+    admission: Admission
+    tenants: Tenants | None
+    events: EventLog
+
+    async def core_snapshot(self) -> dict | None: ...
 
 
 class GatewaySnapshot:
     def __init__(self):
         self.usage = host_stats.ProcessUsage()
 
-    async def build(self, server: Server) -> StateSnapshot:
+    async def build(self, server: ServerView) -> StateSnapshot:
         waited = time.perf_counter()
         core = await server.core_snapshot()
         started = time.perf_counter()
@@ -32,7 +55,7 @@ class GatewaySnapshot:
                                  gateway_build_ms=(time.perf_counter() - started) * 1000)
         return snapshot
 
-    def _join(self, server: Server, core: CoreSnapshot) -> StateSnapshot:
+    def _join(self, server: ServerView, core: CoreSnapshot) -> StateSnapshot:
         now = time.monotonic()
         engine = server.engine
         engine_rows = {row.id: row for row in core.requests}
@@ -44,15 +67,15 @@ class GatewaySnapshot:
         roles = ([("gateway", os.getpid()), ("engine", engine.pid)]
                  + [(f"rank{rank}", pid) for rank, pid in enumerate(worker_pids)])
         usage = self.usage.measure([pid for _, pid in roles])
-        supervisor = server.supervisor
+        recovery = server.supervisor.recovery
         for event in core.events:
             event.extra["source"] = "engine"
         return StateSnapshot(
             replica=Replica(
-                status=server.status, restarts=supervisor.total_restarts,
-                restarts_by_kind=dict(supervisor.restarts),
-                resumed_requests=dict(supervisor.resumed_requests),
-                recovery_s={k: list(v) for k, v in supervisor.recovery_seconds.items()},
+                status=server.status, restarts=recovery.total_restarts,
+                restarts_by_kind=dict(recovery.restarts),
+                resumed_requests=dict(recovery.resumed_requests),
+                recovery_s={k: list(v) for k, v in recovery.recovery_seconds.items()},
                 model=server.model_id, dtype=engine.info.get("dtype"),
                 device=engine.config.device, tp=engine.config.tp, spare=engine.config.spare,
                 max_model_len=server.max_model_len, uptime_s=time.time() - server.started,

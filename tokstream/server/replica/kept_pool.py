@@ -1,7 +1,7 @@
-"""The gateway hands its KV pool files (engine/pool_files.py) to the engine core that serves:
-the first at start, and after an engine-core death the one that takes over, which then keeps
-every block the dead core had listed as a cached prefix (engine/pool_adoption.py), so that its
-resumed streams re-prefill only what was not yet in a full block.
+"""The gateway hands its KV pool files (engine/recovery/pool_files.py) to the engine core that
+serves: the first at start, and after an engine-core death the one that takes over, which then
+keeps every block the dead core had listed as a cached prefix (engine/recovery/pool_adoption.py),
+so that its resumed streams re-prefill only what was not yet in a full block.
 
 A dead core's ranks may still be running the step they were given, writing KV into the pool;
 the new core must not hand out a block, nor trust the index, before they are gone. So the

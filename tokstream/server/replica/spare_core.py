@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from tokstream.config import EngineConfig
 from tokstream.engine.async_engine import AsyncEngine, kill_tree
-from tokstream.engine.pool_files import PoolFiles
+from tokstream.engine.recovery.pool_files import PoolFiles
 
 log = logging.getLogger("tokstream.server")
 

@@ -116,7 +116,7 @@ class StreamRegistry:
         """Called with (stream) when a request's first output token arrives."""
         self.paused = False
         """True while the engine core is being replaced: new streams are registered, and
-        submitted with the live ones once a new core is up (resubmit)."""
+        submitted with the live ones once a new core is up (ReplicaRecovery.resubmit)."""
         self.reroute: Reroute | None = None
         """TEST ONLY, None in production: the chaos side's demux mutation
         (tokstream.chaos.demux_mutation, installed by serve's hidden --demux-mutation flag)
@@ -140,7 +140,7 @@ class StreamRegistry:
         if self.paused:
             return stream
         try:
-            self._submit(stream)
+            self.submit(stream)
         except Exception:
             del self.streams[request_id]
             raise
@@ -153,20 +153,10 @@ class StreamRegistry:
         return EngineRequest(stream.request_id, stream.prompt_token_ids, stream.params,
                              output_token_ids=list(stream.delivered), **stream.engine_fields)
 
-    def _submit(self, stream: Stream) -> None:
-        self.engine.add_request(self.engine_request(stream), self._deliver)
+    def submit(self, stream: Stream) -> None:
+        """Hand stream to the current engine (again, after a core died: recovery)."""
+        self.engine.add_request(self.engine_request(stream), self.deliver)
         stream.submissions += 1
-
-    def resubmit(self, engine: AsyncEngine) -> int:
-        """Hand every live stream, in arrival order, to engine (a new core after the last one
-        died) and stop pausing. Returns how many had been running on the old core."""
-        self.engine = engine
-        self.paused = False
-        resumed = 0
-        for stream in [s for s in self.streams.values() if s.live]:
-            resumed += stream.submissions > 0
-            self._submit(stream)
-        return resumed
 
     def fail_live(self, message: str, kind: ErrorKind = ErrorKind.REPLICA) -> int:
         """End every live stream with an error (the replica is down, or the server is
@@ -191,8 +181,9 @@ class StreamRegistry:
             if self.on_cancel is not None:
                 self.on_cancel(stream, stream.cancelled)
 
-    def _deliver(self, delta: RequestDelta) -> None:
-        """The demux: called once per engine delta, on the event loop."""
+    def deliver(self, delta: RequestDelta) -> None:
+        """The demux: called once per engine delta, on the event loop (and with the error
+        delta the gateway ends a request with for the engine, server/replica/recovery.py)."""
         stream = self.streams.get(delta.request_id)
         if stream is None:
             return
