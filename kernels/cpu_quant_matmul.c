@@ -185,7 +185,7 @@ static inline void small_pair(int64_t qtype, const uint8_t *row0, const uint8_t 
     }
 }
 
-/* One weight row against MT (5-8) input rows, as small_pair but a row at a time: MT x 2
+/* One weight row against MT (1-8) input rows, as small_pair but a row at a time: MT x 2
  * accumulators fit the 32 registers for one row, not for two. Each quantised block is
  * dequantised once for all MT rows (a verification chunk of drafted tokens, a small batch),
  * and each input row's sum is built in the order small_pair builds it, so it is the same
@@ -209,23 +209,35 @@ static inline void small_one(int64_t qtype, const uint8_t *row, int64_t K, const
                                                                                     acc_hi[i]));
 }
 
-#define SMALL_M 8 /* at most this many input rows: small_pair or small_one, no buffer */
+#define SMALL_M 16 /* at most this many input rows: small_pair or small_one, no buffer */
+
+/* Input rows i0.. (1-8 of them) of one weight row, into out + i0 * ldo. */
+static inline void small_one_rows(int64_t qtype, const uint8_t *row, int64_t K, const float *x,
+                                  int64_t rows, float *out, int64_t ldo) {
+    switch (rows) {
+    case 1: small_one(qtype, row, K, x, 1, out, ldo); break;
+    case 2: small_one(qtype, row, K, x, 2, out, ldo); break;
+    case 3: small_one(qtype, row, K, x, 3, out, ldo); break;
+    case 4: small_one(qtype, row, K, x, 4, out, ldo); break;
+    case 5: small_one(qtype, row, K, x, 5, out, ldo); break;
+    case 6: small_one(qtype, row, K, x, 6, out, ldo); break;
+    case 7: small_one(qtype, row, K, x, 7, out, ldo); break;
+    default: small_one(qtype, row, K, x, 8, out, ldo); break;
+    }
+}
 
 static int small_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, const float *x,
                         int64_t M, float *out) {
     if (M > SMALL_M) return 0;
     const int64_t row_bytes = K / QK * quant_block_bytes(qtype);
     if (M > 4) {
+        /* 9-16 rows: eight, then the rest, over the same weight row, in L1 the second time
+         * (the buffered path below dequantises each row to floats: 1.5-2x the time here) */
         #pragma omp parallel for schedule(dynamic, 32)
-        for (int64_t n = 0; n < N; n++) {
-            const uint8_t *row = w + n * row_bytes;
-            switch (M) {
-            case 5: small_one(qtype, row, K, x, 5, out + n, N); break;
-            case 6: small_one(qtype, row, K, x, 6, out + n, N); break;
-            case 7: small_one(qtype, row, K, x, 7, out + n, N); break;
-            default: small_one(qtype, row, K, x, 8, out + n, N); break;
-            }
-        }
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t i0 = 0; i0 < M; i0 += 8)
+                small_one_rows(qtype, w + n * row_bytes, K, x + i0 * K,
+                               M - i0 < 8 ? M - i0 : 8, out + i0 * N + n, N);
         return 1;
     }
     /* on demand, as i16_matmul's panels: a preempted thread's rows go to the other */
