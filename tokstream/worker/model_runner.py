@@ -290,8 +290,8 @@ class ModelRunner:
 def kv_pool_blocks(config: EngineConfig, model_config: ModelConfig, dtype: str,
                    device: torch.device, shared: bool = False) -> tuple[int, int]:
     """(num_blocks, bytes per block on this rank) from the memory budget. shared: the pool
-    is in the gateway's pool files (engine/pool_files.py), which every group maps, the spare
-    group and the spare core's too, so the budget need not be split between them."""
+    is in the gateway's pool files (engine/recovery/pool_files.py), which every group maps,
+    the spare group and the spare core's too, so the budget need not be split between them."""
     per_token = model_config.kv_bytes_per_token(dtype) // config.tp
     per_block = per_token * config.cache.block_size
     if config.cache.num_blocks is not None:
