@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig
+from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.messages import EngineRequest, token_digest
 from tokstream.errors import UserInputError
@@ -15,9 +15,11 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def tiny():
+    # Speculation off: the hooks are checked one token a step.
     return EngineConfig(model="dummy:tiny", dtype="float32",
                         cache=CacheConfig(block_size=4, num_blocks=64),
-                        scheduler=SchedulerConfig(max_num_batched_tokens=256))
+                        scheduler=SchedulerConfig(max_num_batched_tokens=256),
+                        speculative=SpeculativeConfig(method="off"))
 
 
 def test_token_digest_is_stable_and_order_sensitive():

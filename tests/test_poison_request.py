@@ -94,7 +94,8 @@ def test_a_request_that_kills_the_engine_core_every_time_is_ended_by_the_gateway
     decoding alongside it completes. That stream's prompt is longer than the step budget, so
     each new core re-prefills it over several steps before its next token: it must not share
     a step with the poison request before that token (it would be charged the death too)."""
-    with ServerProcess("--profile", "ci", "--max-num-batched-tokens", "32",
+    # Speculation off: the streams must still be decoding, a token a step, across the deaths.
+    with ServerProcess("--profile", "ci", "--max-num-batched-tokens", "32", "--speculative", "off",
                        env={"TOKSTREAM_POISON": f"core:{POISON_TOKEN}"}) as server:
         client = httpx.Client(base_url=server.url, timeout=120)
         results = {}

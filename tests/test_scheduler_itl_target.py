@@ -408,7 +408,7 @@ def test_the_engine_core_feeds_every_step_to_the_cost_model_and_outputs_do_not_c
     # dummy:tiny with a real worker: a target far under its step time leaves prefill only the
     # floor, so prompts that arrive while a stream decodes go in small chunks; the tokens are
     # the same as with the target off.
-    from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig
+    from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
     from tokstream.engine.llm import LLM
     from tokstream.sampling_params import SamplingParams
 
@@ -417,7 +417,8 @@ def test_the_engine_core_feeds_every_step_to_the_cost_model_and_outputs_do_not_c
     long = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
     config = EngineConfig(model="dummy:tiny", dtype="float32",
                           cache=CacheConfig(block_size=4, enable_prefix_caching=False),
-                          scheduler=SchedulerConfig(itl_target_ms=0.0))
+                          scheduler=SchedulerConfig(itl_target_ms=0.0),
+                          speculative=SpeculativeConfig(method="off"))  # a token a step
 
     def run(llm):
         """The first prompt decodes; then the rest arrive. Returns the tokens, the steps taken

@@ -86,7 +86,7 @@ async def all_drafting(client) -> dict:
 @pytest.fixture(scope="module")
 def plain():
     """The fault-free run with speculation off."""
-    with ServerProcess(*SERVE) as server:
+    with ServerProcess(*SERVE, "--speculative", "off") as server:
         assert spec_counts(server)["method"] == "off"
         return run(server)
 

@@ -13,15 +13,17 @@ from tokstream.settings import SERVE_FLAGS, build_settings
 from tokstream.state_snapshot import StateSnapshot
 
 
-def test_the_flags_set_the_speculative_section_and_default_off():
+def test_the_flags_set_the_speculative_section_and_default_auto():
     names = {flag.names[0]: flag for flag in SERVE_FLAGS}
     assert names["--speculative"].field == "method"
     assert names["--num-speculative-tokens"].default == "4"
     engine, _ = build_settings({}, {})
-    assert engine.speculative == SpeculativeConfig() and not engine.speculative.enabled
+    assert engine.speculative == SpeculativeConfig() and engine.speculative.method == "auto"
     engine, _ = build_settings({"speculative": {"num_speculative_tokens": 2}},
                                {"speculative": {"method": "ngram"}})
     assert engine.speculative.enabled and engine.speculative.num_speculative_tokens == 2
+    engine, _ = build_settings({}, {"speculative": {"method": "off"}})
+    assert not engine.speculative.enabled
 
 
 @pytest.mark.parametrize("bad", [dict(method="eagle"), dict(num_speculative_tokens=0),

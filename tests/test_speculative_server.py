@@ -59,5 +59,5 @@ def test_a_live_request_row_shows_its_drafts():
             # Leaving the stream cancels the request.
         assert len(rows) == 1 and 0 < rows[0]["accepted_tokens"] <= rows[0]["draft_tokens"]
         server.wait_idle()
-    with ServerProcess("--model", "dummy:tiny") as server:  # speculation off: no such keys
+    with ServerProcess("--model", "dummy:tiny", "--speculative", "off") as server:
         assert server.state()["speculation"]["method"] == "off"
