@@ -402,7 +402,7 @@ BUILD_HF = """
 import sys, torch
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_state_dict, save_hf_folder
-from tokstream.tokenizer import load_tokenizer
+from tokstream.text.tokenizer import load_tokenizer
 source = resolve_model(sys.argv[2])
 tokenizer = load_tokenizer(source)
 folder = save_hf_folder(sys.argv[1], source.config, load_state_dict(source, torch.float32))

@@ -136,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from tokstream.model.source import resolve_model
-    from tokstream.tokenizer import load_tokenizer
+    from tokstream.text.tokenizer import load_tokenizer
 
     source = resolve_model(args.model)
     tokenizer = load_tokenizer(source)

@@ -44,7 +44,7 @@ def main() -> None:
     from tokstream.model.source import resolve_model
     from tokstream.sampling_params import SamplingParams
     from tokstream.structured import StructuredOutput
-    from tokstream.tokenizer import load_tokenizer
+    from tokstream.text.tokenizer import load_tokenizer
     from tokstream.worker.grammar import Grammars
     from tokstream.engine.messages import NewRequestData
     from tokstream.worker.sampler import SamplingRow, sample

@@ -40,7 +40,7 @@ from test_native_weights import CHAT_PROMPTS, RAW_PROMPTS, TEXT  # noqa: E402
 from tokstream.kernels import cpu_build, cpu_int16  # noqa: E402
 from tokstream.model.source import resolve_model  # noqa: E402
 from tokstream.model.weights import load_native_state_dict, load_state_dict  # noqa: E402
-from tokstream.tokenizer import load_tokenizer  # noqa: E402
+from tokstream.text.tokenizer import load_tokenizer  # noqa: E402
 from tokstream.worker import matrix_units  # noqa: E402
 from tokstream.worker.model import LlamaModel  # noqa: E402
 from tokstream.worker.onednn_linear import BfloatWeight  # noqa: E402

@@ -31,7 +31,7 @@ def sharp_tiny_folder(path: str) -> str:
 
     from tokstream.model.source import resolve_model
     from tokstream.model.weights import load_state_dict, save_hf_folder
-    from tokstream.tokenizer import dummy_tokenizer
+    from tokstream.text.tokenizer import dummy_tokenizer
 
     source = resolve_model("dummy:tiny")
     weights = load_state_dict(source, torch.float32, seed=1)

@@ -16,7 +16,7 @@ import pytest
 from helpers.clients import OFFLINE_ENV
 from helpers.serving import module_server
 from tokstream.model.source import resolve_model
-from tokstream.tokenizer import load_tokenizer
+from tokstream.text.tokenizer import load_tokenizer
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(180)]
 

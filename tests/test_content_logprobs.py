@@ -7,7 +7,7 @@ import pytest
 
 from tokstream.engine.messages import TokenLogprobs
 from tokstream.server.api.content_logprobs import ContentLogprobs
-from tokstream.tokenizer import dummy_tokenizer
+from tokstream.text.tokenizer import dummy_tokenizer
 
 TOKENIZER = dummy_tokenizer(512, bos_token_id=1, eos_token_ids=(2,))
 EOS, BOS = 2, 1

@@ -5,10 +5,10 @@ import random
 
 import pytest
 
-from tokstream.detokenizer import IncrementalDetokenizer
+from tokstream.text.detokenizer import IncrementalDetokenizer
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
-from tokstream.tokenizer import dummy_tokenizer, load_tokenizer
+from tokstream.text.tokenizer import dummy_tokenizer, load_tokenizer
 
 FFFD = "\ufffd"
 TEXTS = [

@@ -22,7 +22,7 @@ from tokstream.server.api_errors import ApiError
 from tokstream.server.streaming.streams import StreamRegistry
 from tokstream.server.access.tenants import Tenant
 from tokstream.state_snapshot import StateSnapshot
-from tokstream.tokenizer import dummy_tokenizer, load_tokenizer
+from tokstream.text.tokenizer import dummy_tokenizer, load_tokenizer
 
 CHATML = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")

@@ -14,7 +14,7 @@ from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_state_dict
 from tokstream.sampling_params import SamplingParams
 from tokstream.structured import StructuredOutput
-from tokstream.tokenizer import dummy_tokenizer
+from tokstream.text.tokenizer import dummy_tokenizer
 from tokstream.worker.grammar import Grammars
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import ModelRunner, allocate_kv_caches

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokstream.structured import StructuredOutput
-from tokstream.tokenizer import dummy_tokenizer
+from tokstream.text.tokenizer import dummy_tokenizer
 from tokstream.worker.grammar import Grammars
 
 VOCAB, BOS, EOS = 300, 0, (1,)

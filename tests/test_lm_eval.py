@@ -18,7 +18,7 @@ from helpers.clients import offline
 from helpers.serving import module_server
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import hf_config_dict, load_state_dict
-from tokstream.tokenizer import load_tokenizer
+from tokstream.text.tokenizer import load_tokenizer
 
 pytestmark = [pytest.mark.startup, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ from tokstream.errors import UserInputError
 from tokstream.kernels import cpu_int16, cpu_quant
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_native_state_dict, load_state_dict
-from tokstream.tokenizer import load_tokenizer
+from tokstream.text.tokenizer import load_tokenizer
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.decode_stack import stack_for_step
 from tokstream.worker import dtype_choice

@@ -5,7 +5,7 @@ its square."""
 import threading
 import time
 
-from tokstream.tokenizer import dummy_tokenizer
+from tokstream.text.tokenizer import dummy_tokenizer
 
 CHATML = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
@@ -132,7 +132,7 @@ def test_count_tokens_with_special_token_text_builds_no_tokenizer_while_serving(
     import httpx
     from starlette.applications import Starlette
 
-    from tokstream import tokenizer as tokenizer_module
+    from tokstream.text import tokenizer as tokenizer_module
     from tokstream.config import ServerConfig
     from tokstream.server.app import routes
     from tokstream.server.server import Server

@@ -13,7 +13,7 @@ from tokstream.engine.llm import LLM
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import hf_config_dict, load_state_dict
 from tokstream.sampling_params import SamplingParams
-from tokstream.tokenizer import load_tokenizer
+from tokstream.text.tokenizer import load_tokenizer
 from tokstream.worker.model import LlamaModel
 
 pytestmark = [pytest.mark.startup, pytest.mark.slow, pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")]

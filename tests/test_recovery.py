@@ -166,7 +166,7 @@ def test_recovery_that_keeps_failing_goes_down_then_comes_back(tmp_path, referen
 
     from tokstream.model.source import resolve_model
     from tokstream.model.weights import load_state_dict, save_hf_folder
-    from tokstream.tokenizer import load_tokenizer
+    from tokstream.text.tokenizer import load_tokenizer
 
     source = resolve_model("dummy:tiny")
     folder = tmp_path / "tiny"

@@ -175,7 +175,7 @@ def model_folder(tmp_path_factory):
 
     from tokstream.model.source import resolve_model
     from tokstream.model.weights import load_state_dict, save_hf_folder
-    from tokstream.tokenizer import load_tokenizer
+    from tokstream.text.tokenizer import load_tokenizer
 
     source = resolve_model(MODEL)
     folder = tmp_path_factory.mktemp("model") / "tiny"
@@ -482,7 +482,7 @@ def test_real_model_tp3_rank_killed_mid_decode_resumes_on_the_argmax():
     """SmolLM2 --tp 3 in float32: rank 1 killed mid-decode; every resumed greedy stream,
     re-scored in one teacher-forced pass, has each token within 0.01 of the top logit."""
     from tokstream.model.source import resolve_model
-    from tokstream.tokenizer import load_tokenizer
+    from tokstream.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model("smollm2"))
     prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in (

@@ -9,7 +9,7 @@ import pytest
 from helpers.serving import module_server
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
-from tokstream.tokenizer import load_tokenizer
+from tokstream.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
 

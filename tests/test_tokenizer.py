@@ -10,7 +10,7 @@ import pytest
 from tokstream.errors import UserInputError
 from tokstream.model.presets import PRESETS, dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
-from tokstream.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer, dummy_tokenizer, load_tokenizer
+from tokstream.text.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer, dummy_tokenizer, load_tokenizer
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 CHATML_FRANCE = (
@@ -162,7 +162,7 @@ def test_dummy_tokenizer_needs_room_for_bytes():
 def write_gguf(path, model="gpt2", pre="smollm"):
     """A GGUF holding only tokenizer metadata: 256 bytes, one merge, a control and a
     user-defined token."""
-    from tokstream.tokenizer import _bytes_to_unicode
+    from tokstream.text.tokenizer import _bytes_to_unicode
 
     alphabet = list(_bytes_to_unicode().values())
     tokens = ["<|ctl|>", "<think>", *alphabet, "ab"]

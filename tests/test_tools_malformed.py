@@ -15,7 +15,7 @@ from tokstream.server.api.openai_request import chat_messages
 from tokstream.server.api.openai_tools import ToolDeltas, tool_message
 from tokstream.server.api.tool_template import encode_chat, fallback_messages
 from tokstream.server.api.tools import Tool, ToolRequest
-from tokstream.tokenizer import dummy_tokenizer
+from tokstream.text.tokenizer import dummy_tokenizer
 
 ASK = {"role": "user", "content": "Weather in Paris?"}
 

@@ -14,7 +14,7 @@ from tokstream.server.api.tool_parser import (ArgumentsPiece, CallEnd, CallStart
                                               TextPiece, parse_output)
 from tokstream.server.api.tool_template import FALLBACK_PROMPT, encode_chat, fallback_messages
 from tokstream.server.api.tools import Tool, ToolRequest
-from tokstream.tokenizer import dummy_tokenizer
+from tokstream.text.tokenizer import dummy_tokenizer
 
 WEATHER = Tool("get_weather", "Weather in a city", {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 10},

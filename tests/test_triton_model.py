@@ -15,7 +15,7 @@ from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_state_dict, save_hf_folder
 from tokstream.sampling_params import SamplingParams
-from tokstream.tokenizer import dummy_tokenizer
+from tokstream.text.tokenizer import dummy_tokenizer
 from tokstream.worker.cuda_graphs import DecodeGraphs, batch_sizes
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import ModelRunner, allocate_kv_caches

@@ -107,7 +107,7 @@ def _check_prompt_fits(config, prompt: str, chat: bool) -> None:
     """Fail fast, before any worker starts, on a prompt the model cannot take."""
     from tokstream.errors import PromptTooLongError
     from tokstream.model.source import resolve_model
-    from tokstream.tokenizer import load_tokenizer
+    from tokstream.text.tokenizer import load_tokenizer
 
     source = resolve_model(config.model)
     tokenizer = load_tokenizer(source)

@@ -11,7 +11,7 @@ import time
 from collections import deque
 
 from tokstream.config import EngineConfig
-from tokstream.detokenizer import IncrementalDetokenizer
+from tokstream.text.detokenizer import IncrementalDetokenizer
 from tokstream.engine import core_snapshot
 from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.core_snapshot import StepStats
@@ -28,7 +28,7 @@ from tokstream.engine.speculation import Speculator
 from tokstream.errors import OverloadedError, PromptTooLongError, ReplicaError, UserInputError
 from tokstream.model.source import resolve_model
 from tokstream.state_snapshot import ReplicaStatus
-from tokstream.tokenizer import Tokenizer, load_tokenizer
+from tokstream.text.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("tokstream.engine")
 

@@ -45,7 +45,7 @@ RANK_PROGRAM = ("tokstream.worker.worker", "worker_main")
 speaks to them only through engine/messages, so engine/ imports nothing of worker/ (which
 imports those messages); the forkserver has the module preloaded (RANK_PRELOAD)."""
 RANK_PRELOAD = ["tokstream.engine.forkserver_guard", "torch", "torch.distributed",
-                "tokstream.model.weights", "tokstream.tokenizer", "tokstream.worker.model_runner",
+                "tokstream.model.weights", "tokstream.text.tokenizer", "tokstream.worker.model_runner",
                 "tokstream.worker.quant_linear", "tokstream.worker.dtype_choice",
                 "tokstream.worker.backend", "tokstream.worker.grammar",
                 "tokstream.worker.worker"]

@@ -136,7 +136,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, log_level: str
     import uvicorn
 
     from tokstream.model.source import resolve_model
-    from tokstream.tokenizer import load_tokenizer
+    from tokstream.text.tokenizer import load_tokenizer
 
     server_config.check_bind()
     if server_config.tenants_file:

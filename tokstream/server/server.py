@@ -23,7 +23,7 @@ from tokstream.server.replica.supervisor import EngineSupervisor
 from tokstream.server.access.tenants import Tenant, Tenants, load_tenants
 from tokstream.server.validation import shown
 from tokstream.state_snapshot import ReplicaStatus, StateSnapshot
-from tokstream.tokenizer import Tokenizer
+from tokstream.text.tokenizer import Tokenizer
 
 log = logging.getLogger("tokstream.server")
 

@@ -116,7 +116,7 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
     from tokstream.model.source import resolve_model
     from tokstream.model.weights import load_native_state_dict, load_state_dict
     from tokstream.worker.backend import choose_backend
-    from tokstream.tokenizer import load_tokenizer
+    from tokstream.text.tokenizer import load_tokenizer
     from tokstream.worker import matrix_units
     from tokstream.worker.dtype_choice import (bfloat16_copies_wanted, copy_budget,
                                                resolve_kv_cache_dtype, resolve_weights)

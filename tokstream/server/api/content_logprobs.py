@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from tokstream.engine.messages import TokenLogprobs
 from tokstream.server.api.logprobs_format import token_piece
-from tokstream.tokenizer import Tokenizer
+from tokstream.text.tokenizer import Tokenizer
 
 
 @dataclass

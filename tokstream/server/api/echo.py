@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tokstream.engine.messages import TokenLogprobs
 from tokstream.server.api.logprobs_format import completion_logprobs, token_piece
-from tokstream.tokenizer import Tokenizer
+from tokstream.text.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0
 """What a log-probability of -inf is written as (JSON has no infinity; vLLM and OpenAI write

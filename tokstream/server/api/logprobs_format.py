@@ -5,7 +5,7 @@ text and bytes, which chat's `logprobs.content[]` also reports (content_logprobs
 from __future__ import annotations
 
 from tokstream.engine.messages import TokenLogprobs
-from tokstream.tokenizer import Tokenizer
+from tokstream.text.tokenizer import Tokenizer
 
 
 def token_piece(tokenizer: Tokenizer, token_id: int) -> tuple[str, list[int]]:

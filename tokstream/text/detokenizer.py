@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from tokstream.tokenizer import Tokenizer
+from tokstream.text.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 # Tokens of already-seen text decoded before the new ones: enough for a tokenizer whose
