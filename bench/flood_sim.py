@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from tokstream.config import SchedulerConfig  # noqa: E402
 from tokstream.engine.block_manager import BlockManager  # noqa: E402
 from tokstream.engine.request import Request  # noqa: E402
-from tokstream.engine.scheduled import step_shape  # noqa: E402
-from tokstream.engine.scheduler import Scheduler  # noqa: E402
+from tokstream.engine.scheduler.output import step_shape  # noqa: E402
+from tokstream.engine.scheduler.scheduler import Scheduler  # noqa: E402
 from tokstream.sampling_params import SamplingParams  # noqa: E402
 from tokstream.stats import percentiles  # noqa: E402
 

@@ -30,7 +30,7 @@ from tokstream.stats import percentiles  # noqa: E402
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from tokstream.engine.llm import LLM  # noqa: E402
 from tokstream.engine.messages import EngineRequest  # noqa: E402
-from tokstream.engine.step_cost import StepCostModel  # noqa: E402
+from tokstream.engine.scheduler.step_cost import StepCostModel  # noqa: E402
 from tokstream.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

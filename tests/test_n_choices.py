@@ -21,7 +21,7 @@ from tokstream.config import SchedulerConfig
 from tokstream.engine.block_manager import BlockManager
 from tokstream.engine.messages import token_digest
 from tokstream.engine.request import Request
-from tokstream.engine.scheduler import Scheduler
+from tokstream.engine.scheduler.scheduler import Scheduler
 from tokstream.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)

@@ -7,7 +7,7 @@ import pytest
 from tokstream.config import CacheConfig, SchedulerConfig
 from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.request import Request, RequestStatus
-from tokstream.engine.scheduler import Scheduler
+from tokstream.engine.scheduler.scheduler import Scheduler
 from tokstream.errors import UserInputError
 from tokstream.sampling_params import SamplingParams
 

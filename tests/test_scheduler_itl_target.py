@@ -6,8 +6,8 @@ import random
 import pytest
 
 from test_scheduler import make_request as _make_request, make_scheduler, run_step
-from tokstream.engine.scheduler import step_shape
-from tokstream.engine.step_cost import StepCostModel, StepShape, attended_tokens
+from tokstream.engine.scheduler.output import step_shape
+from tokstream.engine.scheduler.step_cost import StepCostModel, StepShape, attended_tokens
 from tokstream.errors import UserInputError
 
 # The machine the tests pretend to run on: seconds per step, per decode, per prefill token.

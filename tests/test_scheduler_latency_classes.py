@@ -8,7 +8,7 @@ import pytest
 from test_scheduler import make_scheduler, run_step
 from test_scheduler_itl_target import (decodes_of, make_request, prefill_tokens, start_decoders,
                                        trained, truth)
-from tokstream.engine.scheduler import step_shape
+from tokstream.engine.scheduler.output import step_shape
 from tokstream.errors import UserInputError
 
 

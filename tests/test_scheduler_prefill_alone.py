@@ -8,7 +8,7 @@ from test_scheduler_itl_target import (decodes_of, make_request, prefill_tokens,
                                        truth)
 from test_scheduler_latency_classes import arrive, chunk_of, scheduler, step
 from tokstream.config import SchedulerConfig
-from tokstream.engine.scheduler import step_shape
+from tokstream.engine.scheduler.output import step_shape
 
 
 def test_the_defaults_run_long_prefills_alone_within_60_ms():

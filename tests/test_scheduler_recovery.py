@@ -8,7 +8,7 @@ from test_scheduler import make_request, make_scheduler, run_step
 from test_scheduler_itl_target import (decodes_of, itl_scheduler, make_request as salted,
                                        prefill_tokens, start_decoders, timed_step, trained,
                                        truth)
-from tokstream.engine.scheduler import step_shape
+from tokstream.engine.scheduler.output import step_shape
 
 
 def order_admitted(s, steps):

@@ -12,8 +12,8 @@ from tokstream.config import EngineConfig, SpeculativeConfig
 from tokstream.engine.draft_length import (COLD_START_K, COLD_START_STEPS, LAST_PROBE_AFTER,
                                            Acceptance, StepPrice, choose_draft_length)
 from tokstream.engine.llm import LLM
+from tokstream.engine.scheduler.step_cost import StepCostModel, StepShape
 from tokstream.engine.speculation import Speculator
-from tokstream.engine.step_cost import StepCostModel, StepShape
 from tokstream.sampling_params import SamplingParams
 from tokstream.state_snapshot import Speculation
 

@@ -8,9 +8,9 @@ streams and they waited 2.6 s for a token under a 150 ms ITL target."""
 import pytest
 
 from test_scheduler import make_request, make_scheduler, run_step
-from tokstream.engine.scheduler import step_shape
-from tokstream.engine.step_cost import (EXTRAPOLATION, PROBE_PREFILL_TOKENS, StepCostModel,
-                                        StepShape)
+from tokstream.engine.scheduler.output import step_shape
+from tokstream.engine.scheduler.step_cost import (EXTRAPOLATION, PROBE_PREFILL_TOKENS,
+                                                  StepCostModel, StepShape)
 
 TARGET_S = 0.150
 

@@ -21,8 +21,8 @@ from tokstream.engine.messages import (EngineRequest, RequestDelta, ScoreResult,
 from tokstream.engine.recovery.core_recovery import CoreRecovery
 from tokstream.engine.recovery.pool_files import PoolPaths
 from tokstream.engine.request import Request, RequestStatus
-from tokstream.engine.scheduled import SchedulerOutput
-from tokstream.engine.scheduler import Scheduler
+from tokstream.engine.scheduler.output import SchedulerOutput
+from tokstream.engine.scheduler.scheduler import Scheduler
 from tokstream.engine.scoring import Scorer
 from tokstream.engine.speculation import Speculator
 from tokstream.errors import OverloadedError, PromptTooLongError, ReplicaError, UserInputError

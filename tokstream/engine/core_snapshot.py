@@ -10,15 +10,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from tokstream.engine.prefill_share import prefill_steps_apart
 from tokstream.engine.request import Request, RequestStatus
+from tokstream.engine.scheduler.prefill_share import prefill_steps_apart
 
 if TYPE_CHECKING:
     from tokstream.config import EngineConfig
     from tokstream.engine.block_manager import BlockManager, SwapSpace
     from tokstream.engine.executor import Executor
     from tokstream.engine.recovery.core_recovery import CoreRecovery
-    from tokstream.engine.scheduler import Scheduler
+    from tokstream.engine.scheduler.scheduler import Scheduler
     from tokstream.engine.speculation import Speculator
 
 REF_COUNT_CHARS = "0123456789"

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokstream.engine.step_cost import MIN_PREFILL_TOKEN_S, StepCostModel
+from tokstream.engine.scheduler.step_cost import MIN_PREFILL_TOKEN_S, StepCostModel
 
 PRIOR_ACCEPTANCE = 0.5
 """A new request's acceptance at every position: prompt lookup's ranges from ~0.1 (free

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from tokstream.config import EngineConfig
     from tokstream.engine.block_manager import BlockManager
     from tokstream.engine.executor import Executor
-    from tokstream.engine.scheduler import Scheduler, SchedulerOutput
+    from tokstream.engine.scheduler.output import SchedulerOutput
+    from tokstream.engine.scheduler.scheduler import Scheduler
     from tokstream.engine.step_record import StepRecord
 
 log = logging.getLogger("tokstream.engine")

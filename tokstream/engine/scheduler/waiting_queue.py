@@ -11,8 +11,8 @@ import heapq
 import itertools
 from collections import deque
 
-from tokstream.engine.fairness import FairnessLedger
 from tokstream.engine.request import Request
+from tokstream.engine.scheduler.fairness import FairnessLedger
 
 POLICIES = ("fair", "fcfs")
 

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.request import Request, RequestStatus
-from tokstream.engine.scheduled import SchedulerOutput
-from tokstream.engine.step_draft import StepDraft
+from tokstream.engine.scheduler.output import SchedulerOutput
+from tokstream.engine.scheduler.step_draft import StepDraft
 
 if TYPE_CHECKING:
-    from tokstream.engine.scheduler import Scheduler
+    from tokstream.engine.scheduler.scheduler import Scheduler
 
 
 def allocate_or_preempt(scheduler: Scheduler, request: Request, num_new: int,

@@ -19,20 +19,21 @@ from __future__ import annotations
 import time
 
 from tokstream.config import SchedulerConfig
-from tokstream.engine.admission import admit_waiting, running_order  # noqa: F401 (re-export)
 from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.draft_length import StepPrice
-from tokstream.engine.fairness import FairnessLedger
-from tokstream.engine.preemption import allocate_or_preempt, release_swap
-from tokstream.engine.prefill_share import (LongPrefillShare, alone_step_seconds,
-                                            is_long_prefill, limit_for,
-                                            long_prefill_allowance, prefill_steps_apart)
 from tokstream.engine.request import Request, RequestStatus
-from tokstream.engine.scheduled import ScheduledWork, SchedulerOutput, step_shape
+from tokstream.engine.scheduler.admission import admit_waiting
+from tokstream.engine.scheduler.fairness import FairnessLedger
+from tokstream.engine.scheduler.output import ScheduledWork, SchedulerOutput, step_shape
+from tokstream.engine.scheduler.preemption import allocate_or_preempt, release_swap
+from tokstream.engine.scheduler.prefill_share import (LongPrefillShare, alone_step_seconds,
+                                                      is_long_prefill, limit_for,
+                                                      long_prefill_allowance,
+                                                      prefill_steps_apart)
+from tokstream.engine.scheduler.step_cost import MIN_PREFILL_TOKEN_S, StepCostModel
+from tokstream.engine.scheduler.step_draft import StepDraft
+from tokstream.engine.scheduler.waiting_queue import WaitingQueue
 from tokstream.engine.speculation import Speculator
-from tokstream.engine.step_cost import MIN_PREFILL_TOKEN_S, StepCostModel
-from tokstream.engine.step_draft import StepDraft
-from tokstream.engine.waiting_queue import WaitingQueue
 
 
 class Scheduler:

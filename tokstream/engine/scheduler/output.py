@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.engine.request import Request
-from tokstream.engine.step_cost import StepShape, attended_tokens
+from tokstream.engine.scheduler.step_cost import StepShape, attended_tokens
 
 
 @dataclass

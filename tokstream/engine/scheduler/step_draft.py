@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokstream.config import SchedulerConfig
-from tokstream.engine.prefill_share import PrefillTime, prefill_allowance
-from tokstream.engine.scheduled import ScheduledWork, SchedulerOutput
-from tokstream.engine.step_cost import StepCostModel
+from tokstream.engine.scheduler.output import ScheduledWork, SchedulerOutput
+from tokstream.engine.scheduler.prefill_share import PrefillTime, prefill_allowance
+from tokstream.engine.scheduler.step_cost import StepCostModel
 
 
 @dataclass

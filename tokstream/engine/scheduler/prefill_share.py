@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from tokstream.config import SchedulerConfig
 from tokstream.engine.request import Request
-from tokstream.engine.scheduled import ScheduledWork
-from tokstream.engine.step_cost import StepCostModel, attended_tokens
+from tokstream.engine.scheduler.output import ScheduledWork
+from tokstream.engine.scheduler.step_cost import StepCostModel, attended_tokens
 
 SHARE_WINDOW_S = 1.0
 """The long prefills' share of prefill time is counted over about this many seconds (an

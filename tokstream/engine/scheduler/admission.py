@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING
 
 from tokstream.config import SchedulerConfig
 from tokstream.engine.block_manager import BlockManager
-from tokstream.engine.prefill_share import PrefillTime, is_long_prefill, limit_for
-from tokstream.engine.preemption import release_swap
 from tokstream.engine.request import Request, RequestStatus
-from tokstream.engine.scheduled import ScheduledWork
-from tokstream.engine.step_draft import StepDraft
+from tokstream.engine.scheduler.output import ScheduledWork
+from tokstream.engine.scheduler.preemption import release_swap
+from tokstream.engine.scheduler.prefill_share import PrefillTime, is_long_prefill, limit_for
+from tokstream.engine.scheduler.step_draft import StepDraft
 
 if TYPE_CHECKING:
-    from tokstream.engine.scheduler import Scheduler
+    from tokstream.engine.scheduler.scheduler import Scheduler
 
 
 def running_order(request: Request) -> tuple:
