@@ -99,8 +99,8 @@ def simulate(config: SchedulerConfig, machine: Machine, rate: float, duration: f
                   [(w.request.request_id, w.num_tokens) for w in out.work if not w.is_decode],
                   f"decodes {sum(1 for w in out.work if w.num_tokens == 1)}"
                   f" waiting {[r.request_id for r in scheduler.waiting]}"
-                  f"{' long first' if scheduler.long_first else ''}"
-                  f" share {scheduler.long_share.share}")
+                  f"{' long first' if scheduler.prefill_policy.long_first else ''}"
+                  f" share {scheduler.prefill_policy.long_share.share}")
         now[0] += seconds
         scheduler.observe_step(out, seconds)
         sampled = [7 for w in out.work if w.samples]

@@ -74,7 +74,7 @@ def run_variant(llm: LLM, target_ms: float, args, seed: int) -> dict:
     core.config.scheduler.itl_target_ms = target_ms  # the scheduler reads it every step
     # Each variant learns its step cost from scratch (the same short warm-up first), as a
     # server that has just started would.
-    core.scheduler.step_cost = StepCostModel()
+    core.scheduler.prefill_policy.step_cost = StepCostModel()
     warm = random_tokens(random.Random(-seed), 48, core.model_config.vocab_size)
     llm.generate([warm], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     quiet, load, waited = wait_until_quiet(args.quiet_deadline)

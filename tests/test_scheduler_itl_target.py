@@ -150,7 +150,7 @@ def test_the_cost_of_carrying_prefill_is_learned_and_kept_within_the_target(dear
     for i in range(4):  # as start_decoders, timed by this machine
         s.add_request(make_request(f"d{i}", prompt_len=8, max_tokens=400))
     s.observe_step(run_step(s), 0.0)
-    s.step_cost = StepCostModel()
+    s.prefill_policy.step_cost = StepCostModel()
     for shape in random_shapes(80):
         s.step_cost.observe(shape, mixed_truth(shape))
     assert s.step_cost.prefill_switch_seconds(4) == pytest.approx(0.010 + 4 * dearer_decode,

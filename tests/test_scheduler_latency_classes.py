@@ -63,7 +63,7 @@ def test_a_short_prompt_goes_before_the_chunks_of_three_long_prompts():
     out = step(s)
     assert chunk_of(out, "chat") == 24 and s.requests["chat"].output_token_ids == [7]
     assert truth(step_shape(out.work)) <= 0.060 + 0.001
-    assert s.long_first is False
+    assert s.prefill_policy.long_first is False
 
 
 def test_a_long_prompts_last_chunks_stay_in_the_long_class():
@@ -125,7 +125,7 @@ def test_long_prefills_behind_their_share_per_second_go_first():
     owed = None
     for _ in range(30):
         out = step(s)
-        if s.long_first:
+        if s.prefill_policy.long_first:
             owed = out
             break
     assert owed is not None
@@ -163,7 +163,7 @@ def test_a_burst_of_short_prompts_goes_in_whole_when_long_prefills_had_their_sha
         arrive(s, make_request(f"chat{i}", prompt_len=10, max_tokens=4))
     out = step(s)
     assert [chunk_of(out, f"chat{i}") for i in range(3)] == [10, 10, 10]
-    assert not s.long_first
+    assert not s.prefill_policy.long_first
 
 
 def test_the_policy_is_in_the_state_snapshot():

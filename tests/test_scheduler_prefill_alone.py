@@ -76,7 +76,7 @@ def test_with_nothing_decoding_a_long_prompt_runs_in_ordinary_steps():
     for _ in range(4):
         out = step(s)
         assert chunk_of(out, "long") > 0
-    assert s.last_step_alone is False
+    assert s.prefill_policy.last_step_alone is False
 
 
 def test_off_long_chunks_share_the_decodes_steps():

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tokstream.engine.request import Request, RequestStatus
-from tokstream.engine.scheduler.prefill_share import prefill_steps_apart
+from tokstream.engine.scheduler.prefill_policy import is_prefilling
 
 if TYPE_CHECKING:
     from tokstream.config import EngineConfig
@@ -120,29 +120,28 @@ def snapshot(core: CoreState) -> dict:
 
 
 def prefill_policy(scheduler: Scheduler) -> dict:
-    """The two latency classes now (prefill_share.py): the settings, the long prefills' share
+    """The two latency classes now (prefill_policy.py): the settings, the long prefills' share
     of the prefill time over the last second, whether they go first (owed their share) or are
     held back behind short prompts, and each long prefill."""
-    config = scheduler.config
-    short_waiting = any(not scheduler.is_long(r) for r in scheduler.waiting) or any(
-        r.num_tokens - r.num_computed_tokens > 1 and not scheduler.is_long(r)
-        for r in scheduler.running)
-    held = not scheduler.long_first and short_waiting
-    long_step_ms = (min(config.itl_target_ms, config.long_prefill_step_ms or config.itl_target_ms)
-                    if config.itl_target_ms and config.chunked_prefill else None)
+    config, policy = scheduler.config, scheduler.prefill_policy
+    short_waiting = any(not policy.is_long(r) for r in scheduler.waiting) or any(
+        is_prefilling(r) and not policy.is_long(r) for r in scheduler.running)
+    held = not policy.long_first and short_waiting
+    long_step_ms = (policy.long_step_ms if config.itl_target_ms and config.chunked_prefill
+                    else None)
     return {
         "long_prefill_tokens": config.long_prefill_tokens,
         "long_prefill_share": config.long_prefill_share,
         # The step time a long chunk is held to (None: the ITL target is off).
         "long_step_ms": long_step_ms,
-        "long_share": scheduler.long_share.share,
-        "long_first": scheduler.long_first,
-        "long_prefill_alone": prefill_steps_apart(config),
+        "long_share": policy.long_share.share,
+        "long_first": policy.long_first,
+        "long_prefill_alone": policy.steps_apart,
         "long_prefills": [
             {"id": r.request_id, "tenant": r.tenant, "prompt_tokens": len(r.prompt_token_ids),
              "left_tokens": r.num_tokens - r.num_computed_tokens,
              "state": r.status.name.lower(), "held": held}
-            for r in list(scheduler.running) + list(scheduler.waiting) if scheduler.is_long(r)],
+            for r in list(scheduler.running) + list(scheduler.waiting) if policy.is_long(r)],
     }
 
 

@@ -9,122 +9,132 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from tokstream.config import SchedulerConfig
-from tokstream.engine.block_manager import BlockManager
+from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.request import Request, RequestStatus
+from tokstream.engine.scheduler.fairness import FairnessLedger
 from tokstream.engine.scheduler.output import ScheduledWork
 from tokstream.engine.scheduler.preemption import release_swap
-from tokstream.engine.scheduler.prefill_share import PrefillTime, is_long_prefill, limit_for
+from tokstream.engine.scheduler.prefill_policy import PrefillPolicy, is_prefilling
 from tokstream.engine.scheduler.step_draft import StepDraft
-
-if TYPE_CHECKING:
-    from tokstream.engine.scheduler.scheduler import Scheduler
+from tokstream.engine.scheduler.waiting_queue import WaitingQueue
 
 
 def running_order(request: Request) -> tuple:
     return (request.priority, request.arrival)
 
 
-def admit_waiting(scheduler: Scheduler, step: StepDraft, long_prompts: bool = True) -> None:
-    """Start waiting requests until the next one does not fit this step; long prompts too
-    only if long_prompts (short ones are admitted before long prefills' chunks). None start
-    in a step that had to preempt: the pool is tight."""
-    config = scheduler.config
-    prefill_time = step.prefill_time(config, scheduler.step_cost)
-    blocks = scheduler.block_manager
-    held = groups_prefilling(scheduler.running, blocks)
-    # Prefix blocks running requests are computing: a waiting request that needs one next
-    # waits for the cache to have it (a burst behind one new system prompt computes it once).
-    pending = blocks.blocks_in_flight(r for r in scheduler.running
-                                      if r.num_tokens - r.num_computed_tokens > 1)
-    while scheduler.waiting and step.budget > 0 and not step.out.preempted:
-        if len(scheduler.running) >= config.max_num_seqs:
-            break
-        request = _next_request(scheduler, step, held, long_prompts, pending)
+class Admission:
+    """Starts waiting requests in a step: moves them to the running list with their first
+    chunk and their blocks."""
+
+    def __init__(self, config: SchedulerConfig, policy: PrefillPolicy, blocks: BlockManager,
+                 swap_space: SwapSpace | None, waiting: WaitingQueue, running: list[Request],
+                 ledger: FairnessLedger, unknown_to_workers: set[str],
+                 finish: Callable[[Request, RequestStatus, str], None]):
+        self.config = config
+        self.policy = policy
+        self.blocks = blocks
+        self.swap_space = swap_space
+        """A swapped request's host blocks are freed once it is copied back in."""
+        self.waiting = waiting
+        self.running = running
+        """The scheduler's running requests, kept in running order."""
+        self.ledger = ledger
+        """Charged a request's prompt at its first start."""
+        self.unknown_to_workers = unknown_to_workers
+        """The scheduler's set of running requests the workers have not seen: an admission
+        sends the whole block table, so a request started is known."""
+        self.finish = finish
+        """Ends a request for good (Scheduler.finish): one too big for the whole pool."""
+
+    def admit(self, step: StepDraft, long_prompts: bool = True) -> None:
+        """Start waiting requests until the next one does not fit this step; long prompts too
+        only if long_prompts (short ones are admitted before long prefills' chunks). None
+        start in a step that had to preempt: the pool is tight."""
+        config, blocks = self.config, self.blocks
+        held = groups_prefilling(self.running, blocks)
+        # Prefix blocks running requests are computing: a waiting request that needs one next
+        # waits for the cache to have it (a burst behind one new system prompt computes it
+        # once).
+        pending = blocks.blocks_in_flight(r for r in self.running if is_prefilling(r))
+        while self.waiting and step.budget > 0 and not step.out.preempted:
+            if len(self.running) >= config.max_num_seqs:
+                break
+            request = self._next_request(step, held, long_prompts, pending)
+            if request is None:
+                break
+            if can_never_fit(config, blocks, request):
+                self.finish(request, RequestStatus.FINISHED_LENGTH, "kv_cache_capacity")
+                step.out.finished.append(request)
+                continue
+            if not self._start(step, request, held):
+                break
+            pending |= blocks.blocks_in_flight([request])
+
+    def _next_request(self, step: StepDraft, held: set[str], long_prompts: bool,
+                      pending: set[bytes]) -> Request | None:
+        """The request to start next; None when the rest wait for a later step."""
+        config, is_long = self.config, self.policy.is_long
+        request = self.waiting.peek(
+            lambda r: may_start(config, self.running, r)
+            and ((long_prompts and step.long_left > 0) or not is_long(r))
+            and step.may_take(r) and r.prompt_group not in held
+            and not self.blocks.prefix_in_flight(r, pending))
         if request is None:
-            break
-        if can_never_fit(config, scheduler.block_manager, request):
-            scheduler.finish(request, RequestStatus.FINISHED_LENGTH, "kv_cache_capacity")
-            step.out.finished.append(request)
-            continue
-        if not _start(scheduler, step, request, prefill_time, held):
-            break
-        pending |= blocks.blocks_in_flight([request])
-
-
-def _next_request(scheduler: Scheduler, step: StepDraft, held: set[str],
-                  long_prompts: bool, pending: set[bytes]) -> Request | None:
-    """The request to start next; None when the rest wait for a later step."""
-    config = scheduler.config
-    request = scheduler.waiting.peek(
-        lambda r: may_start(config, scheduler.running, r)
-        and ((long_prompts and step.long_left > 0) or not scheduler.is_long(r))
-        and not (step.suspect_taken and scheduler.is_suspect(r)) and r.prompt_group not in held
-        and not scheduler.block_manager.prefix_in_flight(r, pending))
-    if request is None:
-        return None
-    if not long_prompts and scheduler.is_long(request):
-        return None  # a preempted long prompt, first in line: it comes back in order
-    if request.prompt_group in held:
-        return None  # a preempted member: those come back in order, after its prompt's blocks
-    if scheduler.is_suspect(request):
-        if step.suspect_taken:
+            return None
+        if not long_prompts and is_long(request):
+            return None  # a preempted long prompt, first in line: it comes back in order
+        if request.prompt_group in held:
+            return None  # a preempted member: those come back in order, after its prompt's blocks
+        if not step.takes(request):
             return None  # preempted requests come back in order: the rest wait a step
-        step.suspect_taken = True
-    return request
+        return request
 
-
-def _start(scheduler: Scheduler, step: StepDraft, request: Request,
-           prefill_time: PrefillTime | None, held: set[str]) -> bool:
-    """Move request from waiting to running with its first chunk in the step; False when it
-    does not fit (it stays waiting)."""
-    config, blocks = scheduler.config, scheduler.block_manager
-    swapped = request.is_swapped
-    if not swapped:
-        blocks.match_prefix(request)  # cached prefix blocks count as computed
-    start = request.num_computed_tokens
-    num_new = scheduler.num_new_tokens(request, step.budget)
-    long = is_long_prefill(config, request)  # its cached prefix counted
-    limit = limit_for(config, request, prefill_time, step.decodes, long)
-    if limit is not None:
-        num_new = prefill_time.tokens(start, num_new, limit)
+    def _start(self, step: StepDraft, request: Request, held: set[str]) -> bool:
+        """Move request from waiting to running with its first chunk in the step; False when
+        it does not fit (it stays waiting)."""
+        blocks, policy = self.blocks, self.policy
+        swapped = request.is_swapped
+        if not swapped:
+            blocks.match_prefix(request)  # cached prefix blocks count as computed
+        start = request.num_computed_tokens
+        long = policy.is_long_prefill(request)  # its cached prefix counted
+        num_new = policy.chunk_tokens(step, request,
+                                      policy.num_new_tokens(request, step.budget), long)
         if num_new == 0:  # deeper into its prompt (a cached prefix) than time allows
             return _stay_waiting(blocks, request, swapped)
-    if long:
-        num_new = min(num_new, step.long_left)
-        step.long_left -= num_new
-    if num_new > step.budget and step.prefills:
-        # Chunking off: a whole prompt past the budget goes first in a later step.
-        return _stay_waiting(blocks, request, swapped)
-    if blocks.allocate(request, num_new, reserve=config.watermark_blocks) is None:
-        return _stay_waiting(blocks, request, swapped)  # give the prefix back until it fits
-    if prefill_time is not None:
-        prefill_time.take(start, num_new)
-    if swapped:
-        # Host blocks are copied back into the first new pool blocks before the forward
-        # pass. They can be freed now: no swap-out follows an admission in one step.
-        step.out.swap_in += zip(request.swapped_block_ids, request.block_ids)
-        release_swap(scheduler.swap_space, request)
-    scheduler.waiting.remove(request)
-    if long:
-        scheduler.long_prompts.add(request.request_id)
-    else:
-        scheduler.long_prompts.discard(request.request_id)
-    bisect.insort(scheduler.running, request, key=running_order)
-    request.status = RequestStatus.RUNNING
-    if request.first_scheduled is None:
-        request.first_scheduled = time.monotonic()
-        scheduler.ledger.charge_input(request.tenant, len(request.prompt_token_ids),
-                                      request.weight)
-    # New to the worker: it learns the whole block table, cached prefix included.
-    scheduler.unknown_to_workers.discard(request.request_id)
-    step.prefills.append(ScheduledWork(request, start, num_new, list(request.block_ids), True))
-    step.spend(num_new)
-    if start < shared_prompt_tokens(blocks, request):
-        held.add(request.prompt_group)  # its blocks are cached after this step
-    return True
+        if long:
+            num_new = step.take_long(num_new)
+        if num_new > step.budget and step.prefills:
+            # Chunking off: a whole prompt past the budget goes first in a later step.
+            return _stay_waiting(blocks, request, swapped)
+        if blocks.allocate(request, num_new, reserve=self.config.watermark_blocks) is None:
+            return _stay_waiting(blocks, request, swapped)  # give the prefix back until it fits
+        step.took_prefill(start, num_new)
+        if swapped:
+            # Host blocks are copied back into the first new pool blocks before the forward
+            # pass. They can be freed now: no swap-out follows an admission in one step.
+            step.out.swap_in += zip(request.swapped_block_ids, request.block_ids)
+            release_swap(self.swap_space, request)
+        self.waiting.remove(request)
+        policy.admitted(request, long)
+        bisect.insort(self.running, request, key=running_order)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled is None:
+            request.first_scheduled = time.monotonic()
+            self.ledger.charge_input(request.tenant, len(request.prompt_token_ids),
+                                     request.weight)
+        # New to the worker: it learns the whole block table, cached prefix included.
+        self.unknown_to_workers.discard(request.request_id)
+        step.prefills.append(ScheduledWork(request, start, num_new, list(request.block_ids),
+                                           True))
+        step.spend(num_new)
+        if start < shared_prompt_tokens(blocks, request):
+            held.add(request.prompt_group)  # its blocks are cached after this step
+        return True
 
 
 def _stay_waiting(blocks: BlockManager, request: Request, swapped: bool) -> bool:

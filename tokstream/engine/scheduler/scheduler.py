@@ -4,8 +4,9 @@ A step is a token budget filled with running requests first (decodes, and prompt
 through a chunked prefill), then new prompts while blocks, the budget and the sequence cap
 allow (admission.py). With chunking off a prompt is taken whole, past the budget if need be.
 Under an ITL target a step that carries decodes takes only the prefill its learned step cost
-says fits under the target (at least a small floor, so waiting prompts progress;
-prefill_share.py). When the pool runs dry mid-generation the lowest-priority, latest-arrived
+says fits under the target (at least a small floor, so waiting prompts progress); long
+prefills take what short prompts leave, or steps of their own (prefill_policy.py makes every
+such decision). When the pool runs dry mid-generation the lowest-priority, latest-arrived
 running request is preempted: its blocks are freed and it is recomputed from prompt + output
 later, or, in swap mode, its blocks are copied to host memory first and copied back on
 re-admission (preemption.py). Either way its stream is unchanged. Both passes fill one
@@ -22,21 +23,21 @@ from tokstream.config import SchedulerConfig
 from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.draft_length import StepPrice
 from tokstream.engine.request import Request, RequestStatus
-from tokstream.engine.scheduler.admission import admit_waiting
+from tokstream.engine.scheduler.admission import Admission
 from tokstream.engine.scheduler.fairness import FairnessLedger
 from tokstream.engine.scheduler.output import ScheduledWork, SchedulerOutput, step_shape
-from tokstream.engine.scheduler.preemption import allocate_or_preempt, release_swap
-from tokstream.engine.scheduler.prefill_share import (LongPrefillShare, alone_step_seconds,
-                                                      is_long_prefill, limit_for,
-                                                      long_prefill_allowance,
-                                                      prefill_steps_apart)
-from tokstream.engine.scheduler.step_cost import MIN_PREFILL_TOKEN_S, StepCostModel
+from tokstream.engine.scheduler.preemption import Preemption, release_swap
+from tokstream.engine.scheduler.prefill_policy import PrefillPolicy, is_prefilling
+from tokstream.engine.scheduler.step_cost import StepCostModel
 from tokstream.engine.scheduler.step_draft import StepDraft
 from tokstream.engine.scheduler.waiting_queue import WaitingQueue
 from tokstream.engine.speculation import Speculator
 
 
 class Scheduler:
+    """Builds each step from the running and waiting requests (schedule) and applies what the
+    step sampled (update); owns the requests' queues and their blocks."""
+
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
                  eos_token_ids: tuple[int, ...] = (), swap_space: SwapSpace | None = None,
                  suspect_after_failures: int = 0, speculator: Speculator | None = None):
@@ -59,24 +60,8 @@ class Scheduler:
         that order, and preempts from the end (lowest priority, latest arrival) the requests
         it has not yet given work."""
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
-        self.num_swap_outs = 0
-        """Of the preemptions, those that kept their KV in host memory."""
-        self.step_cost = StepCostModel()
-        """Fitted from every step the engine reports (observe_step), target on or off."""
-        self.long_share = LongPrefillShare()
-        """The prefill time long and short prompts got lately: long prefills behind their
-        share go before short prompts (prefill_share.py)."""
-        self.long_prompts: set[str] = set()
-        """Requests whose prefill was long when admitted (is_long_prefill after their cached
-        prefix): their chunks stay in the long class to the end of the prefill, whose last
-        tokens, deep in the prompt, cost the most."""
-        self.long_first = False
-        """The latest step gave long prefills' chunks before short prompts (they were owed
-        their share)."""
-        self.last_step_alone = False
-        """The latest step was a prefill step between decode steps (long_prefill_alone): the
-        next one decodes."""
+        self.prefill_policy = PrefillPolicy(config, StepCostModel(), block_manager)
+        """Whose prefill each step carries and how much of it (prefill_policy.py)."""
         self.clock = time.monotonic
         """Requests' arrivals are on this clock (tests give both a fake one)."""
         self.forgotten_ids: list[str] = []
@@ -85,6 +70,26 @@ class Scheduler:
         self.unknown_to_workers: set[str] = set()
         """Running requests a replaced rank group has not seen (keep_pool_after_restart):
         their next work is sent as new, with the whole block table."""
+        # The two helpers share the lists and sets above (changed in place, never replaced).
+        self.preemption = Preemption(block_manager, swap_space, self.running, self.waiting,
+                                     self.forgotten_ids)
+        self.admission = Admission(config, self.prefill_policy, block_manager, swap_space,
+                                   self.waiting, self.running, self.ledger,
+                                   self.unknown_to_workers, self.finish)
+
+    @property
+    def step_cost(self) -> StepCostModel:
+        """What a step costs, fitted from every step the engine reports (observe_step)."""
+        return self.prefill_policy.step_cost
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemption.num_preemptions
+
+    @property
+    def num_swap_outs(self) -> int:
+        """Of the preemptions, those that kept their KV in host memory."""
+        return self.preemption.num_swap_outs
 
     @property
     def has_work(self) -> bool:
@@ -113,7 +118,7 @@ class Scheduler:
         self.block_manager.free(request)
         release_swap(self.swap_space, request)
         self.unknown_to_workers.discard(request.request_id)
-        self.long_prompts.discard(request.request_id)
+        self.prefill_policy.forget(request.request_id)
         if self.speculator is not None:
             self.speculator.forget(request.request_id)
         request.status = status
@@ -124,75 +129,34 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step: running requests' next tokens, then waiting requests while room is
         left, and what the workers should forget."""
-        budget, config = self.config.max_num_batched_tokens, self.config
-        step = StepDraft(budget, long_prefill_allowance(config, budget, len(self.running),
-                                                        self.waiting, self.is_long))
-        self.long_first = self.long_share.owed(config)
-        long = self.is_long
+        policy = self.prefill_policy
+        step = policy.open_step(self.running, self.waiting, self.suspect_after_failures)
+        long = policy.is_long
 
         def short(request: Request) -> bool:
-            return self._is_prefilling(request) and not long(request)
+            return is_prefilling(request) and not long(request)
 
-        step.alone_limit_s = self._alone_limit()
         if step.alone_limit_s is None:
-            self._continue_running(step, lambda r: not self._is_prefilling(r))  # decodes
+            self._continue_running(step, lambda r: not is_prefilling(r))  # decodes
         else:  # no work for the decodes this step, but they are not preemption's victims
-            step.scheduled.update(r.request_id for r in self.running
-                                  if not self._is_prefilling(r))
+            step.scheduled.update(r.request_id for r in self.running if not is_prefilling(r))
+        policy.allow_prefill(step)
         # Under long_prefill_alone, long chunks stay out of a step that decodes.
-        with_long = not (step.decodes and prefill_steps_apart(config))
-        if self.long_first and with_long:  # behind their share of the prefill time
+        with_long = not (step.decodes and policy.steps_apart)
+        if policy.long_first and with_long:  # behind their share of the prefill time
             self._continue_running(step, long)
             self._continue_running(step, short)
         else:  # short prompts, running and waiting, then long chunks get what is left
             self._continue_running(step, short)
-            admit_waiting(self, step, long_prompts=False)
+            self.admission.admit(step, long_prompts=False)
             if with_long:
                 self._continue_running(step, long)
         if with_long:
-            admit_waiting(self, step, long_prompts=True)
-        self.last_step_alone = step.alone_limit_s is not None
-        self._count_prefill_time(step)
-        forgotten, self.forgotten_ids = self.forgotten_ids, []
+            self.admission.admit(step, long_prompts=True)
+        policy.close_step(step, self.clock)
+        forgotten = list(self.forgotten_ids)
+        self.forgotten_ids.clear()
         return step.done(forgotten)
-
-    def _alone_limit(self) -> float | None:
-        """The predicted seconds this step may take as a prefill step between decode steps
-        (long_prefill_alone: streams decode, a long prefill is pending, and the latest step
-        decoded); None: an ordinary step."""
-        config = self.config
-        if (self.last_step_alone or not prefill_steps_apart(config)
-                or not self.step_cost.num_observations):
-            return None
-        decoding = [r for r in self.running if not self._is_prefilling(r)]
-        long_pending = (any(self.is_long(r) for r in self.running)
-                        or any(self.is_long(r) for r in self.waiting))
-        if not (decoding and long_pending):
-            return None
-        return alone_step_seconds(config, self.step_cost, decoding)
-
-    def is_long(self, request: Request) -> bool:
-        """request's prefill is in the long class: long when it was admitted, or waiting with
-        a long prefill ahead of it beyond what the prefix cache holds (a request behind a
-        cached 2,000-token system prompt is short)."""
-        if request.status == RequestStatus.RUNNING:
-            return request.request_id in self.long_prompts and self._is_prefilling(request)
-        return is_long_prefill(self.config, request,
-                               self.block_manager.cached_prefix_tokens(request))
-
-    def _count_prefill_time(self, step: StepDraft) -> None:
-        """Count the step's predicted prefill seconds per class (for long_share)."""
-        long_s = short_s = 0.0
-        for work in step.prefills:
-            # Tokens at the least a token may cost, before the fit knows better.
-            seconds = max(self.step_cost.prefill_seconds(work.start, work.num_tokens),
-                          MIN_PREFILL_TOKEN_S * work.num_tokens)
-            if self.is_long(work.request):
-                long_s += seconds
-            else:
-                short_s += seconds
-        if long_s or short_s:
-            self.long_share.count(self.clock(), long_s, short_s)
 
     def _continue_running(self, step: StepDraft, which) -> None:
         """A pass over the running requests which(request) picks: their next tokens,
@@ -200,30 +164,24 @@ class Scheduler:
         first, then prefill chunks, short prompts' before long ones' unless those are owed
         their share: a long prompt that arrived first must not take the budget from streams
         already generating, nor from a chat prompt behind it."""
+        policy = self.prefill_policy
         for request in [r for r in self.running if which(r)]:
             if step.budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if self.is_suspect(request):
-                if step.suspect_taken:
-                    continue
-                step.suspect_taken = True
-            num_new = self.num_new_tokens(request, step.budget)
-            prefill_time = None
-            if self._is_prefilling(request):
-                prefill_time = step.prefill_time(self.config, self.step_cost)
-                limit = limit_for(self.config, request, prefill_time, step.decodes,
-                                  self.is_long(request))
-                if limit is not None:
-                    num_new = prefill_time.tokens(request.num_computed_tokens, num_new, limit)
-                    if num_new == 0:
-                        continue
-            if self.is_long(request):
-                num_new = min(num_new, step.long_left)
+            if not step.takes(request):
+                continue  # a second suspect
+            num_new = policy.num_new_tokens(request, step.budget)
+            prefilling, long = is_prefilling(request), policy.is_long(request)
+            if prefilling:
+                num_new = policy.chunk_tokens(step, request, num_new, long)
                 if num_new == 0:
                     continue
-                step.long_left -= num_new
+            if long:
+                num_new = step.take_long(num_new)
+                if num_new == 0:
+                    continue
             drafts = self._drafts(request, num_new, step)
             # Drafted positions take only blocks free beyond one for each running request
             # still to be given work: drafts never make anyone be preempted.
@@ -233,11 +191,14 @@ class Scheduler:
                           if drafts else None)
             if new_blocks is None:
                 drafts = []
-                new_blocks = allocate_or_preempt(self, request, num_new, step)
+                new_blocks = self.preemption.allocate_or_preempt(request, num_new, step)
             if new_blocks is None:
+                if request.status == RequestStatus.RUNNING:  # alone, too big for the pool
+                    self.finish(request, RequestStatus.FINISHED_LENGTH, "kv_cache_capacity")
+                    step.out.finished.append(request)
                 continue
-            if prefill_time is not None:
-                prefill_time.take(request.num_computed_tokens, num_new)  # limited or not
+            if prefilling:
+                step.took_prefill(request.num_computed_tokens, num_new)  # limited or not
             step.scheduled.add(request.request_id)
             is_new = request.request_id in self.unknown_to_workers
             if is_new:  # the workers learn its whole block table, as at an admission
@@ -255,45 +216,30 @@ class Scheduler:
         decodes with speculation on): at most what the budget has room for, and no more than
         could be kept before max_tokens or the model's context ends it; under auto, those
         that pay at this step's batch (draft_length.py)."""
-        if self.speculator is None or num_new != 1 or self._is_prefilling(request):
+        if self.speculator is None or num_new != 1 or is_prefilling(request):
             return []
         most = min(step.budget - 1,
                    request.params.max_tokens - request.num_output_tokens - 1,
                    self.max_model_len - request.num_tokens - 1)
 
         def price() -> StepPrice:  # the speculator asks once a step, under auto only
-            decoding = [r for r in self.running if not self._is_prefilling(r)]
+            decoding = [r for r in self.running if not is_prefilling(r)]
             # A decode's one row attends every token of its request.
             return StepPrice.of(self.step_cost, len(decoding),
                                 sum(r.num_tokens for r in decoding))
         return self.speculator.draft(request, most, step, price)
-
-    def num_new_tokens(self, request: Request, budget: int) -> int:
-        """Tokens of request to compute this step: one for a decode, else a prefill chunk."""
-        remaining = request.num_tokens - request.num_computed_tokens
-        if not self.config.chunked_prefill:
-            return remaining
-        return min(remaining, budget, self.config.max_prefill_chunk or budget)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine ran out's work in seconds (schedule to emit): refit the step cost."""
         if out.work:
             self.step_cost.observe(step_shape(out.work), seconds)
 
-    def is_suspect(self, request: Request) -> bool:
-        """request may be what breaks the replica (see suspect_after_failures)."""
-        return 0 < self.suspect_after_failures <= request.num_failures
-
-    @staticmethod
-    def _is_prefilling(request: Request) -> bool:
-        return request.num_tokens - request.num_computed_tokens > 1
-
     def requeue_all(self) -> None:
         """The rank group is gone, and the pool's and host buffers' contents with it: every
         running request goes back to the front of the line, in its order, to be recomputed
         from prompt + output; every block, pool or host, is forgotten."""
         # Those generating back first, then those cut off mid-prefill, each in running order.
-        for request in sorted(reversed(self.running), key=lambda r: not self._is_prefilling(r)):
+        for request in sorted(reversed(self.running), key=lambda r: not is_prefilling(r)):
             self.running.remove(request)
             request.status = RequestStatus.PREEMPTED
             request.recovering = True
@@ -305,7 +251,7 @@ class Scheduler:
         self.block_manager.reset()
         if self.swap_space is not None:
             self.swap_space.reset()
-        self.forgotten_ids = []  # the new ranks know nothing to forget
+        self.forgotten_ids.clear()  # the new ranks know nothing to forget
         self.unknown_to_workers.clear()
 
     def keep_pool_after_restart(self, failed: SchedulerOutput | None) -> bool:
@@ -319,8 +265,9 @@ class Scheduler:
         swapping = failed is not None and (failed.swap_in or failed.swap_out)
         if swapping or any(r.swapped_block_ids for r in self.requests.values()):
             return False
-        self.unknown_to_workers = {r.request_id for r in self.running}
-        self.forgotten_ids = []  # the new ranks know nothing to forget
+        self.unknown_to_workers.clear()
+        self.unknown_to_workers.update(r.request_id for r in self.running)
+        self.forgotten_ids.clear()  # the new ranks know nothing to forget
         return True
 
     def check(self, rehash: bool = True) -> list[str]:
