@@ -4,18 +4,13 @@ schedulers did it): admission does not mark what it starts as given work (StepDr
 so the long prefills' pass that follows the short prompts' admission may pick the request it
 just admitted as its victim. The step then carries the chunk of a preempted request, its new
 blocks already handed to the long prompt (both chunks write the same block), and update()
-fails on it (IndexError in cache_full_blocks, with prefix caching on). Not fixed in that item,
-which was to change no behaviour: the fix (admission adds what it starts to
-StepDraft.scheduled) turns this test into a pass."""
-
-import pytest
+fails on it (IndexError in cache_full_blocks, with prefix caching on). Fixed after that item:
+admission adds what it starts to StepDraft.scheduled."""
 
 from tokstream.engine.request import RequestStatus
 from test_scheduler import make_request, make_scheduler, run_step
 
 
-@pytest.mark.xfail(strict=True, raises=(AssertionError, IndexError),
-                   reason="admission leaves what it starts open to preemption in the same step")
 def test_a_request_admitted_in_a_step_is_not_its_victim():
     # Seven blocks of 4 tokens; prompts past 8 tokens are long and, while a short prompt
     # waits, take half of the 16-token budget.

@@ -115,9 +115,9 @@ class Twins:
             s.add_request(request)
 
     def step(self, rng: random.Random) -> bool:
-        """One step on both; False when it carries the known bug of
-        test_scheduler_admitted_then_preempted.py (both schedulers alike), past which the
-        workload cannot go on."""
+        """One step on both; False when it carries a preempted request's work (the bug of
+        test_scheduler_admitted_then_preempted.py, fixed in both copies), past which the
+        workload could not go on."""
         outs = [s.schedule() for s in self.sides]
         assert view(outs[0]) == view(outs[1])
         assert outs[0].plan(1) == outs[1].plan(1)

@@ -121,6 +121,7 @@ def _start(scheduler: Scheduler, step: StepDraft, request: Request,
     # New to the worker: it learns the whole block table, cached prefix included.
     scheduler.unknown_to_workers.discard(request.request_id)
     step.prefills.append(ScheduledWork(request, start, num_new, list(request.block_ids), True))
+    step.scheduled.add(request.request_id)  # the one fix since 926035e (see __init__.py)
     step.spend(num_new)
     if start < shared_prompt_tokens(blocks, request):
         held.add(request.prompt_group)  # its blocks are cached after this step

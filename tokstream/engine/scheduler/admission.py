@@ -131,6 +131,7 @@ class Admission:
         self.unknown_to_workers.discard(request.request_id)
         step.prefills.append(ScheduledWork(request, start, num_new, list(request.block_ids),
                                            True))
+        step.scheduled.add(request.request_id)  # its chunk is in the step: no victim now
         step.spend(num_new)
         if start < shared_prompt_tokens(blocks, request):
             held.add(request.prompt_group)  # its blocks are cached after this step
