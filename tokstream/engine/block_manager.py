@@ -11,7 +11,7 @@ takes every cached block of its prefix read-only (reference counts); a block is 
 written by the one request that filled it. Blocks nobody holds keep their content and are
 reused least-recently-freed first, so a popular prefix survives while the pool has room.
 
-With an index attached (block_index.py) every registration and every eviction is mirrored in
+With an index attached (recovery/block_index.py) every registration and every eviction is mirrored in
 it, so that the engine core taking over after this one dies can adopt the cached blocks.
 """
 

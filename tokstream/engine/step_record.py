@@ -2,7 +2,7 @@
 after the core is dead.
 
 When a core dies, the gateway charges the death to the requests it may have caused
-(server/replica/request_failures.py). Charging every live request blamed the innocent: three quick
+(server/replica/recovery.py). Charging every live request blamed the innocent: three quick
 deaths from a failing host ended streams that merely waited their turn (issue 31). The rank
 path charges a failed step's own requests; this record lets the gateway do the same: the core
 writes its step's request ids before it executes the step and clears them once it is back, so
