@@ -29,7 +29,7 @@ from scheduler_bench import Arrival, drive, random_tokens, write_json  # noqa: E
 from tokstream.stats import percentiles  # noqa: E402
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from tokstream.engine.llm import LLM  # noqa: E402
-from tokstream.engine.messages import EngineRequest  # noqa: E402
+from tokstream.engine.messages.request import EngineRequest
 from tokstream.engine.scheduler.step_cost import StepCostModel  # noqa: E402
 from tokstream.sampling_params import SamplingParams  # noqa: E402
 

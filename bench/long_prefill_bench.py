@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from scheduler_bench import Arrival, drive, engine, random_tokens, write_json  # noqa: E402
 from tokstream.stats import percentiles  # noqa: E402
-from tokstream.engine.messages import EngineRequest  # noqa: E402
+from tokstream.engine.messages.request import EngineRequest
 from tokstream.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 def run_mode(args, spare: bool) -> dict:
     from tokstream.config import EngineConfig
     from tokstream.engine.llm import LLM
-    from tokstream.engine.messages import EngineRequest
+    from tokstream.engine.messages.request import EngineRequest
     from tokstream.sampling_params import SamplingParams
 
     config = EngineConfig(model=args.model, tp=args.tp, spare=spare)

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from tokstream.stats import jain_index, percentiles  # noqa: E402
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from tokstream.engine.llm import LLM  # noqa: E402
-from tokstream.engine.messages import EngineRequest  # noqa: E402
+from tokstream.engine.messages.request import EngineRequest
 from tokstream.sampling_params import SamplingParams  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

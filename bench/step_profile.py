@@ -106,7 +106,7 @@ def instrument(runner, timers: Timers) -> None:
 
 def decode_plans(batch: int, context: int, block_size: int, steps: int):
     """A prefill plan that fills `batch` sequences to `context` tokens, then decode plans."""
-    from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
+    from tokstream.engine.messages.worker import NewRequestData, ScheduledChunk, StepPlan
     from tokstream.sampling_params import SamplingParams
 
     blocks_per_seq = -(-(context + steps + 1) // block_size)

@@ -46,7 +46,7 @@ def main() -> None:
     from tokstream.structured import StructuredOutput
     from tokstream.text.tokenizer import load_tokenizer
     from tokstream.worker.grammar import Grammars
-    from tokstream.engine.messages import NewRequestData
+    from tokstream.engine.messages.worker import NewRequestData
     from tokstream.worker.sampler import SamplingRow, sample
 
     source = resolve_model("smollm2")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from tokstream.engine.messages import RequestDelta
+from tokstream.engine.messages.request import RequestDelta
 
 if TYPE_CHECKING:
     from tokstream.server.streaming.streams import Stream, StreamRegistry

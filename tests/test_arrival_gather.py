@@ -10,7 +10,8 @@ import pytest
 
 from tokstream.config import SchedulerConfig
 from tokstream.engine import core_process
-from tokstream.engine.messages import Add, EngineRequest, Shutdown
+from tokstream.engine.messages.gateway import Add, Shutdown
+from tokstream.engine.messages.request import EngineRequest
 from tokstream.errors import UserInputError
 from tokstream.sampling_params import SamplingParams
 

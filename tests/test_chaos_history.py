@@ -13,7 +13,7 @@ from tokstream.chaos.timeline import around_fault
 from tokstream.state_snapshot import RequestRow
 from tokstream.chaos.workload import StreamHistory, StreamSpec
 from tokstream.checker import SSEEvent
-from tokstream.engine.messages import token_digest
+from tokstream.engine.messages.request import token_digest
 
 pytestmark = pytest.mark.timeout(30)
 

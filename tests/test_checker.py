@@ -4,7 +4,7 @@ named. (The same damage made by the real demux is in test_server_demux.py.)"""
 import json
 
 from tokstream.checker import RecordedStream, SSEEvent, check_streams, parse_sse
-from tokstream.engine.messages import token_digest
+from tokstream.engine.messages.request import token_digest
 
 TOKENS = [11, 12, 13, 14, 15]
 

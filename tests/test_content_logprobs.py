@@ -5,7 +5,7 @@ and a stop string's tokens are not listed; a token a stop string cuts keeps its 
 
 import pytest
 
-from tokstream.engine.messages import TokenLogprobs
+from tokstream.engine.messages.worker import TokenLogprobs
 from tokstream.server.api.content_logprobs import ContentLogprobs
 from tokstream.text.tokenizer import dummy_tokenizer
 

@@ -16,12 +16,14 @@ from tokstream.config import EngineConfig
 from tokstream.engine import core_process
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.core_pipe import CorePipe
-from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, Batch, CoreDead,
-                                       CoreMessage, Deltas, EngineRequest, GatewayMessage,
-                                       PoolAdopted, ProtocolError, Ready, RequestDelta,
-                                       ScoreQuery, ScoreReply, ScoreResult, Shutdown,
-                                       StartFailed, StartTimes, StateQuery, StateReply,
-                                       StatusChanged)
+from tokstream.engine.messages.gateway import (Abort, Add, AdoptPool, ArmSpare, Batch, CoreDead,
+                                               CoreMessage, Deltas, GatewayMessage, PoolAdopted,
+                                               ProtocolError, Ready, ScoreQuery, ScoreReply,
+                                               Shutdown, StartFailed, StateQuery, StateReply,
+                                               StatusChanged)
+from tokstream.engine.messages.request import EngineRequest, RequestDelta
+from tokstream.engine.messages.start_times import StartTimes
+from tokstream.engine.messages.worker import ScoreResult
 from tokstream.errors import (ErrorKind, OverloadedError, ReplicaError, UserInputError)
 from tokstream.sampling_params import SamplingParams
 from tokstream.state_snapshot import ReplicaStatus

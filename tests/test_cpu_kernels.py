@@ -164,7 +164,7 @@ def test_argmax_rows_matches_torch_with_ties_nans_and_infinities(rows, cols):
 
 
 def test_greedy_sampling_takes_the_c_argmax(monkeypatch):
-    from tokstream.engine.messages import NewRequestData
+    from tokstream.engine.messages.worker import NewRequestData
     from tokstream.sampling_params import SamplingParams
     from tokstream.worker import sampler
 

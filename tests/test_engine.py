@@ -8,7 +8,7 @@ import pytest
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.llm import LLM
-from tokstream.engine.messages import EngineRequest
+from tokstream.engine.messages.request import EngineRequest
 from tokstream.errors import PromptTooLongError, UserInputError
 from tokstream.model.source import resolve_model
 from tokstream.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ import pytest
 
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.messages import EngineRequest, token_digest
+from tokstream.engine.messages.request import EngineRequest, token_digest
 from tokstream.errors import UserInputError
 from tokstream.sampling_params import SamplingParams
 

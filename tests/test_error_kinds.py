@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokstream.engine.messages import FinishReason, RequestDelta
+from tokstream.engine.messages.request import FinishReason, RequestDelta
 from tokstream.errors import (ErrorKind, OverloadedError, PromptTooLongError, ReplicaError,
                               error_kind)
 from tokstream.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
+from tokstream.engine.messages.worker import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_state_dict
 from tokstream.sampling_params import SamplingParams

@@ -163,14 +163,10 @@ TYPE_LEVEL_ACYCLIC = ("tokstream.engine.core", "tokstream.engine.recovery",
 and its snapshot, the recovery objects of both sides, scoring, the scheduler package (its
 helpers took the whole Scheduler: admission <-> preemption <-> scheduler), the gateway (issue
 33)."""
-TYPE_LEVEL_CYCLES_LEFT = [
-    # Issue 33 item 4 (every cross-process type in engine/messages/): the package's __init__
-    # re-exports its modules, which name each other's types.
-    {"tokstream.engine.messages", "tokstream.engine.messages.gateway",
-     "tokstream.engine.messages.request"},
-]
-"""The type-level cycles anywhere in the tree that another item of issue 33 is removing, each
-to be deleted with its cycle."""
+TYPE_LEVEL_CYCLES_LEFT: list[set[str]] = []
+"""The type-level cycles anywhere in the tree still to be removed, each to be deleted with its
+cycle (the last, engine/messages' __init__ re-exporting modules that name each other's types,
+went when the package stopped re-exporting)."""
 
 
 def test_no_type_level_cycle_through_the_core_its_recovery_or_the_gateway():

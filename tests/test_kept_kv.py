@@ -16,7 +16,7 @@ import pytest
 
 from helpers.serving import ServerProcess, openai_body, record
 from tokstream.checker import check_streams
-from tokstream.engine.messages import PoolAdopted
+from tokstream.engine.messages.gateway import PoolAdopted
 from tokstream.engine.recovery.pool_files import PoolFiles
 from tokstream.errors import ReplicaError
 from tokstream.server.replica import kept_pool

@@ -22,7 +22,7 @@ import pytest
 
 from helpers.loadtest_run import KEYS, TENANTS, loadtest, write_mix
 from helpers.serving import interruptible
-from tokstream.engine.messages import token_digest
+from tokstream.engine.messages.request import token_digest
 from tokstream.loadgen.plots import PLOTS
 from tokstream.loadgen.stream import auth_headers, request_body, stream_request
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers.prefill import prefill_logits
-from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
+from tokstream.engine.messages.worker import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.model.presets import dummy_config
 from tokstream.model.weights import load_state_dict
 from tokstream.model.source import resolve_model

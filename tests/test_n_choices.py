@@ -19,7 +19,7 @@ from tokstream.checker import (OPT_IN, RecordedStream, SSEEvent, SSERecorder, ch
                                choice_request_id)
 from tokstream.config import SchedulerConfig
 from tokstream.engine.block_manager import BlockManager
-from tokstream.engine.messages import token_digest
+from tokstream.engine.messages.request import token_digest
 from tokstream.engine.request import Request
 from tokstream.engine.scheduler.scheduler import Scheduler
 from tokstream.sampling_params import SamplingParams
@@ -158,7 +158,7 @@ def test_the_checker_names_damage_to_one_choice():
 # --- the gateway's collection of choices, on hand-fed channels ------------------------------
 
 def test_collecting_stops_at_a_failed_choice_and_aborts_the_others():
-    from tokstream.engine.messages import RequestDelta
+    from tokstream.engine.messages.request import RequestDelta
     from tokstream.server.api.choices import collect_choices
     from tokstream.server.streaming.sse import stream_failure
     from tokstream.server.streaming.streams import Channel, Stream

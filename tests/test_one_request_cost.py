@@ -91,7 +91,7 @@ class CountingBackend:
 
 
 def test_top_logprobs_work_out_each_tokens_bytes_once():
-    from tokstream.engine.messages import TokenLogprobs
+    from tokstream.engine.messages.worker import TokenLogprobs
     from tokstream.server.api.content_logprobs import ContentLogprobs
 
     tokenizer = dummy_tokenizer(400, bos_token_id=0, eos_token_ids=(1,))

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
+from tokstream.engine.messages.worker import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_state_dict
 from tokstream.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ import pytest
 from helpers.serving import ServerProcess, anthropic_body, record
 from tokstream.checker import check_streams
 from tokstream.engine.llm import LLM
-from tokstream.engine.messages import EngineRequest
+from tokstream.engine.messages.request import EngineRequest
 from tokstream.errors import ErrorKind
 from test_recovery import GREEDY, PROMPTS, config
 

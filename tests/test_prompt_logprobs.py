@@ -9,7 +9,7 @@ import pytest
 from test_scheduler import make_request, make_scheduler, run_step
 from tokstream.config import EngineConfig, SchedulerConfig
 from tokstream.engine.llm import LLM
-from tokstream.engine.messages import StepPlan
+from tokstream.engine.messages.worker import StepPlan
 from tokstream.sampling_params import SamplingParams
 
 PROMPT = [(7 * i) % 400 + 3 for i in range(45)]

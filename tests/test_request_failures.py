@@ -12,7 +12,7 @@ request for deaths it did not cause."""
 
 import asyncio
 
-from tokstream.engine.messages import RequestDelta
+from tokstream.engine.messages.request import RequestDelta
 from tokstream.errors import ErrorKind
 from tokstream.sampling_params import SamplingParams
 from tokstream.server.replica import recovery

@@ -9,7 +9,8 @@ from tokstream.config import EngineConfig
 from tokstream.engine import core_process
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.core_pipe import CorePipe
-from tokstream.engine.messages import Abort, Add, Batch, EngineRequest, Shutdown
+from tokstream.engine.messages.gateway import Abort, Add, Batch, Shutdown
+from tokstream.engine.messages.request import EngineRequest
 from tokstream.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)

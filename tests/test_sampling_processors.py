@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (MinPLogitsWarper,
                                                     TemperatureLogitsWarper, TopKLogitsWarper,
                                                     TopPLogitsWarper)
 
-from tokstream.engine.messages import NewRequestData
+from tokstream.engine.messages.worker import NewRequestData
 from tokstream.errors import UserInputError
 from tokstream.sampling_params import SamplingParams
 from tokstream.worker.sampler import SamplingRow, process, sample, token_logprobs, warp

@@ -10,7 +10,7 @@ import pytest
 from helpers.serving import (INTEGRITY, ServerProcess, anthropic_body, module_server,
                              openai_body, record)
 from tokstream.checker import check_streams
-from tokstream.engine.messages import token_digest
+from tokstream.engine.messages.request import token_digest
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 

@@ -4,7 +4,7 @@ admission bounds, the tenant token bucket, profile and flag merging."""
 import pytest
 
 from tokstream.config import AdmissionConfig, ServerConfig
-from tokstream.engine.messages import RequestDelta
+from tokstream.engine.messages.request import RequestDelta
 from tokstream.errors import UserInputError
 from tokstream.server.access.gateway_admission import Admission
 from tokstream.server.api_errors import ApiError

@@ -16,7 +16,7 @@ from helpers.serving import ServerProcess, anthropic_body, record
 from test_recovery import GREEDY, PROMPTS, config
 from tokstream.checker import check_streams
 from tokstream.engine.llm import LLM
-from tokstream.engine.messages import EngineRequest
+from tokstream.engine.messages.request import EngineRequest
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(240)]
 

@@ -7,7 +7,7 @@ import pytest
 
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokstream.engine.llm import LLM
-from tokstream.engine.messages import EngineRequest
+from tokstream.engine.messages.request import EngineRequest
 from tokstream.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]

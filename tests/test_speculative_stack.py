@@ -9,7 +9,7 @@ import torch
 
 from helpers.prefill import prefill_logits
 from test_decode_stack import BLOCK_SIZE, give_int16, native_model, random_caches
-from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
+from tokstream.engine.messages.worker import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.kernels import cpu_decode_stack
 from tokstream.sampling_params import SamplingParams
 from tokstream.worker.decode_stack import stack_for_step

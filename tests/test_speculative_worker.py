@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers.prefill import prefill_logits
-from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
+from tokstream.engine.messages.worker import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_state_dict
 from tokstream.sampling_params import SamplingParams

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokstream.engine.messages import NewRequestData
+from tokstream.engine.messages.worker import NewRequestData
 from tokstream.sampling_params import SamplingParams
 from tokstream.worker.sampler import SamplingRow, sample, warp
 

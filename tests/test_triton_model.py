@@ -11,7 +11,7 @@ import torch
 
 from tokstream.config import EngineConfig
 from tokstream.engine.llm import LLM
-from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
+from tokstream.engine.messages.worker import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_state_dict, save_hf_folder
 from tokstream.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from tokstream.config import BenchSpec, EngineConfig, SchedulerConfig
 from tokstream.engine.llm import LLM
-from tokstream.engine.messages import EngineRequest
+from tokstream.engine.messages.request import EngineRequest
 from tokstream.sampling_params import SamplingParams
 from tokstream.stats import percentiles
 

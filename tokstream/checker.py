@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from tokstream.engine.messages import token_digest
+from tokstream.engine.messages.request import token_digest
 
 INTEGRITY_HEADER = "x-tokstream-integrity"
 """A request header: '1' asks tokstream serve for the integrity framing this checker reads

@@ -12,7 +12,7 @@ sys.path.insert(0, sys.argv[1])  # the tests folder
 
 from test_recovery import GREEDY, PROMPTS, config  # noqa: E402
 from tokstream.engine.llm import LLM  # noqa: E402
-from tokstream.engine.messages import EngineRequest  # noqa: E402
+from tokstream.engine.messages.request import EngineRequest
 
 
 def sockets() -> list[dict]:

@@ -24,11 +24,12 @@ from tokstream.engine.core_process import core_main
 from tokstream.engine.step_record import in_flight, new_record
 from tokstream.engine.janitor import JANITOR, make_core_folder
 from tokstream.engine.heartbeat import BEAT_INTERVAL_S, HeartbeatWatch, silence_limit_s
-from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, CoreDead, CoreMessage,
-                                       Deltas, EngineRequest, PoolAdopted, ProtocolError, Ready,
-                                       RequestDelta, ScoreQuery, ScoreReply, ScoreResult,
-                                       Shutdown, StartFailed, StateQuery, StateReply,
-                                       StatusChanged)
+from tokstream.engine.messages.gateway import (Abort, Add, AdoptPool, ArmSpare, CoreDead,
+                                               CoreMessage, Deltas, PoolAdopted, ProtocolError,
+                                               Ready, ScoreQuery, ScoreReply, Shutdown,
+                                               StartFailed, StateQuery, StateReply, StatusChanged)
+from tokstream.engine.messages.request import EngineRequest, RequestDelta
+from tokstream.engine.messages.worker import ScoreResult
 from tokstream.engine.recovery.pool_files import PoolFiles
 from tokstream.errors import ErrorKind, OverloadedError, ReplicaError, UserInputError
 from tokstream.state_snapshot import ReplicaStatus

@@ -16,8 +16,8 @@ from tokstream.engine import core_snapshot
 from tokstream.engine.block_manager import BlockManager, SwapSpace
 from tokstream.engine.core_snapshot import StepStats
 from tokstream.engine.executor import Executor
-from tokstream.engine.messages import (EngineRequest, RequestDelta, ScoreResult, StepPlan,
-                                       StepResult, TokenLogprobs, token_digest)
+from tokstream.engine.messages.request import EngineRequest, RequestDelta, token_digest
+from tokstream.engine.messages.worker import ScoreResult, StepPlan, StepResult, TokenLogprobs
 from tokstream.engine.recovery.core_recovery import CoreRecovery
 from tokstream.engine.recovery.pool_files import PoolPaths
 from tokstream.engine.request import Request, RequestStatus

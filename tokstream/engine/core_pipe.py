@@ -15,7 +15,8 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from tokstream.engine.messages import Batch, CoreDead, CoreMessage, GatewayMessage, Shutdown
+from tokstream.engine.messages.gateway import (Batch, CoreDead, CoreMessage, GatewayMessage,
+                                               Shutdown)
 
 
 class CorePipe:

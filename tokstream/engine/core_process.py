@@ -17,10 +17,12 @@ from tokstream.config import EngineConfig
 from tokstream.engine.child_process import become_child
 from tokstream.engine.heartbeat import start_beating
 from tokstream.engine.step_record import StepRecord
-from tokstream.engine.messages import (Abort, Add, AdoptPool, ArmSpare, Batch, CoreDead,
-                                       Deltas, PoolAdopted, ProtocolError, Ready, RequestDelta,
-                                       ScoreQuery, ScoreReply, Shutdown, StartFailed,
-                                       StartTimes, StateQuery, StateReply)
+from tokstream.engine.messages.gateway import (Abort, Add, AdoptPool, ArmSpare, Batch, CoreDead,
+                                               Deltas, PoolAdopted, ProtocolError, Ready,
+                                               ScoreQuery, ScoreReply, Shutdown, StartFailed,
+                                               StateQuery, StateReply)
+from tokstream.engine.messages.request import RequestDelta
+from tokstream.engine.messages.start_times import StartTimes
 from tokstream.engine.recovery.pool_files import PoolPaths
 from tokstream.errors import (ErrorKind, OverloadedError, ReplicaError, TokstreamError,
                               UserInputError, error_kind)

@@ -17,8 +17,8 @@ import time
 
 from tokstream import envs
 from tokstream.config import EngineConfig
-from tokstream.engine.messages import (ScoreRequest, ScoreResult, StepPlan, StepResult,
-                                       WorkerFailed, WorkerReady)
+from tokstream.engine.messages.rank import WorkerFailed, WorkerReady
+from tokstream.engine.messages.worker import ScoreRequest, ScoreResult, StepPlan, StepResult
 from tokstream.engine.recovery.pool_files import PoolFiles, PoolPaths
 from tokstream.engine.rank_start import rank_context, rank_main
 from tokstream.errors import ReplicaError, UserInputError

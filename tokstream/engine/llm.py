@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 from tokstream.config import EngineConfig
 from tokstream.engine.core import EngineCore
-from tokstream.engine.messages import EngineRequest, RequestDelta, TokenLogprobs
+from tokstream.engine.messages.request import EngineRequest, RequestDelta
+from tokstream.engine.messages.worker import TokenLogprobs
 from tokstream.sampling_params import SamplingParams
 
 

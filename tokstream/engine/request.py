@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from tokstream.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tokstream.engine.messages import TokenLogprobs
+    from tokstream.engine.messages.worker import TokenLogprobs
 
 
 class RequestStatus(enum.IntEnum):

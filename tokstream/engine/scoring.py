@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from tokstream.engine.messages import ScoreRequest, ScoreResult
+from tokstream.engine.messages.worker import ScoreRequest, ScoreResult
 from tokstream.engine.request import Request
 from tokstream.errors import OverloadedError, PromptTooLongError, ReplicaError, UserInputError
 from tokstream.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tokstream.checker import choice_request_id
-from tokstream.engine.messages import FinishReason
+from tokstream.engine.messages.request import FinishReason
 from tokstream.errors import ReplicaError, UserInputError
 from tokstream.sampling_params import SamplingParams
 from tokstream.server.access.gateway_admission import Admission

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from tokstream.config import EngineConfig, ModelConfig
-from tokstream.engine.messages import (NewRequestData, PromptLogprobs, ScheduledChunk,
-                                       ScoreRequest, ScoreResult, StepPlan, StepResult)
+from tokstream.engine.messages.worker import (NewRequestData, PromptLogprobs, ScheduledChunk,
+                                              ScoreRequest, ScoreResult, StepPlan, StepResult)
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.grammar import Constraint, Grammars

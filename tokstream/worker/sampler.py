@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tokstream.engine.messages import NewRequestData, TokenLogprobs
+from tokstream.engine.messages.worker import NewRequestData, TokenLogprobs
 from tokstream.kernels import cpu_small_ops
 from tokstream.sampling_params import SamplingParams
 from tokstream.worker.grammar import Constraint

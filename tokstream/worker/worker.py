@@ -10,7 +10,8 @@ import time
 
 from tokstream import envs, gc_policy
 from tokstream.config import EngineConfig
-from tokstream.engine.messages import ScoreRequest, WorkerFailed, WorkerReady
+from tokstream.engine.messages.rank import WorkerFailed, WorkerReady
+from tokstream.engine.messages.worker import ScoreRequest
 
 
 def set_threads(config: EngineConfig) -> int:

@@ -6,27 +6,8 @@
 - worker: the engine core <-> rank group protocol (StepPlan, StepResult, scoring).
 - start_times: where an engine core's start goes (in its Ready message).
 - rank: what each rank says once it has loaded (WorkerReady) or failed to (WorkerFailed).
+
+Import each type from its module: the package re-exports nothing, since a module that names a
+sibling's type (gateway's Add carries request's EngineRequest) would otherwise import the
+package that imports it (issue 33: no import circle, type-only ones included).
 """
-
-from tokstream.engine.messages.gateway import (Abort, Add, AdoptPool, ArmSpare, Batch,
-                                               CoreDead, CoreMessage, Deltas, GatewayMessage,
-                                               PoolAdopted, ProtocolError, Ready, ScoreQuery,
-                                               ScoreReply, Shutdown, StartFailed, StateQuery,
-                                               StateReply, StatusChanged)
-from tokstream.engine.messages.request import (EngineRequest, FinishReason, RequestDelta,
-                                               poison_message, token_digest)
-from tokstream.engine.messages.rank import WorkerFailed, WorkerReady
-from tokstream.engine.messages.start_times import StartTimes
-from tokstream.engine.messages.worker import (NewRequestData, PromptLogprobs, ScheduledChunk,
-                                              ScoreRequest, ScoreResult, StepPlan, StepResult,
-                                              TokenLogprobs)
-
-__all__ = [
-    "Abort", "Add", "AdoptPool", "ArmSpare", "Batch", "CoreDead", "CoreMessage", "Deltas",
-    "EngineRequest", "FinishReason", "GatewayMessage", "NewRequestData", "PoolAdopted",
-    "PromptLogprobs", "ProtocolError", "Ready", "RequestDelta", "ScheduledChunk", "ScoreQuery",
-    "ScoreReply",
-    "ScoreRequest", "ScoreResult", "Shutdown", "StartFailed", "StartTimes", "StateQuery",
-    "StateReply", "StatusChanged", "StepPlan", "StepResult", "TokenLogprobs", "WorkerFailed",
-    "WorkerReady", "poison_message", "token_digest",
-]

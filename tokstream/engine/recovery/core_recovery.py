@@ -13,7 +13,8 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from tokstream import envs
-from tokstream.engine.messages import RequestDelta, StatusChanged, poison_message
+from tokstream.engine.messages.gateway import StatusChanged
+from tokstream.engine.messages.request import RequestDelta, poison_message
 from tokstream.engine.recovery.pool_adoption import PoolAdoption
 from tokstream.engine.request import Request, RequestStatus
 from tokstream.errors import ErrorKind, ReplicaError

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokstream.engine.messages import NewRequestData, ScheduledChunk, StepPlan
+from tokstream.engine.messages.worker import NewRequestData, ScheduledChunk, StepPlan
 from tokstream.engine.request import Request
 from tokstream.engine.scheduler.step_cost import StepShape, attended_tokens
 

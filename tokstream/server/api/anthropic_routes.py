@@ -6,7 +6,7 @@ import uuid
 
 from starlette.responses import JSONResponse
 
-from tokstream.engine.messages import FinishReason
+from tokstream.engine.messages.request import FinishReason
 from tokstream.errors import UserInputError
 from tokstream.server.api.anthropic_output import output_sampling
 from tokstream.server.api.anthropic_tools import (ToolBlocks, content_blocks, history_messages,

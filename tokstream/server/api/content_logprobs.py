@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokstream.engine.messages import TokenLogprobs
+from tokstream.engine.messages.worker import TokenLogprobs
 from tokstream.server.api.logprobs_format import token_piece
 from tokstream.text.tokenizer import Tokenizer
 

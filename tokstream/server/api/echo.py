@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokstream.engine.messages import TokenLogprobs
+from tokstream.engine.messages.worker import TokenLogprobs
 from tokstream.server.api.logprobs_format import completion_logprobs, token_piece
 from tokstream.text.tokenizer import Tokenizer
 

@@ -4,7 +4,7 @@ text and bytes, which chat's `logprobs.content[]` also reports (content_logprobs
 
 from __future__ import annotations
 
-from tokstream.engine.messages import TokenLogprobs
+from tokstream.engine.messages.worker import TokenLogprobs
 from tokstream.text.tokenizer import Tokenizer
 
 

@@ -10,7 +10,7 @@ import uuid
 
 from starlette.responses import JSONResponse
 
-from tokstream.engine.messages import FinishReason
+from tokstream.engine.messages.request import FinishReason
 from tokstream.server.api.api_request import read_request
 from tokstream.server.streaming.channel import DeltaBatch
 from tokstream.server.api.choices import Choice, choices_response, collect_choices, merge_bodies

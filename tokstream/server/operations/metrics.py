@@ -13,7 +13,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from tokstream.engine.messages import FinishReason
+from tokstream.engine.messages.request import FinishReason
 from tokstream.state_snapshot import CoreSnapshot, Kv, LastStep, ReplicaStatus, Speculation
 
 SCRAPE_WAIT_S = 0.05

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.messages import RequestDelta, poison_message
+from tokstream.engine.messages.request import RequestDelta, poison_message
 from tokstream.errors import ErrorKind
 from tokstream.server.streaming.streams import Stream, StreamRegistry
 

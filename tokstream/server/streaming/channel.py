@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from tokstream.engine.messages import RequestDelta, TokenLogprobs
+from tokstream.engine.messages.request import RequestDelta
+from tokstream.engine.messages.worker import TokenLogprobs
 
 
 @dataclass

@@ -16,7 +16,7 @@ import logging
 from typing import Protocol
 
 from tokstream.checker import INTEGRITY_HEADER
-from tokstream.engine.messages import FinishReason
+from tokstream.engine.messages.request import FinishReason
 from tokstream.errors import ErrorKind
 from tokstream.server.streaming.responses import until_first, wait_disconnect
 from tokstream.server.streaming.streams import DeltaBatch, Stream, StreamRegistry

@@ -20,7 +20,7 @@ from typing import Callable
 
 from tokstream import envs
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.messages import EngineRequest, RequestDelta
+from tokstream.engine.messages.request import EngineRequest, RequestDelta
 from tokstream.errors import ErrorKind
 # DeltaBatch too: the writers (sse, responses, choices, the routes) take it from here.
 from tokstream.server.streaming.channel import Channel, DeltaBatch  # noqa: F401
