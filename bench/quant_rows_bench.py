@@ -44,7 +44,7 @@ def random_blocks(out: int, inp: int, qtype: int, rng) -> torch.Tensor:
     return torch.from_numpy(blocks), qt
 
 
-def build_at(revision: str, work: Path) -> ctypes.CDLL:
+def build_at(revision: str, work: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
     """The kernel's source at `revision`, compiled beside its header."""
     folder = work / revision.replace("/", "_")
     folder.mkdir(parents=True, exist_ok=True)
@@ -52,7 +52,7 @@ def build_at(revision: str, work: Path) -> ctypes.CDLL:
         text = subprocess.run(["git", "show", f"{revision}:kernels/{name}"], cwd=ROOT,
                               check=True, capture_output=True, text=True).stdout
         (folder / name).write_text(text)
-    lib = cpu_build.build(folder / "cpu_quant_matmul.c", cpu_quant.FLAGS)
+    lib = cpu_build.build(folder / "cpu_quant_matmul.c", flags)
     if lib is None:
         raise SystemExit(f"the kernel at {revision} does not build")
     return lib
@@ -78,16 +78,19 @@ def main() -> None:
     p.add_argument("--base", default="HEAD", help="git revision to compare against")
     p.add_argument("--rows", default="1,2,3,4,5,6,7,8,9,12")
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--cflags", default="",
+                   help="extra compiler flags for both builds, e.g. -mno-avx512f (the AVX2 path)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    flags = (*cpu_quant.FLAGS, *args.cflags.split())
     rng = np.random.default_rng(0)
     shapes = [(o, i, 3) for _ in range(LAYERS) for o, i in LAYER_SHAPES] + [(VOCAB, HIDDEN, 8)]
     made = {}
     for o, i, qt in set(shapes):
         made[(o, i, qt)] = random_blocks(o, i, qt, rng)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": build_at(args.base, Path(tmp)),
-                "tree": cpu_build.build(cpu_quant.SOURCE, cpu_quant.FLAGS)}
+        libs = {"base": build_at(args.base, Path(tmp), flags),
+                "tree": cpu_build.build(cpu_quant.SOURCE, flags)}
         scratch = torch.empty(cpu_quant.load().quant_scratch_floats(INTER) + 16)
         results = []
         for m in [int(r) for r in args.rows.split(",")]:
@@ -110,7 +113,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             results.append(row)
     flags = cpu_build.cpu_flags()
-    doc = {"bench": "quant_rows_bench", "base": args.base,
+    doc = {"bench": "quant_rows_bench", "base": args.base, "cflags": args.cflags,
+           "vector_lanes": libs["tree"].quant_vector_lanes(),
            "base_commit": subprocess.run(["git", "rev-parse", args.base], cwd=ROOT,
                                          capture_output=True, text=True).stdout.strip(),
            "cpu_model": cpu_build.cpu_model(), "cpu_kind": cpu_build.cpu_kind(),

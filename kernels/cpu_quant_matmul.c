@@ -209,7 +209,7 @@ static inline void small_one(int64_t qtype, const uint8_t *row, int64_t K, const
                                                                                     acc_hi[i]));
 }
 
-#define SMALL_M 16 /* at most this many input rows: small_pair or small_one, no buffer */
+#define SMALL_M 12 /* at most this many input rows: small_pair or small_one, no buffer */
 
 /* Input rows i0.. (1-8 of them) of one weight row, into out + i0 * ldo. */
 static inline void small_one_rows(int64_t qtype, const uint8_t *row, int64_t K, const float *x,
@@ -231,8 +231,10 @@ static int small_matmul(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, c
     if (M > SMALL_M) return 0;
     const int64_t row_bytes = K / QK * quant_block_bytes(qtype);
     if (M > 4) {
-        /* 9-16 rows: eight, then the rest, over the same weight row, in L1 the second time
-         * (the buffered path below dequantises each row to floats: 1.5-2x the time here) */
+        /* 5-12 rows: a weight row at a time, eight input rows a pass (9-12 find the row in
+         * L1 the second time); quant_matmul's buffered path, which dequantises each row to
+         * floats first, took 1.07-1.7x as long at these sizes, and was level by 16 rows
+         * (bench/quant_rows_bench.py) */
         #pragma omp parallel for schedule(dynamic, 32)
         for (int64_t n = 0; n < N; n++)
             for (int64_t i0 = 0; i0 < M; i0 += 8)
