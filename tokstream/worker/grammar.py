@@ -110,13 +110,13 @@ class Constraint:
     def _rewind_to(self, output_ids: list[int]) -> None:
         """Roll the matcher back to the longest common prefix of what it consumed and
         output_ids (rejected drafts; a preempted request's output recomputed)."""
+        if output_ids[:len(self.seen)] == self.seen:  # the usual case: the output grew
+            return
         same = 0
         for seen, token in zip(self.seen, output_ids):
             if seen != token:
                 break
             same += 1
-        if same == len(self.seen):
-            return
         if not self.matcher.rollback(len(self.seen) - same):
             self.matcher.reset()
             self.matcher.consume_tokens(self.seen[:same])
