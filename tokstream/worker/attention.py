@@ -14,20 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from tokstream.kernels import cpu_attention
-
-
-@dataclass
-class PrefillSeq:
-    query_start: int
-    """Index of the chunk's first token in the step's flattened tokens."""
-    query_len: int
-    context_len: int
-    """Tokens of this sequence in the cache after this step (cached prefix + this chunk)."""
-    block_table: torch.Tensor
-    """(num_blocks_of_seq,) int64."""
+from tokstream.worker.prefill_attention import PrefillSeq, gather_blocks, prefill_attention
 
 
 @dataclass
@@ -100,7 +89,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta, scale)
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale)
+        out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale,
+                                      meta.use_kernels)
     return out
 
 
@@ -116,47 +106,11 @@ def _decode_attention_reference(q, k_cache, v_cache, meta, scale):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[0]
     group = num_heads // num_kv_heads
-    keys = _gather(k_cache, meta.decode_block_tables, q.dtype)  # (kv_heads, S, L, head_dim)
-    values = _gather(v_cache, meta.decode_block_tables, q.dtype)
+    keys = gather_blocks(k_cache, meta.decode_block_tables, q.dtype)  # (kv_heads, S, L, head_dim)
+    values = gather_blocks(v_cache, meta.decode_block_tables, q.dtype)
     q = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1)  # (kv_heads, S, G, D)
     scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # (kv_heads, S, G, L)
     scores += meta.decode_key_bias[None, :, None, :]
     probs = scores.softmax(-1).to(values.dtype)
     out = torch.matmul(probs, values)  # (kv_heads, S, G, head_dim)
     return out.transpose(0, 1).reshape(num_seqs, num_heads, head_dim)
-
-
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(num_seqs, max_blocks) block ids -> (kv_heads, num_seqs, max_blocks*block_size, dim),
-    in `dtype` (the queries' dtype, where the cache is kept narrower)."""
-    num_seqs, max_blocks = block_tables.shape
-    num_kv_heads, _, block_size, head_dim = cache.shape
-    gathered = cache.index_select(1, block_tables.flatten()).to(dtype)
-    return gathered.view(num_kv_heads, num_seqs, max_blocks * block_size, head_dim)
-
-
-def _prefill_attention(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale):
-    num_heads, num_kv_heads = q.shape[1], k.shape[1]
-    gqa = num_heads != num_kv_heads
-    # Inputs get a batch dimension: on CPU, 3-D inputs take a slow fallback path (measured:
-    # 128-token causal chunk 30 ms -> 3 ms, 1024 x 1024 191 ms -> 52 ms per layer, bfloat16).
-    if k_cache.dtype != k.dtype:
-        # A narrower cache (float16 under float32): attend to the values it holds, as every
-        # later decode step will, so a request re-prefilled after a preemption or a restart
-        # computes exactly what it computed the first time.
-        k, v = k.to(k_cache.dtype).to(k.dtype), v.to(v_cache.dtype).to(v.dtype)
-    if seq.context_len == seq.query_len:
-        # Nothing cached before this chunk: attend to the chunk itself, plain causal.
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            is_causal=True, scale=scale, enable_gqa=gqa)
-        return out[0].transpose(0, 1)
-    keys = _gather(k_cache, seq.block_table[None], q.dtype)[:, 0, :seq.context_len]  # (H, L, D)
-    values = _gather(v_cache, seq.block_table[None], q.dtype)[:, 0, :seq.context_len]
-    # Query i sits at position context_len - query_len + i and sees keys up to it.
-    query_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len, device=q.device)
-    mask = torch.arange(seq.context_len, device=q.device)[None, :] <= query_pos[:, None]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask, scale=scale,
-        enable_gqa=gqa)
-    return out[0].transpose(0, 1)
