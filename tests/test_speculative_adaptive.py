@@ -9,13 +9,13 @@ import pytest
 from test_scheduler import make_scheduler
 from test_speculative_scheduler import WorkerTables, copy_requests, model, outputs, rows_of, run
 from tokstream.config import EngineConfig, SpeculativeConfig
+from tokstream.core_state import Speculation
 from tokstream.engine.draft_length import (COLD_START_K, COLD_START_STEPS, LAST_PROBE_AFTER,
                                            Acceptance, StepPrice, choose_draft_length)
 from tokstream.engine.llm import LLM
 from tokstream.engine.scheduler.step_cost import StepCostModel, StepShape
 from tokstream.engine.speculation import Speculator
 from tokstream.sampling_params import SamplingParams
-from tokstream.state_snapshot import Speculation
 
 K = 4
 CHEAP = (20e-3, 1e-4, 1e-4)

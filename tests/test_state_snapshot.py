@@ -10,9 +10,9 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from tokstream.core_state import Event, Kv
 from tokstream.server.operations.openapi import openapi_schema
-from tokstream.state_snapshot import (Batch, Event, Kv, ReplicaStatus, RequestDetail,
-                                      StateSnapshot)
+from tokstream.state_snapshot import Batch, ReplicaStatus, RequestDetail, StateSnapshot
 from tokstream.wire import ABSENT
 
 FRAMES = json.loads((Path(__file__).parent / "data" / "top" / "frames.json").read_text())

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from helpers.top_replay import FRAMES, Replay, first_poll, open_detail, replay_app
 from tokstream.cli import app as cli
-from tokstream.state_snapshot import Event, Kv, StateSnapshot
+from tokstream.core_state import Event, Kv
+from tokstream.state_snapshot import StateSnapshot
 from tokstream.top.detail import DetailScreen
 from tokstream.top.help import HelpScreen
 from tokstream.top.kv_map import CACHED, FREE, SHARED, blocks, cells

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from helpers.serving import ServerProcess, anthropic_body
+from tokstream.core_state import Kv
 from tokstream.server.access.tenants import hash_key
-from tokstream.state_snapshot import Kv
 from tokstream.top.app import TopApp
 from tokstream.top.detail import DetailScreen
 from tokstream.top.kv_map import blocks

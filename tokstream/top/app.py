@@ -7,7 +7,7 @@ from __future__ import annotations
 from textual.app import App
 from textual.binding import Binding
 
-from tokstream.state_snapshot import Event
+from tokstream.core_state import Event
 from tokstream.top.help import HelpScreen
 from tokstream.top.main_screen import MainScreen
 from tokstream.top.source import Frame, HttpSource, SourceError

@@ -9,8 +9,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
-from tokstream.state_snapshot import (PrefillPolicy, ReplicaStatus, Speculation,
-                                      StateSnapshot)
+from tokstream.core_state import Speculation
+from tokstream.state_snapshot import PrefillPolicy, ReplicaStatus, StateSnapshot
 from tokstream.top import format as fmt
 
 STATUS_COLOUR = {ReplicaStatus.READY: "bold #98c379", ReplicaStatus.RECOVERING: "bold #e5c07b",

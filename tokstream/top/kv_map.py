@@ -11,7 +11,7 @@ from rich.cells import cell_len
 from rich.text import Text
 from textual.widget import Widget
 
-from tokstream.state_snapshot import Kv
+from tokstream.core_state import Kv
 from tokstream.top.view import PALETTE, owner_colour
 
 FREE, CACHED, SHARED = "free", "cached", "shared"

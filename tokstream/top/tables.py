@@ -5,7 +5,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import DataTable
 
-from tokstream.state_snapshot import Event, RequestRow
+from tokstream.core_state import Event
+from tokstream.state_snapshot import RequestRow
 from tokstream.top import format as fmt
 from tokstream.top.view import COLUMNS, owner_colour
 

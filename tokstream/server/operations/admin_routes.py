@@ -7,13 +7,14 @@ import time
 
 from starlette.responses import JSONResponse, Response
 
+from tokstream.core_state import CoreSnapshot
 from tokstream.server.api.anthropic_routes import chat_messages, encode_messages
 from tokstream.server.access.auth import presented_key
 from tokstream.server.api_errors import OPENAI, ApiError, api_route, bad_request
 from tokstream.server.operations.metrics import SCRAPE_WAIT_S
 from tokstream.server.server import Server
 from tokstream.server.validation import _kind, get_int, parse_off_loop, read_json, shown
-from tokstream.state_snapshot import CoreSnapshot, ReplicaStatus, RequestDetail, RequestParams
+from tokstream.state_snapshot import ReplicaStatus, RequestDetail, RequestParams
 
 MAX_SCORE_TOKENS = 65536
 

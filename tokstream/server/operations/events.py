@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from tokstream.state_snapshot import Event
+from tokstream.core_state import Event
 
 MAX_EVENTS = 128
 

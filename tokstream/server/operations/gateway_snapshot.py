@@ -9,11 +9,10 @@ import os
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from tokstream.core_state import CoreSnapshot, Kv, LastStep, Speculation
 from tokstream.server.operations import host_stats
-from tokstream.state_snapshot import (BATCH_FROM_CORE, AdmissionState, Batch, CoreSnapshot,
-                                      Kv, LastStep, ProcessInfo, Rank, Replica,
-                                      RequestRow, Speculation, StateSnapshot, TenantRow,
-                                      Timing)
+from tokstream.state_snapshot import (BATCH_FROM_CORE, AdmissionState, Batch, ProcessInfo, Rank,
+                                      Replica, RequestRow, StateSnapshot, TenantRow, Timing)
 
 if TYPE_CHECKING:
     from tokstream.engine.async_engine import AsyncEngine

@@ -13,8 +13,9 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tokstream.core_state import CoreSnapshot, Kv, LastStep, Speculation
 from tokstream.engine.messages.request import FinishReason
-from tokstream.state_snapshot import CoreSnapshot, Kv, LastStep, ReplicaStatus, Speculation
+from tokstream.state_snapshot import ReplicaStatus
 
 SCRAPE_WAIT_S = 0.05
 """Longest a /metrics scrape waits for the core's newer snapshot (an idle core answers in about
