@@ -1,12 +1,11 @@
-"""Model loading: resolving names, GGUF and HF folders, the safetensors cache, and parity of
-our dequantised weights with Hugging Face's SmolLM2 (the tests marked slow)."""
+"""Model loading: resolving names, GGUF and HF folders, the safetensors cache. The parity of our
+dequantised SmolLM2 weights with Hugging Face transformers is in test_weights_vs_transformers.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import random
-import shutil
 import struct
 import subprocess
 import sys
@@ -23,12 +22,6 @@ from tokstream.model.hf_folder import tensor_shapes
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import embedded_gguf_path, resolve_model
 from tokstream.model.weights import dummy_state_dict, load_state_dict, save_hf_folder
-
-CHAT_PROMPT = (
-    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-    "<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
 
 # GGUF tensor names, written independently of gguf_file's own table.
 GGUF_LAYER_NAMES = {
@@ -416,85 +409,3 @@ def test_dummy_weights(preset):
         assert not torch.equal(a["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
         std = load_state_dict(source, torch.float32)["model.embed_tokens.weight"].std().item()
         assert 0.018 < std < 0.022
-
-
-# --- the real model against Hugging Face transformers (slow) -----------------------------------
-
-def transformers_llama(config, state_dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    hf_config = LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        head_dim=config.head_dim, max_position_embeddings=config.max_position,
-        rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
-        eos_token_id=list(config.eos_token_ids), attn_implementation="eager")
-    model = LlamaForCausalLM(hf_config).to(torch.float32)
-    result = model.load_state_dict(state_dict, strict=False)
-    assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]
-    model.tie_weights()
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
-def smollm2_state_dict(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("xdg-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("XDG_CACHE_HOME", str(cache))
-        source = resolve_model("smollm2")
-        yield source, load_state_dict(source, torch.float32)
-    shutil.rmtree(cache)  # 538 MB that pytest would otherwise keep for three runs
-
-
-@pytest.fixture(scope="module")
-def transformers_gguf_reference():
-    """(config, tensors) from transformers' own GGUF path (~12 s): an independent reader,
-    dequantisation and unpermute. The full from_pretrained(gguf_file=...) would run the same
-    code but needs `accelerate`, which tokstream does not otherwise use."""
-    from transformers import AutoConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    folder, name = os.path.split(embedded_gguf_path())
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    with torch.device("meta"):  # only its parameter names are used
-        skeleton = LlamaForCausalLM(config)
-    loaded = load_gguf_checkpoint(embedded_gguf_path(), return_tensors=True,
-                                  model_to_load=skeleton)
-    return config, loaded["tensors"]
-
-
-@pytest.mark.slow
-def test_smollm2_greedy_answer_matches_reference(smollm2_state_dict):
-    from transformers import AutoTokenizer
-
-    source, state_dict = smollm2_state_dict
-    model = transformers_llama(source.config, state_dict)
-    folder, name = os.path.split(source.path)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    prompt_ids = tokenizer(CHAT_PROMPT, add_special_tokens=False, return_tensors="pt").input_ids
-    assert prompt_ids.shape == (1, 37)
-    with torch.no_grad():
-        output = model.generate(prompt_ids, max_new_tokens=12, do_sample=False)
-    answer = output[0, prompt_ids.shape[1]:].tolist()
-    assert answer[-1] == 2  # <|im_end|>
-    assert tokenizer.decode(answer[:-1]) == "The capital of France is Paris."
-
-
-@pytest.mark.slow
-def test_smollm2_equals_transformers_gguf_loader(smollm2_state_dict, transformers_gguf_reference):
-    source, ours = smollm2_state_dict
-    hf, theirs = transformers_gguf_reference
-    c = source.config
-    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
-            c.num_kv_heads, c.head_dim, c.max_position, c.rope_theta, c.tie_word_embeddings,
-            c.bos_token_id, c.eos_token_ids) == (
-        hf.vocab_size, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers,
-        hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim,
-        hf.max_position_embeddings, hf.rope_parameters["rope_theta"], hf.tie_word_embeddings,
-        hf.bos_token_id, (hf.eos_token_id,))
-    assert c.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
-    assert set(ours) == set(theirs)
-    for name, tensor in ours.items():
-        torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=0, msg=name)

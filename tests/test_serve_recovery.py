@@ -6,17 +6,17 @@ server; afterwards the KV pool is back to baseline and /health is 200. One scena
 real SmolLM2 with --tp 3 and re-scores the resumed greedy streams."""
 
 import asyncio
-import json
 import os
 import signal
 import time
 
 import httpx
-import psutil
 import pytest
 
 from helpers.serving import ServerProcess
-from tokstream.checker import RecordedStream, SSERecorder, check_streams
+from helpers.streams_under_fault import (Progress, gone, kill, record_stream, run_streams,
+                                         state_until, tree)
+from tokstream.checker import check_streams
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
@@ -45,106 +45,6 @@ WORKLOAD = [
 UNSEEDED = 3
 COMPARED = [0, 1, 2, 4]
 """Greedy or seeded: their tokens must equal the fault-free run's."""
-
-
-class Progress:
-    """Tokens (with their arrival times) each stream of a run has received, to wait on."""
-
-    def __init__(self, n: int):
-        self.times: list[list[float]] = [[] for _ in range(n)]
-        self.request_ids: list[str | None] = [None] * n
-        self._changed = asyncio.Event()
-
-    def add(self, j: int, num_tokens: int) -> None:
-        self.times[j] += [time.time()] * num_tokens
-        self._changed.set()
-
-    async def until(self, j: int, k: int) -> None:
-        while len(self.times[j]) < k:
-            self._changed.clear()
-            await self._changed.wait()
-
-
-async def _record(client, j, route, body, progress) -> RecordedStream:
-    recorder = SSERecorder()
-    async with client.stream("POST", route, json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for chunk in response.aiter_bytes():
-            for event in recorder.feed(chunk):
-                try:
-                    data = event.json()
-                except ValueError:
-                    continue
-                if progress.request_ids[j] is None:
-                    progress.request_ids[j] = (data.get("message") or data).get("id")
-                ext = data.get("tokstream") if isinstance(data, dict) else None
-                if ext and ext.get("token_ids"):
-                    progress.add(j, len(ext["token_ids"]))
-    return recorder.stream()
-
-
-def run(server, fault=None, workload=WORKLOAD):
-    """Run the workload's streams at once; fault(client, progress) runs alongside them.
-    Returns (checked stream reports, progress)."""
-    async def main():
-        progress = Progress(len(workload))
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            streams = [asyncio.ensure_future(_record(client, j, route, body, progress))
-                       for j, (route, body) in enumerate(workload)]
-            if fault is not None:
-                await fault(client, progress)
-            return await asyncio.gather(*streams), progress
-
-    streams, progress = asyncio.run(main())
-    report = check_streams(streams)
-    assert report.ok, report.summary()
-    assert report.statuses == {"complete": len(workload), "failed": 0, "cut": 0}
-    for stream, (_, body) in zip(report.streams, workload):
-        assert len(stream.token_ids) == body["max_tokens"], stream.request_id
-    return report, progress
-
-
-async def state(client) -> dict:
-    response = await client.get("/v1/state")
-    response.raise_for_status()
-    return response.json()
-
-
-async def state_until(client, predicate, timeout=60) -> dict:
-    """The first /v1/state snapshot that satisfies predicate (polled, not waited out)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        snapshot = await state(client)
-        if predicate(snapshot):
-            return snapshot
-        assert time.monotonic() < deadline, json.dumps(snapshot)[:2000]
-        await asyncio.sleep(0.02)  # leave the CPU to a restarting engine between polls
-
-
-def kill(pid: int, sig=signal.SIGKILL) -> None:
-    os.kill(pid, sig)
-
-
-def tree(pid: int) -> list[int]:
-    """pid and every process under it (an engine core: its ranks and its spare's)."""
-    process = psutil.Process(pid)
-    return [pid, *(child.pid for child in process.children(recursive=True))]
-
-
-def gone(pids, timeout=30) -> bool:
-    """Every pid exits (no orphans) within timeout; a zombie awaiting its reaper counts."""
-    deadline = time.monotonic() + timeout
-    for pid in pids:
-        while time.monotonic() < deadline:
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    break
-            except psutil.NoSuchProcess:
-                break
-            time.sleep(0.05)
-        else:
-            return False
-    return True
 
 
 def test_recovery_flags_map_onto_the_engine_config(monkeypatch):
@@ -204,7 +104,7 @@ def server(model_folder):
 
 @pytest.fixture(scope="module")
 def reference(server):
-    report, _ = run(server)
+    report, _ = run_streams(server, WORKLOAD)
     return [s.token_ids for s in report.streams]
 
 
@@ -246,7 +146,7 @@ def test_rank_killed_mid_decode(server, reference, rank):
         await progress.until(0, 5)
         kill(ranks[rank])
 
-    report, progress = run(server, fault)
+    report, progress = run_streams(server, WORKLOAD, fault)
     after = settled(server, before["replica"]["restarts"] + 1)
     same_as_reference(report, reference)
     failure = engine_event(after, "rank_failure", started)
@@ -274,7 +174,7 @@ def test_rank_killed_mid_prefill(server, reference):
         kill(pids[1])
         seen["prefilling"] = long_prefill(snapshot)
 
-    report, progress = run(server, fault)
+    report, progress = run_streams(server, WORKLOAD, fault)
     after = settled(server, before["replica"]["restarts"] + 1)
     same_as_reference(report, reference)
     failure = engine_event(after, "rank_failure", started)
@@ -297,7 +197,7 @@ def test_stalled_rank_is_caught_by_the_step_deadline(server, reference):
         stopped.append(pids[0])
 
     try:
-        report, progress = run(server, fault)
+        report, progress = run_streams(server, WORKLOAD, fault)
     finally:
         for pid in stopped:  # the core SIGKILLs it; never leave one stopped regardless
             try:
@@ -339,9 +239,9 @@ def test_engine_core_killed_mid_decode_keeps_seeds(server, reference):
         await state_until(client, lambda s: s["replica"]["status"] == "recovering")
         seed["during"] = (await client.get("/health")).status_code
         route, body = anthropic("late arrival", max_tokens=8, temperature=0)
-        seed["late"] = await _record(client, 0, route, body, Progress(1))
+        seed["late"] = await record_stream(client, 0, route, body, Progress(1))
 
-    report, progress = run(server, fault)
+    report, progress = run_streams(server, WORKLOAD, fault)
     after = settled(server, before["replica"]["restarts"] + 1)
     same_as_reference(report, reference)
     assert seed["during"] == 503
@@ -357,7 +257,7 @@ def test_engine_core_killed_mid_decode_keeps_seeds(server, reference):
     # The unseeded stream kept the seed the gateway drew for it: the same request with that
     # seed, fault-free, gives the same tokens.
     route, body = WORKLOAD[UNSEEDED]
-    again, _ = run(server, workload=[(route, {**body, "seed": seed["drawn"]})])
+    again, _ = run_streams(server, [(route, {**body, "seed": seed["drawn"]})])
     assert again.streams[0].token_ids == report.streams[UNSEEDED].token_ids
     metrics = httpx.get(server.url + "/metrics").text
     assert 'tokstream_restarts_total{kind="core"}' in metrics
@@ -383,7 +283,7 @@ def test_a_stopped_engine_core_is_caught_by_its_heartbeat(server, reference):
         seen["ready"] = ready.status_code
 
     try:
-        report, progress = run(server, fault)
+        report, progress = run_streams(server, WORKLOAD, fault)
     finally:
         try:  # never leave it stopped, whatever happened
             os.kill(core_pid, signal.SIGCONT)
@@ -414,7 +314,7 @@ def test_two_kills_in_a_row(server, reference):
         killed["processes"] = tree(snapshot["engine"]["pid"])
         kill(snapshot["engine"]["pid"])
 
-    report, progress = run(server, fault)
+    report, progress = run_streams(server, WORKLOAD, fault)
     after = settled(server, restarts + 2)
     same_as_reference(report, reference)
     assert after["replica"]["restarts_by_kind"]["rank"] == \
@@ -444,7 +344,7 @@ def test_restarts_that_keep_failing_go_down_then_come_back(server, model_folder,
     async def main():
         progress = Progress(len(WORKLOAD))
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            streams = [asyncio.ensure_future(_record(client, j, route, body, progress))
+            streams = [asyncio.ensure_future(record_stream(client, j, route, body, progress))
                        for j, (route, body) in enumerate(WORKLOAD)]
             try:
                 await fault(client, progress)
@@ -473,7 +373,7 @@ def test_restarts_that_keep_failing_go_down_then_come_back(server, model_folder,
     snapshot = server.state()
     assert any(e["kind"] == "engine_restart_failed" for e in snapshot["events"])
     settled(server, before["replica"]["restarts"] + 1)
-    again, _ = run(server)
+    again, _ = run_streams(server, WORKLOAD)
     same_as_reference(again, reference)
 
 
@@ -500,7 +400,7 @@ def test_real_model_tp3_rank_killed_mid_decode_resumes_on_the_argmax():
             await progress.until(0, 4)
             kill(pids[1])
 
-        report, progress = run(server, fault, workload)
+        report, progress = run_streams(server, workload, fault)
         snapshot = server.wait_idle(timeout=120)
         assert snapshot["replica"]["restarts"] == 1 and snapshot["replica"]["status"] == "ready"
         failure = engine_event(snapshot, "rank_failure", 0.0)
