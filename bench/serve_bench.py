@@ -29,7 +29,8 @@ sys.path.insert(0, ROOT)
 
 from tokstream.bench import BenchSpec, random_prompts  # noqa: E402
 from tokstream.stats import percentiles  # noqa: E402
-from tokstream.config import AdmissionConfig, SchedulerConfig  # noqa: E402
+from tokstream.config import SchedulerConfig  # noqa: E402
+from tokstream.gateway_config import AdmissionConfig  # noqa: E402
 from tokstream.kernels import cpu_build  # noqa: E402
 from tokstream.serve_process import ServeProcess  # noqa: E402
 

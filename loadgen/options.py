@@ -8,8 +8,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from tokstream.config import ServerConfig
 from tokstream.errors import UserInputError
+from tokstream.gateway_config import ServerConfig
 from tokstream.loadgen.mix import ARRIVALS
 
 ROUTES = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}

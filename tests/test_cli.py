@@ -361,7 +361,7 @@ def test_plan_flags_are_its_spec_fields_with_their_defaults():
 def test_top_and_loadtest_default_to_the_url_serve_listens_on():
     from urllib.parse import urlsplit
 
-    from tokstream.config import ServerConfig
+    from tokstream.gateway_config import ServerConfig
     from tokstream.loadgen.options import Options
 
     # loadtest's flag is None, "not given": Options.url applies (the test above)

@@ -14,10 +14,10 @@ import pytest
 
 from tokstream.chaos.demux_mutation import install
 from tokstream.errors import UserInputError
+from tokstream.gateway_config import AdmissionConfig, ServerConfig
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
-from tokstream.server.access.gateway_admission import Admission, AdmissionConfig
-from tokstream.config import ServerConfig
+from tokstream.server.access.gateway_admission import Admission
 from tokstream.server.api_errors import ApiError
 from tokstream.server.streaming.streams import StreamRegistry
 from tokstream.server.access.tenants import Tenant

@@ -14,7 +14,8 @@ import asyncio
 import httpx
 from starlette.applications import Starlette
 
-from tokstream.config import EngineConfig, ServerConfig
+from tokstream.config import EngineConfig
+from tokstream.gateway_config import ServerConfig
 from tokstream.server.app import routes
 from tokstream.server.operations.shared_snapshot import SharedSnapshot
 from tokstream.server.server import Server

@@ -133,7 +133,7 @@ def test_count_tokens_with_special_token_text_builds_no_tokenizer_while_serving(
     from starlette.applications import Starlette
 
     from tokstream.text import tokenizer as tokenizer_module
-    from tokstream.config import ServerConfig
+    from tokstream.gateway_config import ServerConfig
     from tokstream.server.app import routes
     from tokstream.server.server import Server
 

@@ -6,8 +6,8 @@ Pure Python: hand-built step times fed to the scheduler, on a clock of their own
 import pytest
 
 from test_scheduler import make_scheduler, run_step
-from test_scheduler_itl_target import (decodes_of, make_request, prefill_tokens, start_decoders,
-                                       trained, truth)
+from test_scheduler_itl_target import decodes_of, make_request, prefill_tokens, start_decoders
+from test_step_cost import trained, truth
 from tokstream.engine.scheduler.output import step_shape
 from tokstream.errors import UserInputError
 

@@ -6,8 +6,8 @@ import pytest
 
 from test_scheduler import make_request, make_scheduler, run_step
 from test_scheduler_itl_target import (decodes_of, itl_scheduler, make_request as salted,
-                                       prefill_tokens, start_decoders, timed_step, trained,
-                                       truth)
+                                       prefill_tokens, start_decoders, timed_step)
+from test_step_cost import trained, truth
 from tokstream.engine.scheduler.output import step_shape
 
 

@@ -3,9 +3,9 @@ admission bounds, the tenant token bucket, profile and flag merging."""
 
 import pytest
 
-from tokstream.config import AdmissionConfig, ServerConfig
 from tokstream.engine.messages.request import RequestDelta
 from tokstream.errors import UserInputError
+from tokstream.gateway_config import AdmissionConfig, ServerConfig
 from tokstream.server.access.gateway_admission import Admission
 from tokstream.server.api_errors import ApiError
 from tokstream.settings import build_settings, load_profile

@@ -8,9 +8,9 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-from tokstream.config import (AdmissionConfig, CacheConfig, EngineConfig, SchedulerConfig,
-                              ServerConfig, SpeculativeConfig)
+from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from tokstream.errors import UserInputError
+from tokstream.gateway_config import AdmissionConfig, ServerConfig
 from tokstream.options import Flag, config_flags, is_bytes
 from tokstream.toml_file import read_toml
 

@@ -21,9 +21,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from tokstream import gc_policy
-from tokstream.config import EngineConfig, ServerConfig
+from tokstream.config import EngineConfig
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.recovery.pool_files import PoolFiles
+from tokstream.gateway_config import ServerConfig
 from tokstream.server.api import anthropic_routes, openai_routes, tokenizer_routes
 from tokstream.server.operations import admin_routes
 from tokstream.server.access.connection_limits import (ConnectionLimits, connection_cap,

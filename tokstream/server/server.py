@@ -8,8 +8,8 @@ import asyncio
 import logging
 import time
 
-from tokstream.config import ServerConfig
 from tokstream.engine.async_engine import AsyncEngine
+from tokstream.gateway_config import ServerConfig
 from tokstream.server.access.gateway_admission import Admission
 from tokstream.server.access.auth import Auth
 from tokstream.server.api_errors import ApiError, bad_request

@@ -5,7 +5,7 @@ from urllib.parse import urlsplit
 
 import typer
 
-from tokstream.config import ServerConfig
+from tokstream.gateway_config import ServerConfig
 
 DEFAULT_URL = f"http://{ServerConfig.host}:{ServerConfig.port}"
 """Where `tokstream serve` listens by default."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tokstream.config import AdmissionConfig
+from tokstream.gateway_config import AdmissionConfig
 from tokstream.server.api_errors import ApiError
 
 
