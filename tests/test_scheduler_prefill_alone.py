@@ -4,9 +4,9 @@ held so that a decode step and the prefill step after it stay within long_prefil
 Pure Python: hand-built step times fed to the scheduler, on a clock of their own."""
 
 from test_scheduler import make_request as plain_request
-from test_scheduler_itl_target import (decodes_of, make_request, prefill_tokens, start_decoders,
-                                       truth)
+from test_scheduler_itl_target import decodes_of, make_request, prefill_tokens, start_decoders
 from test_scheduler_latency_classes import arrive, chunk_of, scheduler, step
+from test_step_cost import truth
 from tokstream.config import SchedulerConfig
 from tokstream.engine.scheduler.output import step_shape
 
@@ -56,18 +56,26 @@ def test_the_long_prompt_finishes_and_the_streams_keep_decoding():
     assert all(len(s.requests[f"d{i}"].output_token_ids) > 20 for i in range(2))
 
 
-def test_a_short_prompt_starts_within_two_steps():
-    s = alone()
-    start_decoders(s, 2)
-    arrive(s, make_request("long", prompt_len=2000, max_tokens=4))
-    step(s)
-    step(s)
-    arrive(s, make_request("chat", prompt_len=10, max_tokens=4))
-    out = step(s)
-    if chunk_of(out, "chat") == 0:  # a prefill step that gave the long prompt its share
-        assert not decodes_of(out) and chunk_of(out, "long") > 0
-        out = step(s)
-    assert chunk_of(out, "chat") == 10 and s.requests["chat"].output_token_ids == [7]
+def test_a_short_prompt_starts_in_a_prefill_step_never_in_a_decode_step():
+    # A stream's gap is a decode step and the prefill step after it: a chat prompt's chunk in
+    # the decode step would lengthen that gap past long_prefill_step_ms, so it waits for a
+    # prefill step, where it goes before the long chunk unless the long prompt is owed its
+    # share (then the next prefill step but one).
+    for warmup in (2, 3):  # it arrives before a decode step, and before a prefill step
+        s = alone()
+        start_decoders(s, 2)
+        arrive(s, make_request("long", prompt_len=2000, max_tokens=4))
+        for _ in range(warmup):
+            step(s)
+        arrive(s, make_request("chat", prompt_len=10, max_tokens=4))
+        for taken in range(1, 5):
+            out = step(s)
+            if chunk_of(out, "chat"):
+                break
+            if decodes_of(out):
+                assert prefill_tokens(out) == 0
+        assert not decodes_of(out) and chunk_of(out, "chat") == 10, taken
+        assert s.requests["chat"].output_token_ids == [7]
 
 
 def test_with_nothing_decoding_a_long_prompt_runs_in_ordinary_steps():

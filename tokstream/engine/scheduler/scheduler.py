@@ -141,12 +141,15 @@ class Scheduler:
         else:  # no work for the decodes this step, but they are not preemption's victims
             step.scheduled.update(r.request_id for r in self.running if not is_prefilling(r))
         policy.allow_prefill(step)
-        # Under long_prefill_alone, long chunks stay out of a step that decodes.
+        # Under long_prefill_alone, long chunks stay out of a step that decodes, and short
+        # prompts too when a prefill step follows it.
         with_long = not (step.decodes and policy.steps_apart)
+        with_short = not (step.decodes and policy.prefill_step_follows(self.running,
+                                                                       self.waiting))
         if policy.long_first and with_long:  # behind their share of the prefill time
             self._continue_running(step, long)
             self._continue_running(step, short)
-        else:  # short prompts, running and waiting, then long chunks get what is left
+        elif with_short:  # short prompts, running and waiting, then long chunks get the rest
             self._continue_running(step, short)
             self.admission.admit(step, long_prompts=False)
             if with_long:
