@@ -1,6 +1,6 @@
 """Every environment variable tokstream reads, declared and read here (as vLLM's envs.py does):
-its name, its default and what it is for. Options a user sets belong in tokstream/config.py;
-these are switches for kernels, diagnostics and test hooks, read when asked (never cached), so
+its name, its default and what it is for. Options a user sets belong in tokstream/config.py
+(or gateway_config.py); these are switches for kernels, diagnostics and test hooks, read when asked (never cached), so
 a test may set one and a child process inherits it. No imports beyond os: workers, the
 forkserver, `tokstream --help` and the kernels (the bottom layer) all import this."""
 

@@ -1,6 +1,6 @@
 """Serve settings: the flags `tokstream serve` takes and the serving profiles it loads, both
-derived from the config dataclasses in tokstream/config.py (one profile section a dataclass,
-one key and one flag a field). Flags win, then the profile, then the dataclass defaults."""
+derived from the config dataclasses in tokstream/config.py and tokstream/gateway_config.py
+(one profile section a dataclass, one key and one flag a field). Flags win, then the profile, then the dataclass defaults."""
 
 from __future__ import annotations
 
