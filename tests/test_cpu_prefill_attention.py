@@ -115,3 +115,22 @@ def test_the_probe_times_both_and_remembers(monkeypatch, tmp_path):
         assert list((tmp_path / "tokstream" / "probes").glob("prefill-attention-*.json"))
     finally:
         pa.kernel_is_faster.cache_clear()
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype", PAIRS)
+def test_the_plain_c_path_equals_the_vector_path(q_dtype, cache_dtype, monkeypatch):
+    """The library built without AVX-512 (what a CPU without it runs, and where the probe then
+    decides against torch) computes what this machine's build computes."""
+    from tokstream.kernels import cpu_build
+
+    plain = cpu_build.Library(cpu_prefill_attention.SOURCE,
+                              (*cpu_prefill_attention.FLAGS, "-mno-avx512f"),
+                              cpu_prefill_attention._LIBRARY.signatures)
+    assert plain.load() is not None and plain.load().prefill_vector_lanes() == 1
+    q, _, _, k_cache, v_cache, seq = case(q_dtype, cache_dtype, 333, 150)
+    native = cpu_prefill_attention.paged_prefill_attention(q, k_cache, v_cache,
+                                                           seq.block_table, 333, 0.125)
+    monkeypatch.setattr(cpu_prefill_attention, "_LIBRARY", plain)
+    got = cpu_prefill_attention.paged_prefill_attention(q, k_cache, v_cache, seq.block_table,
+                                                        333, 0.125)
+    torch.testing.assert_close(got.float(), native.float(), rtol=0, atol=TOLERANCE[q_dtype])
