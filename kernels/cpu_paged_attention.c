@@ -24,20 +24,7 @@
 #define VECTOR_PATH 256
 #endif
 
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
+#include "cpu_bf16.h"
 
 #define DEFINE_DECODE(NAME, T, C, LOAD, LOADC, STORE)                                           \
 void NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *block_tables,          \

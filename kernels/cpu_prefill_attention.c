@@ -34,20 +34,7 @@
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1, DTYPE_F16 = 2 };
 
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t bits = ((uint32_t)x) << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
+#include "cpu_bf16.h"
 
 /* n elements of a row in `dtype` as float32 (a plain loop per dtype, so each vectorises). */
 static void widen_row(const void *src, int64_t at, int dtype, int64_t n, float *dst) {
