@@ -79,7 +79,10 @@ def test_three_quick_core_deaths_blame_no_request():
     with ServerProcess(*SERVE) as server:
         client = httpx.Client(base_url=server.url, timeout=120)
         results = {}
-        threads = start_streams(server, client, results)
+        # Long enough that no stream ends before the third death even when the test polls
+        # slowly (a full suite run): with 300 tokens all four once finished between two polls
+        # of a new core, which then served nothing the test could see.
+        threads = start_streams(server, client, results, max_tokens=1500)
         killed = kill_cores_as_they_serve(server, 3)
         for thread in threads:
             thread.join(180)
@@ -88,7 +91,7 @@ def test_three_quick_core_deaths_blame_no_request():
         assert report.ok, report.summary()
         for stream in report.streams:
             assert stream.status == "complete", (stream.status, stream.error)
-            assert len(stream.token_ids) == 300
+            assert len(stream.token_ids) == 1500
         state = server.wait_idle()
         assert state["replica"]["restarts_by_kind"]["core"] == 3
         assert state["replica"]["status"] == "ready"
