@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 import compare_vllm  # noqa: E402
 from helpers.prefill import decode_greedy, prefill_logits  # noqa: E402
-from test_native_weights import CHAT_PROMPTS, RAW_PROMPTS, TEXT  # noqa: E402
+from helpers.reference_text import CHAT_PROMPTS, RAW_PROMPTS, TEXT  # noqa: E402
 from tokstream.kernels import cpu_build, cpu_int16  # noqa: E402
 from tokstream.model.source import resolve_model  # noqa: E402
 from tokstream.model.weights import load_native_state_dict, load_state_dict  # noqa: E402
