@@ -66,7 +66,7 @@ def build_runner(weights: str, num_blocks: int, block_size: int, kv_cache_dtype:
                                                resolve_kv_cache_dtype, resolve_weights)
     from tokstream.worker.model import LlamaModel
     from tokstream.worker.model_runner import TORCH_DTYPES, ModelRunner, allocate_kv_caches
-    from tokstream.worker.quant_linear import measure_crossovers
+    from tokstream.worker.path_choice import measure_crossovers
 
     config = EngineConfig(model="smollm2", weights=weights)
     source = resolve_model(config.model)

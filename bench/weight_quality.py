@@ -12,7 +12,8 @@ transformers, tests/test_parity.py). For the 7 reference prompts each config giv
 
 tokstream's configs run in this process: native (the GGUF blocks, float32), bfloat16 copies
 (every decoder product from one row on through the bfloat16 copies: the worst case, what a
-batch of 32 and a prefill take), the int16 copies from one row on (LM head included: what a
+batch of 32 and a prefill take), the bf16dot copies the same way (where the CPU has AVX-512
+BF16), the int16 copies from one row on (LM head included: what a
 machine whose crossovers give int16 every row count serves), the float16 cache `--kv-cache-dtype auto` picks, both, and
 the dequantised bfloat16 model (`--weights bfloat16`). vLLM (built by
 scripts/setup_vllm_peer.sh) is served from the same dequantised weights as a Hugging Face
@@ -37,7 +38,7 @@ import torch  # noqa: E402
 import compare_vllm  # noqa: E402
 from helpers.prefill import decode_greedy, prefill_logits  # noqa: E402
 from helpers.reference_text import CHAT_PROMPTS, RAW_PROMPTS, TEXT  # noqa: E402
-from tokstream.kernels import cpu_build, cpu_int16  # noqa: E402
+from tokstream.kernels import cpu_bf16_dot, cpu_build, cpu_int16  # noqa: E402
 from tokstream.model.source import resolve_model  # noqa: E402
 from tokstream.model.weights import load_native_state_dict, load_state_dict  # noqa: E402
 from tokstream.text.tokenizer import load_tokenizer  # noqa: E402
@@ -79,13 +80,22 @@ def with_bfloat16_copies(native, on: bool) -> None:
         w.bfloat16_from = 1 if on else 1 << 62
 
 
+def with_bf16dot_copies(native, on: bool) -> None:
+    """Every decoder product of one row or more through the bf16dot copies (on; the AVX-512
+    BF16 kernel of the decode stack, where the CPU has it), or none."""
+    for w in native.decoder_weights():
+        if on and w.bf16dot is None:
+            w.bf16dot = cpu_bf16_dot.pack(w.dequantize())
+        w.bf16dot_rows = ((1, 1 << 62),) if on and w.bf16dot is not None else ()
+
+
 def with_int16_copies(native, on: bool) -> None:
     """Every product of one row or more, the LM head's too, through the int16 copies (on),
     as a machine whose measured crossovers give int16 every row count takes them; or none."""
     for w in native.quantized_weights():
         if on and w.int16 is None:
             w.int16 = cpu_int16.pack(w.data, w.qtype, w.in_features)
-        w.int16_from = 1 if on and w.int16 is not None else 1 << 62
+        w.int16_rows = ((1, 1 << 62),) if on and w.int16 is not None else ()
 
 
 def first_step_logprobs(logits: torch.Tensor) -> dict[int, float]:
@@ -135,12 +145,16 @@ def tokstream_configs(source, tokenizer, prompts) -> tuple[dict, dict]:
                "int16_copies": (native, "int16", torch.float32),
                "int16_copies+float16_cache": (native, "int16", torch.float16),
                "bfloat16_copies": (native, True, torch.float32),
+               **({"bf16dot_copies": (native, "bf16dot", torch.float32),
+                   "bf16dot_copies+float16_cache": (native, "bf16dot", torch.float16)}
+                  if cpu_bf16_dot.available() else {}),
                "bfloat16_copies+float16_cache": (native, True, torch.float16),
                "dequantized_bfloat16": (bf16, False, torch.bfloat16)}
     results = {}
     for name, (model, copies, cache) in configs.items():
         with_bfloat16_copies(native, copies is True)
         with_int16_copies(native, copies == "int16")
+        with_bf16dot_copies(native, copies == "bf16dot")
         rows = []
         for prompt, (ref_tokens, ref_logits, ref_first) in zip(prompts, reference):
             tokens, logits = decode_greedy(model, source.config, prompt, cache, STEPS)
@@ -151,6 +165,7 @@ def tokstream_configs(source, tokenizer, prompts) -> tuple[dict, dict]:
         results[name] = summarize(rows, perplexity(model) / ref_ppl - 1)
     with_bfloat16_copies(native, False)
     with_int16_copies(native, False)
+    with_bf16dot_copies(native, False)
     return results, {"reference": reference, "perplexity": ref_ppl, "ids": ids}
 
 

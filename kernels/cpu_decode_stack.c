@@ -6,8 +6,8 @@
  * same order and with the same arithmetic, with no Python between them: the kernels are the
  * ones of cpu_quant_matmul.c, cpu_int16_matmul.c, cpu_small_ops.c and cpu_paged_attention.c,
  * passed in as function pointers from their own libraries (one compiled copy of each, one
- * libgomp pool). A product takes the int16 kernel from its weight's measured int16_from rows,
- * as the per-layer path's quantized_linear does.
+ * libgomp pool). A product takes the bf16dot or int16 kernel at its weight's measured row
+ * ranges for them, as the per-layer path's quantized_linear does.
  *
  * Per layer, T tokens, residual x (T, H) float32 updated in place:
  *   h = rms_norm(x += delta) * input_norm        (delta: the previous layer's MLP output)
@@ -19,10 +19,15 @@
 #include <stdint.h>
 #include <string.h>
 
+#define MAX_INT16_RANGES 8 /* quant_linear.MAX_INT16_RANGES */
+
 typedef void (*quant_matmul_fn)(int64_t qtype, const uint8_t *w, int64_t N, int64_t K,
                                 const float *x, int64_t M, float *out, float *scratch);
 typedef void (*i16_quantize_rows_fn)(const float *x, int64_t M, int64_t K, int16_t *xq,
                                      float *sx, float *sums);
+typedef void (*bf16_pack_rows_fn)(const float *x, int64_t M, int64_t K, uint32_t *xp);
+typedef void (*bf16_matmul_fn)(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N,
+                               int64_t K, float *out);
 typedef int (*i16_matmul_fn)(const int16_t *xq, const float *sx, const float *sums,
                              int64_t M, const int8_t *wq, const float *d, const float *m,
                              int64_t N, int64_t K, int64_t bits, float *out);
@@ -45,6 +50,8 @@ typedef struct {
     quant_matmul_fn quant_matmul;
     i16_quantize_rows_fn i16_quantize_rows;
     i16_matmul_fn i16_matmul;
+    bf16_pack_rows_fn bf16_pack_rows;
+    bf16_matmul_fn bf16_matmul;
     add_rms_norm_fn add_rms_norm;
     rotary_fn rotary;
     silu_mul_fn silu_mul;
@@ -57,9 +64,19 @@ typedef struct {
     int64_t qtype;
     const int8_t *quants; /* the int16 path's copy (cpu_int16_matmul.c), or NULL */
     const float *scales, *offsets;
-    int64_t int16_from; /* products with at least this many rows take the int16 copy */
     int64_t int16_bits; /* bits a quant of the int16 copy takes (cpu_int16_matmul.c) */
+    /* products of lo <= rows < hi take the int16 copy, for each (lo, hi) pair; unused pairs
+     * are (0, 0) */
+    int64_t int16_ranges[2 * MAX_INT16_RANGES];
+    const uint32_t *bf16_pairs; /* the bf16dot copy (cpu_bf16_matmul.c), or NULL */
+    int64_t bf16_ranges[2 * MAX_INT16_RANGES]; /* as int16_ranges, for the bf16dot copy */
 } QWeight;
+
+static int in_ranges(const int64_t *ranges, int64_t T) {
+    for (int r = 0; r < MAX_INT16_RANGES; r++)
+        if (ranges[2 * r] <= T && T < ranges[2 * r + 1]) return 1;
+    return 0;
+}
 
 typedef struct {
     const float *input_norm, *post_norm;
@@ -91,12 +108,18 @@ typedef struct {
     float *matmul_scratch, *attention_scratch;
     int16_t *int16_rows;                     /* (T, widest input) int16 */
     float *int16_scales, *int16_sums;        /* (T, widest input / 32) */
+    uint32_t *bf16_rows;                     /* (T, widest input / 2) bfloat16 pairs */
 } Step;
 
 /* out (T, N) = x (T, K) @ W^T by the weight's kernel for T rows. */
 static void linear(const Kernels *k, const QWeight *w, int64_t N, int64_t K, const float *x,
                    int64_t T, float *out, const Step *s) {
-    if (w->quants && T >= w->int16_from) {
+    if (w->bf16_pairs && in_ranges(w->bf16_ranges, T)) {
+        k->bf16_pack_rows(x, T, K, s->bf16_rows);
+        k->bf16_matmul(s->bf16_rows, T, w->bf16_pairs, N, K, out);
+        return;
+    }
+    if (w->quants && in_ranges(w->int16_ranges, T)) {
         float *sums = w->offsets ? s->int16_sums : NULL;
         k->i16_quantize_rows(x, T, K, s->int16_rows, s->int16_scales, sums);
         if (k->i16_matmul(s->int16_rows, s->int16_scales, sums, T, w->quants, w->scales,
@@ -133,4 +156,14 @@ void decode_stack(const Kernels *k, const Layer *layers, int64_t num_layers, con
         linear(k, &L->down, H, d->intermediate, s->act, T, s->delta, s);
     }
     k->add_rms_norm(x, num_layers ? s->delta : NULL, s->final_norm, d->eps, T, H, out);
+}
+
+/* Each weight's product of the same T input rows (x: T x that weight's inputs), one after
+ * another into out (T x its outputs, overwritten by the next), each by the path its ranges
+ * give for T: the products as the stack runs them, with no Python between them, for the
+ * crossover probe to time (quant_linear.measure_streamed). shapes: (outputs, inputs) pairs. */
+void stack_products(const Kernels *k, const QWeight *weights, const int64_t *shapes, int64_t n,
+                    const float *x, int64_t T, float *out, const Step *s) {
+    for (int64_t i = 0; i < n; i++)
+        linear(k, weights + i, shapes[2 * i], shapes[2 * i + 1], x, T, out, s);
 }

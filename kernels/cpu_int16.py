@@ -5,7 +5,7 @@ VNNI's vpdpwssd (twice float32's multiply-adds an instruction); the copy holds 8
 weight, widened a panel at a time. Compiled on first use and
 called through ctypes, like cpu_quant.
 
-Whether it is used for a weight, and from how many rows, is measured (quant_linear), never
+Whether it is used for a weight, and from how many rows, is measured (path_choice), never
 assumed; its accuracy (first-step logits within 0.009 of float32 on SmolLM2) is tested.
 """
 
@@ -96,9 +96,7 @@ def quant_bits(qtype: int) -> int:
 def matmul(x: torch.Tensor, weight: Int16Weight) -> torch.Tensor:
     """x (M, K) float32 @ weight^T -> (M, N) float32, x rounded to int16 per block of 32."""
     k = weight.in_features
-    x = x.contiguous()
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x must be float32 (M, {k}), got {x.dtype} {tuple(x.shape)}")
+    x = cpu_quant.input_rows(x, k)
     m = x.shape[0]
     out = torch.empty(m, weight.out_features)
     if m == 0:

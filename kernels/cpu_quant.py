@@ -81,14 +81,21 @@ def _check(weight: torch.Tensor, qtype: int, k: int) -> int:
     return weight.shape[0]
 
 
+def input_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """A product's inputs, contiguous, checked to be (M, k) float32 (what every kernel of
+    these products reads)."""
+    x = x.contiguous()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be float32 (M, {k}), got {x.dtype} {tuple(x.shape)}")
+    return x
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor, qtype: int, k: int,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) float32 @ dequantised(weight)^T -> (M, N) float32."""
     global _scratch
     n = _check(weight, qtype, k)
-    x = x.contiguous()
-    if x.dtype != torch.float32 or x.shape[-1] != k:
-        raise ValueError(f"x must be float32 (M, {k}), got {x.dtype} {tuple(x.shape)}")
+    x = input_rows(x, k)
     m = x.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)

@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from tokstream.config import ModelConfig
-from tokstream.kernels import cpu_decode_stack, cpu_int16, cpu_quant
+from tokstream.kernels import cpu_bf16_dot, cpu_decode_stack, cpu_int16, cpu_quant
 from tokstream.model.weights import dummy_state_dict
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.decode_stack import stack_for_step
@@ -47,13 +47,25 @@ def native_model(formats=("Q4_1", "Q4_0", "Q8_0")) -> LlamaModel:
     return model
 
 
-def give_int16(model: LlamaModel, from_rows: int = 2) -> None:
-    """Every layer product takes the int16 kernel from from_rows rows, as a measurement
-    giving it those rows would set."""
+def give_int16(model: LlamaModel, rows=((1, 2), (4, 1 << 62))) -> None:
+    """Every layer product takes the int16 kernel at these row ranges, as a measurement
+    giving it those rows would set (by default 1 row and 4 or more, not 2-3: int16 and fused
+    can trade places as rows grow)."""
     for layer in model.layers:
         for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-            w.int16, w.int16_from = cpu_int16.pack(w.data, w.qtype, w.in_features), from_rows
+            w.int16 = cpu_int16.pack(w.data, w.qtype, w.in_features)
+            w.int16_rows = rows
             assert w.int16 is not None
+
+
+def give_bf16dot(model: LlamaModel, rows=((2, 4),)) -> None:
+    """Every layer product takes the bf16dot kernel at these row ranges (the batch of 3 by
+    default), int16 at 1 and from 4 rows (give_int16)."""
+    give_int16(model)
+    for layer in model.layers:
+        for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+            w.bf16dot, w.bf16dot_rows = cpu_bf16_dot.pack(w.dequantize()), rows
+            assert w.bf16dot is not None
 
 
 def random_caches(seed: int, dtype=torch.float32):
@@ -88,13 +100,17 @@ def run(model, fused: bool, ids, positions, caches, meta):
         return model(ids, positions, caches, meta)
 
 
-@pytest.mark.parametrize("int16", [False, True], ids=["fused", "int16"])
+@pytest.mark.parametrize("copies", ["fused", "int16", "bf16dot"])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("context_lens", [[5], [1, 7, 24], [9, 2, 13, 20, 3]])
-def test_the_stack_computes_what_the_layers_compute(context_lens, cache_dtype, int16):
+def test_the_stack_computes_what_the_layers_compute(context_lens, cache_dtype, copies):
+    if copies == "bf16dot" and not cpu_bf16_dot.available():
+        pytest.skip("no AVX-512 BF16 here: the bf16dot path is never chosen")
     model = native_model()
-    if int16:
-        give_int16(model)  # from 2 rows: the batches of 3 and 5 take it, the batch of 1 not
+    if copies == "int16":
+        give_int16(model)  # the batches of 1 and 5 take it, the batch of 3 not
+    if copies == "bf16dot":
+        give_bf16dot(model)  # the batch of 3 takes bf16dot, those of 1 and 5 int16
     meta = decode_meta(context_lens)
     ids = torch.tensor([(7 * i + 3) % CONFIG.vocab_size for i in range(len(context_lens))])
     positions = torch.tensor(context_lens) - 1
@@ -138,3 +154,23 @@ def test_new_caches_get_a_new_table():
     ids, positions = torch.tensor([5]), torch.tensor([5])
     run(model, True, ids, positions, second, meta)
     assert not torch.equal(first[0][0], second[0][0])  # written into the caches it was given
+
+
+@pytest.mark.parametrize("path", ["fused", "int16", "bf16dot"])
+def test_the_probes_stack_products_take_the_path_they_are_asked(path):
+    """cpu_decode_stack.products, what the crossover probe times, runs each weight by the
+    path it names through the stack's own dispatch: the product quantized_linear takes by
+    that path."""
+    if path == "bf16dot" and not cpu_bf16_dot.available():
+        pytest.skip("no AVX-512 BF16 here: the bf16dot path is never chosen")
+    model = native_model()
+    give_bf16dot(model) if cpu_bf16_dot.available() else give_int16(model)
+    weights = [model.layers[0].gate_up, model.layers[1].qkv]
+    for rows in (1, 3, 6):
+        x, out = cpu_decode_stack.products(weights, rows, path)()
+        last = weights[-1]
+        expected = {"fused": lambda: cpu_quant.matmul(x, last.data, last.qtype,
+                                                      last.in_features),
+                    "int16": lambda: cpu_int16.matmul(x, last.int16),
+                    "bf16dot": lambda: cpu_bf16_dot.matmul(x, last.bf16dot)}[path]()
+        assert torch.equal(out, expected)

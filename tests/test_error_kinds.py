@@ -32,6 +32,7 @@ def _failed(message: str, kind: ErrorKind | None):
     ("the replica's engine is down", ErrorKind.USER, "api_error"),
     ("no room", ErrorKind.OVERLOADED, "overloaded_error"),
     ("lost its processes", ErrorKind.REPLICA, "overloaded_error"),
+    ("grammar did not compile in time", ErrorKind.INVALID_REQUEST, "invalid_request_error"),
     # No kind: the server's fault, whatever the message says.
     ("replica down: rank 0 died", None, "overloaded_error"),
     ("bad grammar", None, "overloaded_error"),

@@ -1,8 +1,9 @@
 """Issue 31 item 4 (a): a constrained request's grammar is built off the steps' path. The
-grammar tokenizer and the request's matcher are built on the rank's grammar thread, so steps
-carrying the other streams run while they are pending; only the step that samples the
-constrained request's first token waits for them. Counted by the order of events, never
-timed: the tokenizer's source is held shut until the other streams have run their steps."""
+grammar tokenizer and the request's matcher are built on the rank's grammar threads, so steps
+carrying the other streams run while they are pending (and no step samples the constrained
+request before its matcher is ready: test_grammar_held_back.py). Counted by the order of
+events, never timed: the tokenizer's source is held shut until the other streams have run
+their steps."""
 
 import threading
 
@@ -71,6 +72,9 @@ def test_other_streams_decode_while_a_grammar_is_built(source, model):
         token_a = runner.execute(plan).sampled_token_ids[0]
         events.append(f"step {step}")
     source_open.set()
+    # A step samples "g" only once its grammar is ready (test_grammar_held_back.py covers the
+    # steps before): here it is let finish, so that step 3 samples it.
+    runner.requests["g"].constraint.compiling.result(HANG_GUARD_S)
     # Step 3: "g"'s last chunk samples its first token, under its grammar.
     plan = StepPlan(3, chunks=[ScheduledChunk("a", [token_a], 4, [], 3),
                                ScheduledChunk("g", prompt[6:], 6, [], 0)])

@@ -43,7 +43,10 @@ def test_short_real_run_on_smollm2_with_tenant_keys(tmp_path):
     samples = report["samples"]
     # exact lengths in SmolLM2's own tokenizer, and exactly the output asked for (ignore_eos)
     assert all(s["input_tokens"] == s["prompt_tokens"] for s in samples)
-    assert all(s["output_tokens"] == s["max_tokens"] == len(s["itl_s"]) + 1 for s in samples)
+    assert all(s["output_tokens"] == s["max_tokens"] for s in samples)
+    # a gap between token-carrying events; an event may carry several tokens (accepted
+    # drafts under --speculative auto, or a client that lagged), never none
+    assert all(1 <= len(s["itl_s"]) + 1 <= s["output_tokens"] for s in samples)
     assert all(s["ttft_s"] > 0 and s["e2e_s"] >= s["ttft_s"] for s in samples)
     # every request reached the server under its own tenant's key: the server's per-tenant
     # token counts are the report's

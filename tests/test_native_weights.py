@@ -174,11 +174,11 @@ def product_path(request, models):
         if request.param == "int16" and w.int16 is None:
             w.int16 = cpu_int16.pack(w.data, w.qtype, w.in_features)
             assert w.int16 is not None
-        w.int16_from = 2 if request.param == "int16" else quant_linear_module().NEVER
+        w.int16_rows = ((2, quant_linear_module().NEVER),) if request.param == "int16" else ()
         assert w.path(2) == request.param and w.path(1) == "fused"
     yield request.param
     for w in native.quantized_weights():
-        w.int16_from = quant_linear_module().NEVER
+        w.int16_rows = ()
 
 
 def greedy(model, config, prompt, steps=32):
@@ -235,7 +235,7 @@ def test_perplexity_within_half_a_percent(models, product_path):
 
 def test_probe_results_are_cached_and_a_busy_one_is_remeasured_when_quiet(tmp_path,
                                                                           monkeypatch):
-    from tokstream.worker import probe_cache, quant_linear
+    from tokstream.worker import path_choice, probe_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     a, _ = quantized("Q4_1", 8, 64)
@@ -247,23 +247,23 @@ def test_probe_results_are_cached_and_a_busy_one_is_remeasured_when_quiet(tmp_pa
         return {"dense": 4}, [{"rows": 2, "fused_ms": 1.0, "dense_ms": 2.0},
                               {"rows": 4, "fused_ms": 2.0, "dense_ms": 1.0}]
 
-    monkeypatch.setattr(quant_linear, "measure_crossover", fake_measure)
+    monkeypatch.setattr(path_choice, "measure_crossover", fake_measure)
     monkeypatch.setattr(probe_cache.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
-    monkeypatch.setattr(quant_linear.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
-    quant_linear.measure_crossovers([a, b])
+    monkeypatch.setattr(path_choice.os, "getloadavg", lambda: (9.0, 9.0, 9.0))
+    path_choice.measure_crossovers([a, b])
     assert calls == [(8, 64)] and a.crossover == b.crossover == 4  # one shape, measured once
-    quant_linear.measure_crossovers([a, b])
+    path_choice.measure_crossovers([a, b])
     assert len(calls) == 1  # still busy: the stored (busy) result is used
     monkeypatch.setattr(probe_cache.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
-    monkeypatch.setattr(quant_linear.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
-    quant_linear.measure_crossovers([a, b])
+    monkeypatch.setattr(path_choice.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    path_choice.measure_crossovers([a, b])
     assert len(calls) == 2  # quiet now: measured again
-    quant_linear.measure_crossovers([a, b])
+    path_choice.measure_crossovers([a, b])
     assert len(calls) == 2  # and that quiet result is kept
 
 
 def test_a_crossover_must_hold_for_the_larger_sizes(monkeypatch):
-    from tokstream.worker import probe_cache, quant_linear
+    from tokstream.worker import path_choice, probe_cache
 
     weight, _ = quantized("Q4_1", 8, 64)
     # the float path wins at 2 rows, loses at 4, then wins from 8 on: the crossover is 8;
@@ -274,16 +274,16 @@ def test_a_crossover_must_hold_for_the_larger_sizes(monkeypatch):
     def fake_times(fns, repeats=5):
         return {name: next(timings) for name in fns}
 
-    sizes = [m for m in quant_linear.PROBE_ROWS if m <= 64]
+    sizes = [m for m in path_choice.PROBE_ROWS if m <= 64]
     timings = iter([t for m in sizes for t in ((1.0, 2.0) if not wins[m] else (2.0, 1.0))])
     monkeypatch.setattr(probe_cache, "best_times", fake_times)
-    starts, rows = quant_linear.measure_crossover(weight)
+    starts, rows = path_choice.measure_crossover(weight)
     assert weight.int16 is None  # 8 outputs: no int16 copy (16 a vector), so it is not timed
     assert starts == {"dense": 8} and [r["rows"] for r in rows] == [1, 2, 4, 8, 16, 32, 64]
 
 
 def test_each_path_takes_the_sizes_from_which_it_stays_fastest(monkeypatch):
-    from tokstream.worker import probe_cache, quant_linear
+    from tokstream.worker import path_choice, probe_cache
 
     weight, _ = quantized("Q4_1", 16, 64)
     weight.int16 = cpu_int16.pack(weight.data, weight.qtype, weight.in_features)
@@ -296,9 +296,9 @@ def test_each_path_takes_the_sizes_from_which_it_stays_fastest(monkeypatch):
                     for path in ("fused", "int16", "dense")])  # no bfloat16 copy: not timed
     monkeypatch.setattr(probe_cache, "best_times",
                         lambda fns, repeats=5: {name: next(timings) for name in fns})
-    starts, rows = quant_linear.measure_crossover(weight)
+    starts, rows = path_choice.measure_crossover(weight)
     assert starts == {"int16": 8, "dense": 64} and len(rows) == len(fastest)
-    weight.int16_from, weight.crossover = starts["int16"], starts["dense"]
+    weight.int16_rows, weight.crossover = ((starts["int16"], path_choice.NEVER),), starts["dense"]
     assert [weight.path(m) for m in (1, 4, 8, 16, 63, 64, 500)] == [
         "fused", "fused", "int16", "int16", "int16", "dense", "dense"]
 

@@ -12,9 +12,9 @@ from gguf.quants import dequantize, quantize
 
 from tokstream.config import CacheConfig, EngineConfig
 from tokstream.errors import UserInputError
-from tokstream.kernels import cpu_build, cpu_int16, cpu_quant
+from tokstream.kernels import cpu_bf16_dot, cpu_build, cpu_int16, cpu_quant
 from tokstream.model.source import resolve_model
-from tokstream.worker import dtype_choice, matrix_units, quant_linear
+from tokstream.worker import dtype_choice, matrix_units, path_choice
 from tokstream.worker.decode_stack import _row_limit
 from tokstream.worker.dtype_choice import has_native_bf16
 from tokstream.worker.onednn_linear import BfloatWeight
@@ -58,31 +58,98 @@ def rows_of(fastest: dict[int, str], paths) -> list[dict]:
 
 
 def test_starts_come_from_the_timings_of_the_paths_a_weight_holds():
-    paths = list(quant_linear.PATHS)
+    paths = ["fused", "int16", "dense", "bfloat16"]
     ms = {  # rows: fused, int16, dense, bfloat16
         1: (1, 2, 9, 5), 4: (2, 3, 9, 5), 8: (4, 2, 9, 5), 16: (10, 4, 9, 5),
         32: (16, 8, 7, 5), 64: (32, 16, 6, 7), 128: (64, 32, 10, 8), 256: (128, 64, 18, 16)}
     rows = [{"rows": m, **{f"{p}_ms": t for p, t in zip(paths, times)}}
             for m, times in ms.items()]
     # dense wins once at 64, but bfloat16 (a later path) wins at every size from 32 on
-    assert quant_linear.starts_from_timings(rows, paths) == {
+    assert path_choice.starts_from_timings(rows, paths) == {
         "int16": 8, "dense": 32, "bfloat16": 128}
     # the same timings for a weight without the bfloat16 copy: dense from where it is fastest
     without = ["fused", "int16", "dense"]
-    assert quant_linear.starts_from_timings(rows, without) == {"int16": 8, "dense": 32}
+    assert path_choice.starts_from_timings(rows, without) == {"int16": 8, "dense": 32}
     # and without int16 either
-    assert quant_linear.starts_from_timings(rows, ["fused", "dense"]) == {"dense": 16}
+    assert path_choice.starts_from_timings(rows, ["fused", "dense"]) == {"dense": 16}
+
+
+def test_each_stack_path_takes_the_probed_sizes_it_wins_on_its_own():
+    """A near-tie lost at one size costs a path that size only (a Zen 5's crossover probe:
+    int16 26% faster than fused at 1-4 rows, 3% slower at 8, faster again from 16, where one
+    threshold gave fused all of 1-8); every row count goes with the probed size nearest it;
+    below STREAMED_BELOW the streamed timing (every weight in order) picks, above it the
+    shape's own."""
+    ms = {1: (6.1, 4.5), 2: (6.1, 4.7), 4: (6.9, 6.5), 8: (11.0, 11.3), 16: (27.0, 16.0),
+          32: (40.0, 25.0), 64: (80.0, 50.0), 128: (160.0, 100.0)}
+    rows = [{"rows": m, "fused_ms": f, "int16_ms": i, "dense_ms": 1e3 if m < 128 else 1.0}
+            for m, (f, i) in ms.items()]
+    streamed = [{k: v for k, v in row.items() if k != "dense_ms"} for row in rows
+                if row["rows"] < path_choice.STREAMED_BELOW]
+    sizes = path_choice.stack_sizes(rows, 128, streamed, ["int16"])
+    assert sizes == {"int16": [1, 2, 4, 16, 32, 64]}
+    assert path_choice.size_ranges(sizes["int16"], list(ms)) == ((1, 6), (12, 91))
+    # below STREAMED_BELOW the streamed timing decides: int16 slower there at 1 and 16
+    slower = [dict(row, int16_ms=row["fused_ms"] + 1) if row["rows"] in (1, 16) else row
+              for row in streamed]
+    assert path_choice.stack_sizes(rows, 128, slower, ["int16"]) == {"int16": [2, 4, 32, 64]}
+    # a bf16dot copy takes the sizes it is fastest at, int16 keeps the rest it wins
+    with_bf16 = [dict(row, bf16dot_ms=row["fused_ms"] / 2 if row["rows"] >= 8 else 99.0)
+                 for row in rows]
+    streamed = [dict(row, bf16dot_ms=with_bf16[i]["bf16dot_ms"]) for i, row in
+                enumerate(streamed)]
+    assert path_choice.stack_sizes(with_bf16, 128, streamed, ["int16", "bf16dot"]) == {
+        "int16": [1, 2, 4], "bf16dot": [8, 16, 32, 64]}
+    # but a near-tie goes to the path that reads fewer bytes a weight (BYTES_MARGIN)
+    close = [dict(row, bf16dot_ms=row["int16_ms"] * 0.95) for row in streamed]
+    assert path_choice.stack_sizes(with_bf16, 128, close, ["int16", "bf16dot"]) == {
+        "int16": [1, 2, 4, 16, 32], "bf16dot": [64]}
+    weight = q4_1()[0]
+    weight.int16 = cpu_int16.pack(weight.data, weight.qtype, 64)
+    weight.int16_rows, weight.crossover = path_choice.size_ranges(sizes["int16"], list(ms)), 128
+    assert [weight.path(m) for m in (1, 3, 5, 6, 8, 11, 12, 45, 90, 91, 128)] == [
+        "int16", "int16", "int16", "fused", "fused", "fused", "int16", "int16", "int16",
+        "fused", "dense"]
+
+
+def test_a_loaded_model_takes_int16_where_it_wins(monkeypatch, private_cache):
+    fake_timings(monkeypatch, {1: "int16", 2: "int16", 4: "int16", 8: "fused", 16: "int16",
+                               32: "int16", 64: "dense", 128: "dense"})
+    weight = q4_1()[0]
+    path_choice.measure_crossovers([weight], None)
+    assert weight.int16 is not None and weight.crossover == 64
+    assert [weight.path(m) for m in (1, 4, 8, 16, 32, 64)] == [
+        "int16", "int16", "fused", "int16", "int16", "dense"]
+
+
+@pytest.mark.skipif(not cpu_bf16_dot.available(), reason="no AVX-512 BF16 here: no bf16dot")
+def test_a_batch_takes_the_bf16dot_copy_where_it_wins(monkeypatch, private_cache):
+    fake_timings(monkeypatch, {1: "int16", 2: "int16", 4: "fused", 8: "bf16dot",
+                               16: "bf16dot", 32: "bf16dot", 64: "bfloat16", 128: "bfloat16"})
+    layer, head = q4_1(seed=1)[0], q4_1(48, 64, seed=2)[0]
+    path_choice.measure_crossovers([layer, head], None, [layer])
+    assert layer.bf16dot is not None and layer.copy_bytes() >= 2 * 32 * 64
+    assert [layer.path(m) for m in (1, 2, 4, 8, 16, 32, 63, 64)] == [
+        "int16", "int16", "fused", "bf16dot", "bf16dot", "bf16dot", "bf16dot", "bfloat16"]
+    # the LM head, not listed for the bfloat16 forms, keeps its quantised paths
+    assert head.bf16dot is None and head.path(16) in ("fused", "int16")
+    x = torch.randn(16, 64)
+    assert torch.equal(quantized_linear(x, layer), cpu_bf16_dot.matmul(x, layer.bf16dot))
 
 
 def fake_timings(monkeypatch, fastest: dict[int, str]):
     """measure_crossover and measure_streamed answering from a table, not a clock."""
     def measure(weight):
-        timed = [p for p in quant_linear.PATHS if quant_linear._has_form(weight, p)]
+        timed = [p for p in path_choice.PATHS if path_choice._has_form(weight, p)]
         return {}, rows_of(fastest, timed)
 
-    monkeypatch.setattr(quant_linear, "measure_crossover", measure)
-    monkeypatch.setattr(quant_linear, "measure_streamed",
-                        lambda weights, form="int16": {"from_rows": 1, "timings": []})
+    def streamed(weights, form="int16"):
+        paths = ["fused", "int16"] + ([form] if form != "int16" else [])
+        small = {m: best for m, best in fastest.items() if m < path_choice.STREAMED_BELOW}
+        return {"from_rows": 1, "timings": rows_of(small, paths)}
+
+    monkeypatch.setattr(path_choice, "measure_crossover", measure)
+    monkeypatch.setattr(path_choice, "measure_streamed", streamed)
 
 
 @pytest.fixture
@@ -95,11 +162,11 @@ def test_copies_stay_within_the_budget(monkeypatch, private_cache):
                                64: "bfloat16"})
     weights = [q4_1(seed=s)[0] for s in range(3)]
     bf16_bytes = 2 * 32 * 64
-    int16_bytes = quant_linear._form_bytes(weights[0], "int16")
+    int16_bytes = path_choice._form_bytes(weights[0], "int16")
     assert cpu_int16.pack(weights[0].data, weights[0].qtype, 64) is not None
     # room for two bfloat16 copies and one int16 copy: bfloat16 goes out first, in model
     # order, then int16 with what is left
-    report = quant_linear.measure_crossovers(weights, 2 * bf16_bytes + int16_bytes, weights)
+    report = path_choice.measure_crossovers(weights, 2 * bf16_bytes + int16_bytes, weights)
     first, second, third = weights
     assert first.bfloat16 is not None and second.bfloat16 is not None
     assert first.int16 is not None and second.int16 is None and third.int16 is None
@@ -109,17 +176,17 @@ def test_copies_stay_within_the_budget(monkeypatch, private_cache):
     assert report["copy_bytes"] == sum(w.copy_bytes() for w in weights) <= \
         2 * bf16_bytes + int16_bytes
     # no budget: every weight holds both; a zero budget: none
-    quant_linear.measure_crossovers(weights, None, weights)
+    path_choice.measure_crossovers(weights, None, weights)
     assert all(w.bfloat16 is not None and w.int16 is not None for w in weights)
     assert [weights[2].path(m) for m in (1, 8, 32)] == ["fused", "int16", "bfloat16"]
-    quant_linear.measure_crossovers(weights, 0, weights)
+    path_choice.measure_crossovers(weights, 0, weights)
     assert all(w.copy_bytes() == 0 and w.path(500) == "fused" for w in weights)
 
 
 def test_only_the_weights_listed_may_hold_bfloat16(monkeypatch, private_cache):
     fake_timings(monkeypatch, {1: "fused", 8: "int16", 32: "bfloat16", 64: "bfloat16"})
     layer, head = q4_1(seed=1)[0], q4_1(48, 64, seed=2)[0]
-    quant_linear.measure_crossovers([layer, head], None, [layer])
+    path_choice.measure_crossovers([layer, head], None, [layer])
     assert layer.path(64) == "bfloat16"
     assert head.bfloat16 is None and head.path(64) != "bfloat16"
 
@@ -242,14 +309,14 @@ def test_kv_cache_dtype_choices(monkeypatch):
         EngineConfig(cache=CacheConfig(kv_cache_dtype="int8"))
 
 
-@pytest.mark.parametrize("bfloat16_share, start", [(0.8, quant_linear.STREAMED_BELOW),
-                                                   (0.6, quant_linear.STREAMED_BELOW),
+@pytest.mark.parametrize("bfloat16_share, start", [(0.8, path_choice.STREAMED_BELOW),
+                                                   (0.6, path_choice.STREAMED_BELOW),
                                                    (0.4, 8)])
 def test_bfloat16_must_beat_the_stack_by_its_margin(monkeypatch, bfloat16_share, start):
     """Below STREAMED_BELOW rows a bfloat16 copy takes rows only where it is faster than the
     quantised paths by more than what leaving the one-call decode stack costs."""
     rows_now = []
-    monkeypatch.setattr(quant_linear, "_runner", lambda x, w, path: (x.shape[0], path))
+    monkeypatch.setattr(path_choice, "_runner", lambda x, w, path: (x.shape[0], path))
 
     def best_times(fns, repeats):
         m = rows_now[-1]
@@ -265,11 +332,11 @@ def test_bfloat16_must_beat_the_stack_by_its_margin(monkeypatch, bfloat16_share,
         rows_now.append(m)
         return real_randn(m, k)
 
-    monkeypatch.setattr(quant_linear.probe_cache, "best_times", best_times)
-    monkeypatch.setattr(quant_linear.torch, "randn", randn)
+    monkeypatch.setattr(path_choice.probe_cache, "best_times", best_times)
+    monkeypatch.setattr(path_choice.torch, "randn", randn)
     weight = q4_1()[0]
     weight.int16 = cpu_int16.pack(weight.data, weight.qtype, 64)
     weight.bfloat16 = BfloatWeight(weight.dequantize())
-    assert quant_linear.measure_streamed([weight], "bfloat16")["from_rows"] == start
+    assert path_choice.measure_streamed([weight], "bfloat16")["from_rows"] == start
     # int16 against fused keeps no margin: it stays inside the stack
-    assert quant_linear.measure_streamed([weight], "int16")["from_rows"] == 1
+    assert path_choice.measure_streamed([weight], "int16")["from_rows"] == 1

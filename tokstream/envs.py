@@ -47,6 +47,10 @@ POISON = Switch("TOKSTREAM_POISON", "",
                 "prompt starting with TOKEN is sent, core:TOKEN the engine core itself: a "
                 "request that breaks the replica every time (and only it: a sampled TOKEN "
                 "elsewhere does nothing).")
+GRAMMAR_GATE = Switch("TOKSTREAM_GRAMMAR_GATE", "",
+                      "Tests only: a file path; rank 0 compiles no structured-output grammar "
+                      "until that file exists (at most a minute): a grammar slow to compile, "
+                      "for as long as a test needs.")
 DEMUX_MUTATION = Switch("TOKSTREAM_DEMUX_MUTATION", "",
                         "No longer obeyed, only warned about: a variable left set in a shell "
                         "must not corrupt a real server's streams (serve's hidden "
@@ -57,7 +61,7 @@ XDG_CACHE_HOME = Switch("XDG_CACHE_HOME", "",
                         "default ~/.cache.")
 
 SWITCHES = (LOG, KERNELS, CUDA_GRAPHS, CPU_KERNELS, SHM_ALLREDUCE, DTYPE_PROBE, SELF_CHECK, POISON,
-            DEMUX_MUTATION, CC, XDG_CACHE_HOME)
+            GRAMMAR_GATE, DEMUX_MUTATION, CC, XDG_CACHE_HOME)
 
 
 def cache_root() -> Path:

@@ -4,7 +4,7 @@
   harmed. The CLI prints the message on one line and exits 2; the server answers 4xx.
 - `ReplicaError`: the serving replica itself is unusable; every open stream gets an error.
 
-`ErrorKind` names the same three for a failure that crosses a process boundary as data (a
+`ErrorKind` names the same for a failure that crosses a process boundary as data (a
 request's final delta): set where the exception is caught, read by whoever answers the caller.
 """
 
@@ -16,6 +16,9 @@ class ErrorKind(WireEnum):
 
     USER = "user"
     """This request alone (its input, or it kept breaking the model's processes): api_error."""
+    INVALID_REQUEST = "invalid_request"
+    """This request alone, for its input, found unusable only once the engine ran it (a
+    grammar that did not compile in time): invalid_request_error."""
     OVERLOADED = "overloaded"
     """No room for it now (or the server is shutting down): retry later or elsewhere."""
     REPLICA = "replica"

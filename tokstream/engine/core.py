@@ -25,7 +25,8 @@ from tokstream.engine.scheduler.output import SchedulerOutput
 from tokstream.engine.scheduler.scheduler import Scheduler
 from tokstream.engine.scoring import Scorer
 from tokstream.engine.speculation import Speculator
-from tokstream.errors import OverloadedError, PromptTooLongError, ReplicaError, UserInputError
+from tokstream.errors import (ErrorKind, OverloadedError, PromptTooLongError, ReplicaError,
+                              UserInputError)
 from tokstream.model.source import resolve_model
 from tokstream.state_snapshot import ReplicaStatus
 from tokstream.text.tokenizer import Tokenizer, load_tokenizer
@@ -184,6 +185,8 @@ class EngineCore:
             # are not a cache hit for its caller).
             if work.is_new:
                 self.cached_tokens.setdefault(work.request.request_id, work.start)
+                if work.request.params.grammar:  # rank 0 starts compiling it
+                    work.request.grammar_learned_at = time.monotonic()
         return scheduled.plan(self.step_id)
 
     def _advance(self, scheduled: SchedulerOutput, result: StepResult,
@@ -192,11 +195,14 @@ class EngineCore:
         _keep_prompt_logprobs(self.scheduler.requests, result)
         before = {w.request.request_id: w.request.num_output_tokens
                   for w in scheduled.work if w.samples}
-        advanced = self.scheduler.update(scheduled, result.sampled_token_ids)
+        unsampled = set(result.grammar_pending) | {f.request_id for f in result.grammar_failures}
+        advanced = self.scheduler.update(scheduled, result.sampled_token_ids, unsampled)
         self.recovery.produced(advanced)
-        logprobs = _logprobs_by_request(scheduled, result)
+        logprobs = _logprobs_by_request(scheduled, result, unsampled)
         deltas = [self._emit(request, logprobs.get(request.request_id),
                              before[request.request_id]) for request in advanced]
+        deltas += [self._fail_grammar(request_id, message)
+                   for request_id, message in self._unusable_grammars(result).items()]
         decodes = scheduled.num_decodes + scheduled.num_verify_tokens
         self.decode_tokens_total += decodes
         self.prefill_tokens_total += scheduled.num_tokens - decodes
@@ -279,6 +285,34 @@ class EngineCore:
             output_digest=token_digest(request.output_token_ids), queue_s=queue_s,
             logprobs=logprobs if logprobs and last_token else None, num_cached_tokens=cached)
 
+    def _unusable_grammars(self, result: StepResult) -> dict[str, str]:
+        """Why each request the step left unsampled must end (request id -> message): its
+        grammar failed to compile on rank 0, or has been compiling for longer than the
+        limit. The others are sampled at a later step."""
+        unusable = {f.request_id: f.message for f in result.grammar_failures}
+        limit, now = self.config.grammar_compile_timeout_s, time.monotonic()
+        for request_id in result.grammar_pending:
+            request = self.scheduler.requests.get(request_id)
+            learned_at = request.grammar_learned_at if request is not None else None
+            if learned_at is not None and now - learned_at >= limit:
+                unusable[request_id] = (
+                    f"structured output: the grammar did not compile within {limit:g} s (the "
+                    "server's --grammar-compile-timeout); simplify the schema, regex or "
+                    "grammar (less nesting, smaller enums, simpler patterns)")
+        return {request_id: message for request_id, message in unusable.items()
+                if request_id in self.scheduler.requests}
+
+    def _fail_grammar(self, request_id: str, message: str) -> RequestDelta:
+        """End a request whose grammar rank 0 cannot use: its input's fault, so an
+        invalid_request error for it alone."""
+        request = self.scheduler.requests[request_id]
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self._forget(request_id)
+        self.event("request_failed", request_id, reason=message)
+        return RequestDelta.failure(request_id, message, ErrorKind.INVALID_REQUEST,
+                                    num_output_tokens=request.num_output_tokens,
+                                    num_prompt_tokens=len(request.prompt_token_ids))
+
     def _forget(self, request_id: str) -> None:
         """Drop a request's output state (recovery ended it with an error delta)."""
         self.detokenizers.pop(request_id, None)
@@ -305,17 +339,17 @@ def _keep_prompt_logprobs(requests: dict[str, Request], result: StepResult) -> N
         request.prompt_logprobs[part.first_index:end] = part.logprobs
 
 
-def _logprobs_by_request(scheduled: SchedulerOutput,
-                         result: StepResult) -> dict[str, list[TokenLogprobs]]:
+def _logprobs_by_request(scheduled: SchedulerOutput, result: StepResult,
+                         unsampled: set[str]) -> dict[str, list[TokenLogprobs]]:
     """The step's log-probabilities by request, one per token sampled for it, for the
     requests that asked (the worker returns them beside its sampled tokens, in the order of
-    the work that samples: 1 + its drafts for a decode with drafts)."""
+    the work that samples: 1 + its drafts for a decode with drafts; none for unsampled)."""
     if not result.logprobs:
         return {}
     rows = iter(result.logprobs)
     by_request = {}
     for work in scheduled.work:
-        if work.samples:
+        if work.samples and work.request.request_id not in unsampled:
             taken = [next(rows) for _ in range(1 + len(work.draft_token_ids))]
             if taken[0] is not None:
                 by_request[work.request.request_id] = taken

@@ -73,6 +73,10 @@ class Request:
     recovering: bool = False
     """Recomputing what a failure lost (resumed on a new engine core, or requeued when its
     rank group restarted), until its next token: the ITL target does not hold it back."""
+    grammar_learned_at: float | None = None
+    """When the ranks last learned this constrained request (a new rank group, or after a
+    preemption, compiles its grammar again), on the core's monotonic clock: a grammar still
+    compiling EngineConfig.grammar_compile_timeout_s later ends the request."""
     first_scheduled: float | None = None
     first_token_at: float | None = None
     """When its first output token was sampled, on the scheduler's clock (the ITL target

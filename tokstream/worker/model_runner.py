@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from tokstream.config import EngineConfig, ModelConfig
-from tokstream.engine.messages.worker import (NewRequestData, PromptLogprobs, ScheduledChunk,
-                                              ScoreRequest, ScoreResult, StepPlan, StepResult)
+from tokstream.engine.messages.worker import (GrammarFailure, NewRequestData, PromptLogprobs,
+                                              ScheduledChunk, ScoreRequest, ScoreResult,
+                                              StepPlan, StepResult)
 from tokstream.worker.attention import AttentionMetadata, PrefillSeq
 from tokstream.worker.model import LlamaModel
 from tokstream.worker.grammar import Constraint, Grammars
@@ -119,9 +120,23 @@ class ModelRunner:
         if self.rank != 0:
             return None
         logits = logits.cpu()
+        pending, failures = self.hold_back(rows)
+        if pending or failures:  # their rows are left out: nobody waits for their grammar
+            held = set(pending) | {failure.request_id for failure in failures}
+            kept = [i for i, row in enumerate(rows) if row.settings.request_id not in held]
+            logits, rows = logits[kept], [rows[i] for i in kept]  # (S', vocab)
         tokens = sample(logits, rows)
         return StepResult(plan.step_id, tokens, time.perf_counter() - started,
-                          token_logprobs(logits, rows, tokens), prompt_logprobs)
+                          token_logprobs(logits, rows, tokens), prompt_logprobs,
+                          grammar_pending=pending, grammar_failures=failures)
+
+    def hold_back(self, rows: list[SamplingRow]) -> tuple[list[str], list[GrammarFailure]]:
+        """The requests among rows not to sample this step: their grammar is still compiling,
+        or failed (Grammars.hold_back)."""
+        if self.grammars is None or not any(row.constraint is not None for row in rows):
+            return [], []
+        return self.grammars.hold_back({row.settings.request_id: row.constraint
+                                        for row in rows})
 
     def prompt_positions(self, plan: StepPlan) -> list[PromptRows]:
         """The step's prompt positions to score, per chunk of a request that asked (rows

@@ -126,7 +126,7 @@ def _load(config: EngineConfig, rank: int, rendezvous: str | None = None,
     from tokstream.worker.model_runner import (TORCH_DTYPES, ModelRunner, allocate_kv_caches,
                                                allocate_swap_space, kv_pool_blocks,
                                                map_shared_pool)
-    from tokstream.worker.quant_linear import measure_crossovers
+    from tokstream.worker.path_choice import measure_crossovers
 
     started = time.perf_counter()
     set_threads(config)

@@ -109,11 +109,21 @@ class PromptLogprobs:
 
 
 @dataclass
+class GrammarFailure:
+    """A constrained request whose grammar failed to compile on rank 0. The request alone
+    ends, with an invalid_request error."""
+
+    request_id: str
+    message: str
+    """Why, for its caller."""
+
+
+@dataclass
 class StepResult:
     step_id: int
     sampled_token_ids: list[int]
     """One token per chunk with a sample_index (1 + num_draft_tokens for a chunk with
-    drafts), in chunk order."""
+    drafts), in chunk order; none for the chunks of grammar_pending and grammar_failures."""
     execute_s: float = 0.0
     """Worker-side time for the forward pass and sampling."""
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
@@ -121,6 +131,13 @@ class StepResult:
     others); empty when none did."""
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     """The prompt positions this step scored, per chunk of a request that asked."""
+    grammar_pending: list[str] = field(default_factory=list)
+    """Requests whose chunk sampled nothing: their grammar was still compiling on rank 0's
+    grammar thread, and sampling would have made every stream of the step wait for it. The
+    core computes each one's last position again in a later step, which samples (or ends
+    the request once its grammar has compiled for EngineConfig.grammar_compile_timeout_s)."""
+    grammar_failures: list[GrammarFailure] = field(default_factory=list)
+    """Requests whose chunk sampled nothing because their grammar failed to compile."""
 
 
 @dataclass

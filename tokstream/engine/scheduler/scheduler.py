@@ -289,13 +289,19 @@ class Scheduler:
                 problems.append(f"{request.request_id} runs but holds host blocks")
         return problems
 
-    def update(self, out: SchedulerOutput, sampled_token_ids: list[int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled_token_ids: list[int],
+               unsampled: frozenset[str] | set[str] = frozenset()) -> list[Request]:
         """Apply a step's results; return the requests that gained tokens (in work order):
-        one each, or, after drafts, the accepted ones and the token sampled after them."""
+        one each, or, after drafts, the accepted ones and the token sampled after them.
+        unsampled: requests whose work sampled nothing (their grammar was not ready: see
+        sample_again); sampled_token_ids holds no token of theirs."""
         sampled = iter(sampled_token_ids)
         advanced = []
         for work in out.work:
             request = work.request
+            if request.request_id in unsampled:
+                self.sample_again(work)
+                continue
             if work.is_verify:
                 tokens = [next(sampled) for _ in range(1 + len(work.draft_token_ids))]
                 if self._verified(work, tokens):
@@ -316,6 +322,19 @@ class Scheduler:
             advanced.append(request)
             self._check_stop(request, token)
         return advanced
+
+    def sample_again(self, work: ScheduledWork) -> None:
+        """work's step computed its tokens but sampled nothing after them (rank 0 held the
+        request back while its grammar compiled): its last position counts as not computed,
+        so a later step computes it again as a decode, and samples there. Its drafts, never
+        verified, give their blocks back."""
+        request = work.request
+        if request.status != RequestStatus.RUNNING:
+            return  # ended while the step ran: its blocks are already back
+        request.num_computed_tokens = request.num_tokens - 1
+        if self.speculator is not None:  # only then do workers hear of dropped blocks
+            self.block_manager.trim(request)
+        self.block_manager.cache_full_blocks(request)
 
     def _verified(self, work: ScheduledWork, sampled: list[int]) -> bool:
         """A decode with drafts ran: append the accepted drafts and the token sampled after

@@ -63,17 +63,21 @@ def integrity(batch: DeltaBatch) -> dict:
     return ext
 
 
+ERROR_TYPES = {ErrorKind.USER: "api_error", ErrorKind.INVALID_REQUEST: "invalid_request_error"}
+"""The API error type of a failed stream by who is at fault (any other: overloaded_error)."""
+
+
 def stream_failure(stream: Stream) -> tuple[str, str] | None:
     """(error type, message) when a finished stream ended in failure, else None. A replica
     failure or an overload is overloaded_error (retry elsewhere or later); the request's own
-    failure an api_error."""
+    failure an api_error, or an invalid_request_error where its input was at fault."""
     final = stream.final
     if final.finish_reason == FinishReason.ERROR:
         message = final.error or "request failed"
         # Every producer sets the kind where it caught the failure; one without is the
         # server's fault, so the caller is told to retry.
         kind = final.error_kind or ErrorKind.REPLICA
-        return ("api_error" if kind == ErrorKind.USER else "overloaded_error"), message
+        return ERROR_TYPES.get(kind, "overloaded_error"), message
     if final.finish_reason == FinishReason.ABORT:
         return "api_error", "request aborted by the server"
     return None
