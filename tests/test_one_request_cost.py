@@ -5,6 +5,8 @@ its square."""
 import threading
 import time
 
+import pytest
+
 from tokstream.text.tokenizer import dummy_tokenizer
 
 CHATML = ("{% for m in messages %}<|bos|>{{ m['role'] }}\n{{ m['content'] }}<|eos|>\n"
@@ -167,3 +169,93 @@ def test_count_tokens_with_special_token_text_builds_no_tokenizer_while_serving(
     assert reply.json()["input_tokens"] == len(tokenizer.encode_chat(messages))
     built_while_serving = len(builds) - built_before_serving
     assert built_while_serving == 0, f"{built_while_serving} tokenizer copy built while serving"
+
+
+class CountingEncoder:
+    """A tokenizers.Tokenizer that counts the characters it is asked to tokenise."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.chars = 0
+
+    def encode(self, text, *args, **kwargs):
+        self.chars += len(text)
+        return self._backend.encode(text, *args, **kwargs)
+
+    def encode_batch(self, texts, *args, **kwargs):
+        self.chars += sum(len(t) for t in texts)
+        return self._backend.encode_batch(texts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+RESULTS = 200
+TOOL_CHAT = [{"role": "user", "content": "Look these up."},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": f"call_{i}", "type": "function",
+                  "function": {"name": "lookup", "arguments": "{}"}} for i in range(RESULTS)]},
+             *({"role": "tool", "tool_call_id": f"call_{i}", "content": "x" * 1000}
+               for i in range(RESULTS))]
+PAST_CONTEXT = {
+    "/v1/chat/completions": {"model": "m", "max_tokens": 8, "messages": TOOL_CHAT, "tools": [
+        {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]},
+    "/v1/messages": {"model": "m", "max_tokens": 8,
+                     "messages": [{"role": "user", "content": "x" * 200000}]},
+    "/v1/completions": {"model": "m", "max_tokens": 8, "prompt": "x" * 200000},
+}
+
+
+@pytest.mark.parametrize("path", list(PAST_CONTEXT))
+def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenised(path):
+    # bench/one_request_cost.py's tool_results_2k: 2,000 tool results of 1,000 characters
+    # each, tokenised whole (1.2 s of a core on SmolLM2's tokenizer, a core the rank's streams
+    # lost) to end in the 400 for a prompt past the context. 200,000 characters of text are
+    # at least 200,000 / the longest token's bytes tokens, past 4,096.
+    import asyncio
+
+    import httpx
+    from starlette.applications import Starlette
+
+    from tokstream.gateway_config import ServerConfig
+    from tokstream.server.app import routes
+    from tokstream.server.server import Server
+
+    tokenizer = dummy_tokenizer(400, bos_token_id=0, eos_token_ids=(1,))
+    tokenizer.chat_template = CHATML
+    counting = tokenizer.backend = CountingEncoder(tokenizer.backend)
+    core = FakeCore()
+    core.info = {**core.info, "max_model_len": 4096}
+
+    async def scenario():
+        app = Starlette(routes=routes())
+        app.state.server = Server(ServerConfig(), core, tokenizer, model_id="m", aliases=set())
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post(path, json=PAST_CONTEXT[path])
+
+    reply = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert reply.status_code == 400, reply.text
+    assert "at least" in reply.text and "4096 tokens" in reply.text, reply.text
+    assert counting.chars == 0, f"{counting.chars} characters tokenised for a refusal"
+
+
+BOUND_TEXTS = [("\n" + " " * 80) * 100, "#" * 800, "word " * 500, "日本語のテキスト" * 100,
+               "🙂" * 300, "<|im_start|>" * 50, "x" * 5000, "a1b2c3 " * 300]
+
+
+@pytest.mark.parametrize("text", BOUND_TEXTS, ids=range(len(BOUND_TEXTS)))
+def test_the_length_bound_never_passes_the_token_count(text):
+    # refuse_past refuses by a lower bound on the tokens: it must never exceed the real count,
+    # or a prompt that fits would be refused. SmolLM2's longest piece is a newline and 80
+    # spaces (the first text is 100 of them: the bound is exact there), then runs of "#";
+    # special-token text is one token of 12 characters.
+    from tokstream.model.source import resolve_model
+    from tokstream.text.token_bound import fewest_tokens
+    from tokstream.text.tokenizer import load_tokenizer
+
+    for tokenizer in (load_tokenizer(resolve_model("smollm2")),
+                      dummy_tokenizer(400, bos_token_id=0, eos_token_ids=(1,))):
+        fewest = fewest_tokens(len(text), tokenizer.max_token_bytes)
+        assert 0 < fewest <= len(tokenizer.encode(text)), (fewest, len(tokenizer.encode(text)))
+        assert fewest <= len(tokenizer.encode_text(text))

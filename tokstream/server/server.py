@@ -38,8 +38,9 @@ class Server:
                  model_id: str, aliases: set[str]):
         self.config = config
         self.tokenizer = tokenizer
-        if tokenizer is not None:  # before serving: building it holds the GIL
+        if tokenizer is not None:  # before serving: building these holds the GIL
             tokenizer.prepare_user_text()
+            tokenizer.max_token_bytes  # worked out once, here (a read of the whole vocabulary)
         self.model_id = model_id
         self.model_names = {model_id} | aliases
         self.max_model_len: int = engine.info["max_model_len"]

@@ -3,6 +3,7 @@ tokenizer.json, or made up for `dummy:` presets. No torch here."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from datetime import datetime
@@ -13,6 +14,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from tokstream.errors import CorruptModelError, UserInputError
+from tokstream.text import token_bound
 
 if TYPE_CHECKING:
     from tokstream.model.source import ModelSource
@@ -92,8 +94,10 @@ class Tokenizer:
     def id_to_token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
 
-    def encode(self, text: str) -> list[int]:
-        """Raw text to ids; special tokens written in the text are recognised whole."""
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """Raw text to ids; special tokens written in the text are recognised whole. limit:
+        refuse_past's."""
+        self.refuse_past(len(text), limit)
         ids = _ids(self.backend, text)
         if self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
@@ -115,6 +119,16 @@ class Tokenizer:
             plain.encode_special_tokens = True
             self._plain_backend = plain
         return self._plain_backend
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """token_bound.max_token_bytes of this tokenizer (worked out once)."""
+        return token_bound.max_token_bytes(self.backend)
+
+    def refuse_past(self, num_chars: int, limit: int | None) -> None:
+        """PromptTooLongError when a text of num_chars characters must encode to limit tokens
+        or more (token_bound.py); nothing when limit is None."""
+        token_bound.refuse_past(num_chars, limit, self.max_token_bytes)
 
     @property
     def special_strings(self) -> list[str]:
@@ -144,14 +158,16 @@ class Tokenizer:
             raise UserInputError(f"chat template failed on these messages: {error}") from error
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, limit: int | None = None) -> list[int]:
         """Messages through the chat template to ids: the template's markers are control tokens,
-        special-token strings inside message content are plain text."""
+        special-token strings inside message content are plain text. limit: refuse_past's, on
+        the rendered text (a template may leave content out)."""
         # The template writes any BOS itself, so none is added here (as transformers does).
         specials = self.special_strings
         if not any(isinstance(m.get("content"), str) and any(s in m["content"] for s in specials)
                    for m in messages):
             text = self.apply_chat_template(messages, add_generation_prompt, tools)
+            self.refuse_past(len(text), limit)
             return _ids(self.backend, text)
         # Render with a placeholder per message, then tokenise the template's text with special
         # tokens and each message's own text without.
@@ -167,6 +183,8 @@ class Tokenizer:
         if len(found) != len(marks) or len({n for _, _, n in found}) != len(marks):
             raise UserInputError("messages: this chat template rewrites message content, "
                                  "so special-token text in a message cannot be kept as text")
+        self.refuse_past(len(text) + sum(len(messages[n]["content"]) - len(mark)
+                                         for n, mark in marks.items()), limit)
         ids, start = [], 0
         for at, end, n in found:
             ids += _ids(self.backend, text[start:at])

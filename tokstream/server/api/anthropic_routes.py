@@ -79,16 +79,16 @@ def chat_messages(body: dict) -> list[dict]:
     return chat
 
 
-def encode_messages(server: Server, chat: list[dict], tools: tuple[Tool, ...] = ()
-                    ) -> list[int]:
+def encode_messages(server: Server, chat: list[dict], tools: tuple[Tool, ...] = (),
+                    limit: int | None = None) -> list[int]:
     """Prompt ids, with the tools shown to the model; a final assistant message is a prefill
-    the model continues."""
+    the model continues. limit: tool_template.encode_chat's."""
     tokenizer = server.tokenizer
     try:
         if chat[-1]["role"] == "assistant":
-            prefix = encode_chat(tokenizer, chat[:-1], tools)
+            prefix = encode_chat(tokenizer, chat[:-1], tools, limit=limit)
             return prefix + tokenizer.encode_text(message_text(chat[-1]))
-        return encode_chat(tokenizer, chat, tools)
+        return encode_chat(tokenizer, chat, tools, limit=limit)
     except UserInputError as error:
         raise bad_request("messages", str(error)) from None
 
@@ -111,7 +111,8 @@ def parse(body: dict, server: Server) -> Prompt:
         raise bad_request(f"messages.{len(body['messages']) - 1}", "a final assistant message "
                           "(a prefill) cannot be combined with an output format")
     output.update(tool_sampling(tools, output.get("structured")))
-    token_ids = encode_messages(server, chat, tools.tools if tools else ())
+    token_ids = encode_messages(server, chat, tools.tools if tools else (),
+                                limit=server.max_model_len)
     check_fits(len(token_ids), max_tokens, server.max_model_len, "messages")
     params = sampling_params({"stop": "stop_sequences", "structured": "output_config.format"},
                              max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos,

@@ -44,13 +44,13 @@ def _content(value, path: str) -> str:
 
 
 def chat_prompt(body: dict, server: Server, tools: ToolRequest | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, limit: int | None = None) -> list[int]:
     """Prompt ids for the messages, with the tools shown to the model (read from the body
-    unless given)."""
+    unless given). limit: tool_template.encode_chat's."""
     tools = tools or tool_request(body)
     try:
         return encode_chat(server.tokenizer, chat_messages(body), tools.tools if tools else (),
-                           add_generation_prompt)
+                           add_generation_prompt, limit)
     except UserInputError as error:
         raise bad_request("messages", str(error)) from None
 
@@ -76,7 +76,10 @@ def completion_prompt(body: dict, server: Server) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return server.tokenizer.encode(prompt)
+        try:
+            return server.tokenizer.encode(prompt, limit=server.max_model_len)
+        except UserInputError as error:
+            raise bad_request("prompt", str(error)) from None
     if isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         vocab = server.engine.info.get("vocab_size") or server.tokenizer.vocab_size
@@ -110,7 +113,8 @@ def parse(body: dict, server: Server, chat: bool) -> Prompt:
     extras.update(tool_sampling(tools, extras["structured"]))
     prompt_logprobs = None if chat else completion_prompt_logprobs(body, echo, stream,
                                                                    extras["logprobs"])
-    token_ids = chat_prompt(body, server, tools) if chat else completion_prompt(body, server)
+    token_ids = (chat_prompt(body, server, tools, limit=server.max_model_len) if chat
+                 else completion_prompt(body, server))
     # max_tokens 0 (echo only): the prompt alone, from a request that samples one token
     # nobody is shown (as vLLM does), so the prompt is scored in its one prefill.
     prompt_only = echo and max_tokens == 0

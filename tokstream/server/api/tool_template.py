@@ -44,13 +44,17 @@ def takes_tools(chat_template: str | None) -> bool:
 
 
 def encode_chat(tokenizer, messages: list[dict], tools: tuple[Tool, ...] = (),
-                add_generation_prompt: bool = True) -> list[int]:
-    """Prompt ids for messages and the tools the model is shown."""
+                add_generation_prompt: bool = True, limit: int | None = None) -> list[int]:
+    """Prompt ids for messages and the tools the model is shown. limit: the most tokens the
+    prompt may have; a rendered prompt that must pass it is refused before it is tokenised
+    (Tokenizer.refuse_past)."""
     if takes_tools(tokenizer.chat_template):
         own = [{**m, "content": m.get("content") or ""} for m in messages]
         return tokenizer.encode_chat(own, add_generation_prompt,
-                                     tools=[t.template_entry() for t in tools] or None)
-    return tokenizer.encode_chat(fallback_messages(messages, tools), add_generation_prompt)
+                                     tools=[t.template_entry() for t in tools] or None,
+                                     limit=limit)
+    return tokenizer.encode_chat(fallback_messages(messages, tools), add_generation_prompt,
+                                 limit=limit)
 
 
 def fallback_messages(messages: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
