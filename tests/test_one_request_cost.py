@@ -51,6 +51,46 @@ def test_special_token_text_in_many_messages_is_found_in_one_pass(monkeypatch):
     assert plain.count("<|eos|> <|bos|>") == 200
 
 
+class CountingCalls:
+    """A tokenizers.Tokenizer that records its encode calls and the characters they read."""
+
+    def __init__(self, backend):
+        self._backend = backend
+        self.calls: list[str] = []
+        self.chars = 0
+
+    def encode(self, text, *args, **kwargs):
+        self.calls.append("encode")
+        self.chars += len(text)
+        return self._backend.encode(text, *args, **kwargs)
+
+    def encode_batch(self, texts, *args, **kwargs):
+        self.calls.append("encode_batch")
+        self.chars += sum(len(t) for t in texts)
+        return self._backend.encode_batch(texts, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+
+def test_special_token_text_in_many_messages_is_tokenised_in_batches_that_free_the_gil():
+    # count_tokens_special_6k: 6,000 messages holding special-token text were tokenised by
+    # 12,001 encode calls (the template's text between messages, each message's own), and
+    # encode holds the GIL: ~0.26 s of SmolLM2's tokenizer on the gateway's parse thread,
+    # every write of the event loop waiting its turn. encode_batch lets go of it.
+    tokenizer = dummy_tokenizer(400, bos_token_id=0, eos_token_ids=(1,))
+    tokenizer.chat_template = CHATML
+    messages = [{"role": "user", "content": f"m{n} <|eos|> <|bos|>"} for n in range(200)]
+    expected = tokenizer.encode_chat(messages)
+    backend = tokenizer.backend = CountingCalls(tokenizer.backend)
+    plain = tokenizer._plain_backend = CountingCalls(tokenizer.prepare_user_text())
+    assert tokenizer.encode_chat(messages) == expected
+    # 201 texts of the template's, 200 of the messages': a batch or two each.
+    calls = backend.calls + plain.calls
+    assert set(calls) == {"encode_batch"} and len(calls) <= 4, (len(backend.calls),
+                                                                len(plain.calls))
+
+
 def test_a_long_text_is_tokenised_while_other_threads_run():
     # The gateway tokenises a large body on a worker thread so its event loop keeps writing
     # streams; that only helps if tokenising lets go of the GIL (Tokenizer.encode does not).
@@ -171,25 +211,6 @@ def test_count_tokens_with_special_token_text_builds_no_tokenizer_while_serving(
     assert built_while_serving == 0, f"{built_while_serving} tokenizer copy built while serving"
 
 
-class CountingEncoder:
-    """A tokenizers.Tokenizer that counts the characters it is asked to tokenise."""
-
-    def __init__(self, backend):
-        self._backend = backend
-        self.chars = 0
-
-    def encode(self, text, *args, **kwargs):
-        self.chars += len(text)
-        return self._backend.encode(text, *args, **kwargs)
-
-    def encode_batch(self, texts, *args, **kwargs):
-        self.chars += sum(len(t) for t in texts)
-        return self._backend.encode_batch(texts, *args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._backend, name)
-
-
 RESULTS = 200
 TOOL_CHAT = [{"role": "user", "content": "Look these up."},
              {"role": "assistant", "content": None, "tool_calls": [
@@ -223,7 +244,7 @@ def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenised(path):
 
     tokenizer = dummy_tokenizer(400, bos_token_id=0, eos_token_ids=(1,))
     tokenizer.chat_template = CHATML
-    counting = tokenizer.backend = CountingEncoder(tokenizer.backend)
+    counting = tokenizer.backend = CountingCalls(tokenizer.backend)
     core = FakeCore()
     core.info = {**core.info, "max_model_len": 4096}
 

@@ -185,12 +185,18 @@ class Tokenizer:
                                  "so special-token text in a message cannot be kept as text")
         self.refuse_past(len(text) + sum(len(messages[n]["content"]) - len(mark)
                                          for n, mark in marks.items()), limit)
-        ids, start = [], 0
-        for at, end, n in found:
-            ids += _ids(self.backend, text[start:at])
-            ids += self.encode_text(messages[n]["content"])
-            start = end
-        return ids + _ids(self.backend, text[start:])
+        # Batched, not two calls per message: encode holds the GIL, encode_batch lets the
+        # gateway's event loop run (12,001 encode calls held it ~0.26 s for 6,000 messages).
+        cuts = [0, *(cut for at, end, _ in found for cut in (at, end)), len(text)]
+        template_parts = [text[a:b] for a, b in zip(cuts[0::2], cuts[1::2])]
+        template_ids = _batch_ids(self.backend, template_parts)
+        content_ids = _batch_ids(self.prepare_user_text(),
+                                 [messages[n]["content"] for _, _, n in found])
+        ids = template_ids[0]
+        for part, content in zip(template_ids[1:], content_ids):
+            ids += content
+            ids += part
+        return ids
 
     def to_json(self) -> str:
         """The tokenizer.json text."""
@@ -218,6 +224,16 @@ def _ids(backend: BackendTokenizer, text: str) -> list[int]:
     if len(text) < GIL_FREE_CHARS:
         return backend.encode(text, add_special_tokens=False).ids
     return backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
+def _batch_ids(backend: BackendTokenizer, texts: list[str]) -> list[list[int]]:
+    """Each text's ids (_ids's), by encode_batch, which lets go of the GIL while it tokenises
+    but holds it to hand back its results: BATCH_TEXTS at a time keeps each hold short."""
+    return [e.ids for at in range(0, len(texts), BATCH_TEXTS)
+            for e in backend.encode_batch(texts[at:at + BATCH_TEXTS], add_special_tokens=False)]
+
+
+BATCH_TEXTS = 256
 
 
 _PLACEHOLDER = re.compile("\ue000([0-9]+)\ue001")
