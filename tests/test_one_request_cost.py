@@ -280,3 +280,60 @@ def test_the_length_bound_never_passes_the_token_count(text):
         fewest = fewest_tokens(len(text), tokenizer.max_token_bytes)
         assert 0 < fewest <= len(tokenizer.encode(text)), (fewest, len(tokenizer.encode(text)))
         assert fewest <= len(tokenizer.encode_text(text))
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+TOOLS = [{"name": "lookup", "input_schema": SCHEMA}]
+GRAMMAR_BODIES = {
+    "/v1/chat/completions": {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}},
+    "/v1/messages": {"model": "m", "max_tokens": 8, "messages": [
+        {"role": "user", "content": "hi"}], "output_config": {
+            "format": {"type": "json_schema", "schema": SCHEMA}}},
+    "/v1/messages/count_tokens": {"model": "m", "tools": TOOLS, "messages": [
+        {"role": "user", "content": "hi"}]},
+}
+
+
+@pytest.mark.parametrize("path", list(GRAMMAR_BODIES))
+def test_a_small_body_compiles_its_grammar_off_the_event_loop(path, monkeypatch):
+    # json_deep_50: a 5 KB body is parsed inline (only large bodies went to a thread), and its
+    # schema, nested 50 deep, took llguidance 8-9 ms to validate there: the event loop, and
+    # every stream it writes, waited. count_tokens compiled its tools' schemas inline too.
+    import asyncio
+
+    import httpx
+    from starlette.applications import Starlette
+
+    from tokstream.errors import UserInputError
+    from tokstream.gateway_config import ServerConfig
+    from tokstream.server.app import routes
+    from tokstream.server.server import Server
+    from tokstream.structured import StructuredOutput
+
+    compiled_on_loop = []
+
+    def grammar(self):
+        try:
+            asyncio.get_running_loop()
+            compiled_on_loop.append(True)
+        except RuntimeError:
+            compiled_on_loop.append(False)
+        raise UserInputError("refused here: the test asks only where it was compiled")
+
+    monkeypatch.setattr(StructuredOutput, "grammar", grammar)
+    tokenizer = dummy_tokenizer(400, bos_token_id=0, eos_token_ids=(1,))
+    tokenizer.chat_template = CHATML
+
+    async def scenario():
+        app = Starlette(routes=routes())
+        app.state.server = Server(ServerConfig(), FakeCore(), tokenizer, model_id="m",
+                                  aliases=set())
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post(path, json=GRAMMAR_BODIES[path])
+
+    reply = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert reply.status_code == 400 and "refused here" in reply.text, reply.text
+    assert compiled_on_loop == [False], compiled_on_loop

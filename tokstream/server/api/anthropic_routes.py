@@ -256,9 +256,12 @@ async def create_message(request):
 async def count_tokens(request):
     server, tenant, body = await read_request(request)
     server.check_model(body.get("model"))
-    tools = tool_request(body)
-    token_ids = await parse_off_loop(request, lambda: encode_messages(
-        server, chat_messages(body), tools.tools if tools else ()))
+
+    def count():  # the tools' schemas compile too (tool_request): off the loop with the rest
+        tools = tool_request(body)
+        return encode_messages(server, chat_messages(body), tools.tools if tools else ())
+
+    token_ids = await parse_off_loop(request, count)
     if tenant is not None:
         tenant.charge(len(token_ids))  # counting costs tokenisation: it is not free
     return JSONResponse({"input_tokens": len(token_ids)})
