@@ -53,15 +53,16 @@ def test_the_product_is_the_rounded_inputs_times_the_files_weights(fmt, m, n, k)
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("n", [16, 48, 80, 144])
 def test_a_rows_result_does_not_depend_on_the_batch(fmt, n):
-    """Products of 1-4 rows widen the quants in registers, larger ones into a panel buffer:
-    each row's result is the same bits either way, whatever the groups left over."""
+    """Products of few rows widen the quants in registers (1-4 rows, or up to 16 four at a
+    time on AVX2), larger ones into a panel buffer: each row's result is the same bits either
+    way, whatever the groups and rows left over."""
     raw, qtype, _ = blocks(fmt, n, 96, seed=2)
     weight = cpu_int16.pack(raw, qtype, 96)
-    x = torch.randn(11, 96)
+    x = torch.randn(21, 96)
     batch = cpu_int16.matmul(x, weight)
-    for i in (0, 5, 10):
+    for i in (0, 5, 10, 20):
         assert torch.equal(cpu_int16.matmul(x[i:i + 1], weight)[0], batch[i])
-    for rows in (2, 3, 4):
+    for rows in (2, 3, 4, 6, 9, 16):
         assert torch.equal(cpu_int16.matmul(x[1:1 + rows], weight), batch[1:1 + rows])
 
 
