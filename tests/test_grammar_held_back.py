@@ -17,14 +17,13 @@ import pytest
 import torch
 
 from tokstream.engine.messages.worker import NewRequestData, ScheduledChunk, StepPlan
-from tokstream.model.source import resolve_model
-from tokstream.model.weights import load_state_dict
 from tokstream.sampling_params import SamplingParams
 from tokstream.structured import StructuredOutput
 from tokstream.text.tokenizer import dummy_tokenizer
 from tokstream.worker.grammar import Grammars
-from tokstream.worker.model import LlamaModel
 from tokstream.worker.model_runner import ModelRunner, allocate_kv_caches
+
+from helpers.tiny_model import tiny_model, tiny_source
 
 BLOCK = 4
 HANG_GUARD_S = 10.0
@@ -37,15 +36,12 @@ G_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def source():
-    return resolve_model("dummy:tiny")
+    return tiny_source()
 
 
 @pytest.fixture(scope="module")
 def model(source):
-    torch.manual_seed(0)
-    m = LlamaModel(source.config, torch.float32)
-    m.load_weights(load_state_dict(source, torch.float32, seed=1))
-    return m
+    return tiny_model(source)
 
 
 @pytest.fixture(scope="module")
