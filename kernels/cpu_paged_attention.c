@@ -283,71 +283,72 @@ static inline __attribute__((always_inline)) void decode_item_d64(
                                    const int64_t *table, int64_t context, int64_t block_size,
                                    const int G, const int half, float scale, float *scores,
                                    float *out) {
+    if (context <= 0) {  /* nothing to attend to (and no last vector to mask) */
+        for (int i = 0; i < G * 64; i++) out[i] = 0.0f;
+        return;
+    }
     const __m256 scale_v = _mm256_set1_ps(scale);
+    /* each head's scores in a row of whole vectors (the scratch has room: see decode_items) */
+    const int64_t stride = (context + 7) & ~(int64_t)7;
+    prefetch_rows(k_head, table, 0, context, block_size, half);
     for (int64_t p0 = 0; p0 < context; p0 += 8) {
         const int64_t n = context - p0 < 8 ? context - p0 : 8;
         if (p0 == 0) prefetch_rows(k_head, table, 16, context, block_size, half);
         if (p0 % 16 == 0) prefetch_rows(k_head, table, p0 + 32, context, block_size, half);
-        int64_t krow[8];
+        /* Each key row is widened into 8 registers once and dotted with all G query heads
+         * (their loads folded into the multiplies); a head's 8 partial sums per row wait in
+         * L1 until 8 rows are done, then one tree sum gives 8 scores. */
+        __m256 partial[4][8];
         for (int64_t i = 0; i < n; i++) {
             const int64_t pos = p0 + i;
-            krow[i] = (table[pos / block_size] * block_size + pos % block_size) * 64;
-        }
-        /* float16 keys widened once into L1 for all G query heads, not once per head */
-        float widened[8 * 64];
-        const void *keys = k_head;
-        if (half) {
-            for (int64_t i = 0; i < n; i++) {
-                for (int d = 0; d < 64; d += 8)
-                    _mm256_storeu_ps(widened + i * 64 + d, load_cached(k_head, krow[i] + d, 1));
-                krow[i] = i * 64;
+            const int64_t at = (table[pos / block_size] * block_size + pos % block_size) * 64;
+            __m256 k[8];
+            for (int j = 0; j < 8; j++) k[j] = load_cached(k_head, at + 8 * j, half);
+            for (int g = 0; g < G; g++) {
+                const float *qg = q + g * 64;
+                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]);
+                __m256 b = _mm256_mul_ps(_mm256_loadu_ps(qg + 8), k[1]);
+                for (int j = 2; j < 8; j += 2) {
+                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), k[j], a);
+                    b = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j + 8), k[j + 1], b);
+                }
+                partial[g][i] = _mm256_add_ps(a, b);
             }
-            keys = widened;
         }
         for (int g = 0; g < G; g++) {
-            const float *qg = q + g * 64;
-            __m256 dots[8];
-            for (int64_t i = 0; i < 8; i++) {
-                if (i >= n) { dots[i] = _mm256_setzero_ps(); continue; }
-                const float *k = (const float *)keys + krow[i];
-                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k));
-                __m256 b = _mm256_mul_ps(_mm256_loadu_ps(qg + 8), _mm256_loadu_ps(k + 8));
-                for (int d = 16; d < 64; d += 16) {
-                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(k + d), a);
-                    b = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(k + d + 8), b);
-                }
-                dots[i] = _mm256_add_ps(a, b);
-            }
-            _mm256_maskstore_ps(scores + g * context + p0, first_lanes8(n),
-                                _mm256_mul_ps(sum8x8(dots), scale_v));
+            for (int64_t i = n; i < 8; i++) partial[g][i] = _mm256_setzero_ps();
+            _mm256_storeu_ps(scores + g * stride + p0, _mm256_mul_ps(sum8x8(partial[g]), scale_v));
         }
     }
+    /* Softmax over whole vectors: masked loads and stores are slow on some AVX2 CPUs
+     * (AMD), so only the last vector's dead lanes are set, to -inf by a blend, and each
+     * head's 1 / sum is applied to its weighted values rather than to every score. */
     const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    const int64_t last = stride - 8;
+    const __m256 live = _mm256_castsi256_ps(first_lanes8(context - last));
+    float inv[4];
     for (int g = 0; g < G; g++) {
-        float *row = scores + g * context;
+        float *row = scores + g * stride;
+        _mm256_storeu_ps(row + last, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(row + last), live));
         __m256 maxv = minus_inf;
-        for (int64_t pos = 0; pos < context; pos += 8) {
-            const __m256i live = first_lanes8(context - pos);
-            maxv = _mm256_max_ps(maxv, _mm256_blendv_ps(minus_inf, _mm256_maskload_ps(row + pos, live),
-                                                        _mm256_castsi256_ps(live)));
-        }
+        for (int64_t pos = 0; pos < stride; pos += 8)
+            maxv = _mm256_max_ps(maxv, _mm256_loadu_ps(row + pos));
         const __m256 mv = _mm256_set1_ps(max8(maxv));
         __m256 sumv = _mm256_setzero_ps();
-        for (int64_t pos = 0; pos < context; pos += 8) {
-            const __m256i live = first_lanes8(context - pos);
-            const __m256 e = _mm256_and_ps(_mm256_castsi256_ps(live), exp256(_mm256_sub_ps(
-                _mm256_maskload_ps(row + pos, live), mv)));
+        for (int64_t pos = 0; pos < last; pos += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + pos), mv));
             sumv = _mm256_add_ps(sumv, e);
-            _mm256_maskstore_ps(row + pos, live, e);
+            _mm256_storeu_ps(row + pos, e);
         }
-        const __m256 inv = _mm256_set1_ps(1.0f / sum8(sumv));
-        for (int64_t pos = 0; pos < context; pos += 8) {
-            const __m256i live = first_lanes8(context - pos);
-            _mm256_maskstore_ps(row + pos, live, _mm256_mul_ps(_mm256_maskload_ps(row + pos, live), inv));
-        }
+        /* the dead lanes' -inf gives exp256's floor, 2^-149 at most: nothing to the sum */
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(row + last), mv));
+        _mm256_storeu_ps(row + last, e);
+        inv[g] = 1.0f / sum8(_mm256_add_ps(sumv, e));
     }
     prefetch_rows(v_head, table, 0, context, block_size, half);
     prefetch_rows(v_head, table, 16, context, block_size, half);
+    /* The weighted values a quarter of head_dim at a time, all G heads' sums for that quarter
+     * in registers (AVX2 has 16). */
     for (int d0 = 0; d0 < 64; d0 += 16) {
         __m256 acc[4][2];
         for (int g = 0; g < G; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
@@ -357,14 +358,15 @@ static inline __attribute__((always_inline)) void decode_item_d64(
             const int64_t v = (table[pos / block_size] * block_size + pos % block_size) * 64 + d0;
             const __m256 v0 = load_cached(v_head, v, half), v1 = load_cached(v_head, v + 8, half);
             for (int g = 0; g < G; g++) {
-                const __m256 p = _mm256_set1_ps(scores[g * context + pos]);
+                const __m256 p = _mm256_set1_ps(scores[g * stride + pos]);
                 acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
                 acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
             }
         }
         for (int g = 0; g < G; g++) {
-            _mm256_storeu_ps(out + g * 64 + d0, acc[g][0]);
-            _mm256_storeu_ps(out + g * 64 + d0 + 8, acc[g][1]);
+            const __m256 scale_g = _mm256_set1_ps(inv[g]);
+            _mm256_storeu_ps(out + g * 64 + d0, _mm256_mul_ps(acc[g][0], scale_g));
+            _mm256_storeu_ps(out + g * 64 + d0 + 8, _mm256_mul_ps(acc[g][1], scale_g));
         }
     }
 }
