@@ -1,8 +1,9 @@
 """Where a decode step's time goes: one rank's ModelRunner.execute on the real model, in this
 process (no IPC), split into linear layers, attention, norms/rotary/KV writes, the LM head,
 sampling and the rest (Python, tensor bookkeeping), and the same step's linear layers timed
-alone on the same shapes. Then the offline engine (core + worker process) at the same batch,
-whose step time minus the runner's is the core's scheduling and IPC share.
+alone on the same shapes, a run of them after each served step. Then the offline engine (core
++ worker process) at the same batch, whose step time minus the runner's is the core's
+scheduling and IPC share.
 
     .venv/bin/python bench/step_profile.py --batch 32 --context 192 --weights native
     .venv/bin/python bench/step_profile.py --batch 1 --weights native --weights float32
@@ -122,9 +123,9 @@ def decode_plans(batch: int, context: int, block_size: int, steps: int):
     return prefill, decodes, batch * blocks_per_seq
 
 
-def linear_alone(runner, batch: int, repeats: int) -> float:
-    """Seconds for one step's linear layers (every layer's four, plus the head) on random
-    inputs of the step's shapes: what the step would cost if nothing else ran."""
+def linears_alone(runner, batch: int):
+    """A callable running one step's linear layers (every layer's four, plus the head) on
+    random inputs of the step's shapes: what the step would cost if nothing else ran."""
     model = runner.model
     hidden = model.config.hidden_size
     x = torch.randn(batch, hidden)
@@ -144,21 +145,17 @@ def linear_alone(runner, batch: int, repeats: int) -> float:
         model.head_linear(x, model.lm_head)
 
     run()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return run
+
+
+def seconds(fn, *args) -> float:
+    started = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - started
 
 
 def timed_steps(runner, plans) -> list[float]:
-    times = []
-    for plan in plans:
-        started = time.perf_counter()
-        runner.execute(plan)
-        times.append(time.perf_counter() - started)
-    return times
+    return [seconds(runner.execute, plan) for plan in plans]
 
 
 def profile(weights: str, batch: int, context: int, steps: int,
@@ -176,7 +173,13 @@ def profile(weights: str, batch: int, context: int, steps: int,
     runner.execute(prefill)
     for plan in decodes[:3]:  # warm-up
         runner.execute(plan)
-    served = timed_steps(runner, decodes[3:3 + steps])
+    # Each served step, then the linears alone once: this VM's speed drifts over seconds, and
+    # a ratio of two medians taken minutes apart measured the drift as much as the step.
+    linears = linears_alone(runner, batch)
+    served, alone = [], []
+    for plan in decodes[3:3 + steps]:
+        served.append(seconds(runner.execute, plan))
+        alone.append(seconds(linears))
     fused = runner.model.fused_decode
     runner.model.fused_decode = False
     timers.enabled = True
@@ -186,7 +189,7 @@ def profile(weights: str, batch: int, context: int, steps: int,
     total = sum(per_layer)
     parts = {name: seconds / steps * 1e3 for name, seconds in timers.seconds.items()}
     parts["other_python"] = total / steps * 1e3 - sum(parts.values())
-    alone = linear_alone(runner, batch, repeats=max(3, steps // 2)) * 1e3
+    alone = statistics.median(alone) * 1e3
     step_ms = statistics.median(served) * 1e3
     return {"weights": weights, "format": fmt, "dtype": dtype, "kv_cache_dtype": kv_dtype,
             "batch": batch,
