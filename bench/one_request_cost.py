@@ -2,8 +2,10 @@
 one hostile request runs, and what they see is measured: every token's arrival, each
 stream's worst gap between consecutive tokens, and /health/live's latency polled every
 ~100 ms. Baseline runs (the two streams alone) alternate with the hostile cases (baseline, A,
-baseline, B, ...), so drift falls on both; each case is reported against the baseline runs'
-median worst gap.
+baseline, B, ...), so drift falls on both, over --runs rounds; each case's median worst gap is
+reported against the baseline runs' median worst gap, and against its matched control's (the
+same prompt without the hostile option: what the option itself costs). Every run's prompts
+begin with their case and round, so no run reuses another's cached prompt blocks.
 
     nice -n 15 .venv/bin/python bench/one_request_cost.py                    # SmolLM2 (default)
     nice -n 15 .venv/bin/python bench/one_request_cost.py --model dummy:tiny --cases json_deep
@@ -56,9 +58,25 @@ def chat(model: str, content: str, **extra) -> dict:
             "messages": [{"role": "user", "content": content}], **extra}
 
 
-def hostile_cases(model: str, vocab_size: int) -> dict[str, dict]:
+CONTROLS = {"json_deep_50": "control_plain", "json_enum_10k": "control_plain",
+            "regex_words": "control_plain", "logit_bias_300": "control_plain",
+            "top_logprobs_20_stream": "control_plain", "top_logprobs_20_unread": "control_plain",
+            "penalties_long_prompt": "long_prompt_plain"}
+"""case -> the ordinary request it is matched with (its prompt's length, no hostile option)."""
+
+
+def hostile_cases(model: str, vocab_size: int, tag: str = "") -> dict[str, dict]:
     """name -> {path, body, read}: read is 'stream' (read as it comes), 'full' (a non-streamed
-    body) or 'unread' (sent on a bare socket, read only after the ordinary streams end)."""
+    body) or 'unread' (sent on a bare socket, read only after the ordinary streams end). Each
+    body's first message begins with the case's name and `tag`."""
+    cases = _cases(model, vocab_size)
+    for name, case in cases.items():
+        first = case["body"]["messages"][0]
+        first["content"] = f"[{name} {tag}] {first['content']}"
+    return cases
+
+
+def _cases(model: str, vocab_size: int) -> dict[str, dict]:
     rng = random.Random(0)
     enum = [f"value {i:05d} {rng.choice(['alpha', 'beta', 'gamma'])}" for i in range(10000)]
     bias = {str(t): rng.choice([-2.0, -1.0, 1.0, 2.0])
@@ -276,18 +294,28 @@ def wait_quiet(limit_s: float = 1800) -> None:
         time.sleep(30)
 
 
-def summary(runs: dict, baselines: list[dict]) -> dict:
+def summary(runs: dict[str, list[dict]], baselines: list[dict]) -> dict:
+    """Per case the median over its runs, against the baselines' and its control's medians."""
     base_worst = statistics.median(r["worst_gap_ms"] for r in baselines)
     base_health = statistics.median(r["health_max_ms"] for r in baselines)
     out = {"baseline": {"worst_gap_ms": base_worst, "health_max_ms": base_health,
                         "runs": len(baselines)}}
-    for name, run in runs.items():
-        out[name] = {"worst_gap_ms": run["worst_gap_ms"], "p99_gap_ms": run["p99_gap_ms"],
-                     "ratio_to_baseline": round(run["worst_gap_ms"] / base_worst, 2),
-                     "health_max_ms": run["health_max_ms"],
-                     "health_ratio": round(run["health_max_ms"] / base_health, 2),
-                     "hostile_status": run.get("hostile_status"),
-                     "hostile_s": run.get("hostile_s")}
+    worst = {name: statistics.median(r["worst_gap_ms"] for r in case_runs)
+             for name, case_runs in runs.items()}
+    for name, case_runs in runs.items():
+        health = statistics.median(r["health_max_ms"] for r in case_runs)
+        control = CONTROLS.get(name)
+        out[name] = {"worst_gap_ms": worst[name],
+                     "worst_gap_each_ms": [r["worst_gap_ms"] for r in case_runs],
+                     "p99_gap_ms": statistics.median(r["p99_gap_ms"] for r in case_runs),
+                     "ratio_to_baseline": round(worst[name] / base_worst, 2),
+                     **({"control": control,
+                         "ratio_to_control": round(worst[name] / worst[control], 2)}
+                        if control in worst else {}),
+                     "health_max_ms": health,
+                     "health_ratio": round(health / base_health, 2),
+                     "hostile_status": [r.get("hostile_status") for r in case_runs],
+                     "hostile_s": [r.get("hostile_s") for r in case_runs]}
     return out
 
 
@@ -311,6 +339,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the server's (SmolLM2)")
     parser.add_argument("--cases", default="", help="comma-separated subset")
+    parser.add_argument("--runs", type=int, default=3, help="rounds over the cases")
     parser.add_argument("--label", default="before")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -328,16 +357,17 @@ def main() -> None:
         info = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
         model = info["id"]
         vocab = 512 if args.model == "dummy:tiny" else 49152  # dummy:tiny's, SmolLM2's
-        cases = hostile_cases(model, vocab)
-        chosen = [c for c in args.cases.split(",") if c] or list(cases)
+        chosen = [c for c in args.cases.split(",") if c] or list(hostile_cases(model, vocab))
         one_run(url, model, None)  # warm-up: first-request costs fall on no one measured
-        baselines, runs = [], {}
-        for name in chosen:
-            wait_quiet()
-            baselines.append(one_run(url, model, None))
-            wait_quiet()
-            runs[name] = one_run(url, model, cases[name])
-            print(f"{name}: {json.dumps(runs[name])}", file=sys.stderr, flush=True)
+        baselines, runs = [], {name: [] for name in chosen}
+        for round_ in range(args.runs):
+            cases = hostile_cases(model, vocab, tag=f"round {round_}")
+            for name in chosen:
+                wait_quiet()
+                baselines.append(one_run(url, model, None))
+                wait_quiet()
+                runs[name].append(one_run(url, model, cases[name]))
+                print(f"{name}: {json.dumps(runs[name][-1])}", file=sys.stderr, flush=True)
         baselines.append(one_run(url, model, None))
     result = {"machine": machine(), "model": model, "stream_tokens": STREAM_TOKENS,
               "command": " ".join(["python", "bench/one_request_cost.py", *sys.argv[1:]]),
