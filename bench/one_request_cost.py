@@ -340,6 +340,9 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: the server's (SmolLM2)")
     parser.add_argument("--cases", default="", help="comma-separated subset")
     parser.add_argument("--runs", type=int, default=3, help="rounds over the cases")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="passed to tokstream serve (repeatable; e.g. "
+                             "--serve-arg=--itl-target-ms --serve-arg=60)")
     parser.add_argument("--label", default="before")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -351,6 +354,7 @@ def main() -> None:
         serve_args += ["--model", args.model]
     if args.model == "dummy:tiny":
         serve_args += ["--profile", "ci"]
+    serve_args += args.serve_arg
     wait_quiet()
     with ServeProcess(serve_args, start_timeout_s=600, reap=True) as server:
         url = server.url
