@@ -66,6 +66,14 @@ def one_format(weights: str, sizes: list[int], input_len: int, output_len: int) 
     return {"resolved": resolved, "steps": steps}
 
 
+def paired_ratio(runs: list[dict], default: str, best: str, size: int) -> float:
+    """The median over rounds of default's decode step at size over best's in the same round:
+    a drift between rounds falls on both sides of each ratio."""
+    step = {(r["round"], r["weights"]): r["decode_step_ms"][size] for r in runs}
+    rounds = sorted({r["round"] for r in runs})
+    return statistics.median(step[i, default] / step[i, best] for i in rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--weights", default="auto,native,bfloat16,float32",
@@ -112,8 +120,7 @@ def main() -> None:
         # the fastest round of each: the least disturbed figure a shared machine gives
         best_run = min(singles, key=lambda w: fastest[w][s])
         ratio_fastest = fastest[default][s] / fastest[best_run][s]
-        step = {(r["round"], r["weights"]): r["decode_step_ms"][s] for r in runs}
-        paired = statistics.median(step[i, default] / step[i, best] for i in range(args.rounds))
+        paired = paired_ratio(runs, default, best, s)
         table.append({"batch": s, "default_ms": round(median[default][s], 3),
                       "best_single": best, "best_ms": round(median[best][s], 3),
                       "default_over_best": round(ratio, 3),

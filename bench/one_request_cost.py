@@ -3,8 +3,9 @@ one hostile request runs, and what they see is measured: every token's arrival, 
 stream's worst gap between consecutive tokens, and /health/live's latency polled every
 ~100 ms. Baseline runs (the two streams alone) alternate with the hostile cases (baseline, A,
 baseline, B, ...), so drift falls on both, over --runs rounds; each case's median worst gap is
-reported against the baseline runs' median worst gap, and against its matched control's (the
-same prompt without the hostile option: what the option itself costs). Every run's prompts
+reported against the baseline runs' median worst gap, and against its matched control's (an
+ordinary request with a prompt of about the same length and no hostile option: what the option
+itself costs). Every run's prompts
 begin with their case and round, so no run reuses another's cached prompt blocks.
 
     nice -n 15 .venv/bin/python bench/one_request_cost.py                    # SmolLM2 (default)
