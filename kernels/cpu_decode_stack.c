@@ -29,7 +29,7 @@ typedef void (*bf16_pack_rows_fn)(const float *x, int64_t M, int64_t K, uint32_t
 typedef void (*bf16_matmul_fn)(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N,
                                int64_t K, float *out);
 typedef int (*i16_matmul_fn)(const int16_t *xq, const float *sx, const float *sums,
-                             int64_t M, const int8_t *wq, const float *d, const float *m,
+                             int64_t M, const int8_t *wq, const void *d, const void *m,
                              int64_t N, int64_t K, int64_t bits, float *out);
 typedef void (*add_rms_norm_fn)(float *x, const float *delta, const float *weight, float eps,
                                 int64_t T, int64_t H, float *out);
@@ -63,7 +63,7 @@ typedef struct {
     const uint8_t *data; /* (out, in / 32 * block bytes) GGUF blocks */
     int64_t qtype;
     const int8_t *quants; /* the int16 path's copy (cpu_int16_matmul.c), or NULL */
-    const float *scales, *offsets;
+    const void *scales, *offsets; /* float16 or float32, as that build keeps them */
     int64_t int16_bits; /* bits a quant of the int16 copy takes (cpu_int16_matmul.c) */
     /* products of lo <= rows < hi take the int16 copy, for each (lo, hi) pair; unused pairs
      * are (0, 0) */

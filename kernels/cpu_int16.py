@@ -38,7 +38,8 @@ _LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
     "i16_quantize_rows": [_P, _I, _I, _P, _P, _P],
     "i16_matmul": ([_P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _P], ctypes.c_int),
     "i16_quant_bits": ([_I], ctypes.c_int64),
-    "i16_vector_lanes": ([], ctypes.c_int)})
+    "i16_vector_lanes": ([], ctypes.c_int),
+    "i16_scale_bytes": ([], ctypes.c_int64)})
 
 
 def load() -> ctypes.CDLL | None:
@@ -54,9 +55,9 @@ class Int16Weight:
     """(N * K * bits / 8,) int8, 16 output rows and 2 inputs a vector (widened to int16 in the
     kernel)."""
     scales: torch.Tensor
-    """(N * K / 32,) float32."""
+    """(N * K / 32,) float32, or float16 where the build keeps them so (scale_dtype)."""
     offsets: torch.Tensor | None
-    """(N * K / 32,) float32 for Q4_1, else None."""
+    """(N * K / 32,) as scales, for Q4_0 and Q4_1, else None."""
     out_features: int
     in_features: int
     bits: int = 8
@@ -79,13 +80,21 @@ def pack(blocks: torch.Tensor, qtype: int, in_features: int) -> Int16Weight | No
         return None
     bits = quant_bits(qtype)
     quants = torch.empty(n * in_features * bits // 8, dtype=torch.int8)
-    scales = torch.empty(n * in_features // BLOCK)
+    scales = torch.empty(n * in_features // BLOCK, dtype=scale_dtype())
     offsets = torch.empty_like(scales) if qtype in WITH_OFFSETS else None
     blocks = blocks.contiguous()
     if not library.i16_pack(qtype, blocks.data_ptr(), n, in_features, quants.data_ptr(),
                             scales.data_ptr(), _pointer(offsets)):
         return None
     return Int16Weight(quants, scales, offsets, n, in_features, bits)
+
+
+def scale_dtype() -> torch.dtype:
+    """How this machine's build keeps a packed weight's scales and offsets: float16 on AVX2
+    (exactly the file's), float32 elsewhere (and where the library is unavailable)."""
+    library = load()
+    return torch.float16 if library is not None and library.i16_scale_bytes() == 2 \
+        else torch.float32
 
 
 def quant_bits(qtype: int) -> int:

@@ -73,6 +73,22 @@ def test_the_four_bit_formats_take_four_bits_a_quant():
         assert weight.bits == bits and weight.quants.numel() == 32 * 64 * bits // 8
 
 
+def test_scales_are_kept_exactly_or_not_packed():
+    """Where the build keeps scales as float16 (AVX2) each is the file's float16 exactly; a
+    float-scale block whose scale float16 cannot hold gets no copy (callers keep the fused
+    path), never a rounded one."""
+    raw, qtype, _ = blocks("Q4_1", 16, 64)
+    widened, wide_type = cpu_quant.with_float_scales(raw.numpy(), qtype)
+    weight = cpu_int16.pack(raw, qtype, 64)
+    assert weight.scales.dtype == cpu_int16.scale_dtype() == weight.offsets.dtype
+    blocks_f = widened.reshape(16, 2, 24)  # (rows, blocks, {float d, m; 16 quant bytes})
+    d = blocks_f[:, :, :4].copy().view(np.float32).reshape(-1)
+    assert sorted(weight.scales.float().tolist()) == sorted(d.tolist())
+    blocks_f[0, 0, :4] = np.array([0.1], dtype=np.float32).view(np.uint8)  # not a float16
+    repacked = cpu_int16.pack(torch.from_numpy(widened), wide_type, 64)
+    assert (repacked is None) == (cpu_int16.scale_dtype() == torch.float16)
+
+
 def test_zero_inputs_and_no_rows():
     raw, qtype, _ = blocks("Q4_1", 16, 64)
     weight = cpu_int16.pack(raw, qtype, 64)
@@ -92,7 +108,9 @@ def portable_pack(library, raw: torch.Tensor, qtype: int, k: int) -> cpu_int16.I
     widened, qtype = cpu_quant.with_float_scales(raw.numpy(), qtype)
     n, bits = raw.shape[0], cpu_int16.quant_bits(qtype)
     quants = torch.empty(n * k * bits // 8, dtype=torch.int8)
-    scales = torch.empty(n * k // 32)
+    library.i16_scale_bytes.restype = ctypes.c_int64
+    scale_dtype = torch.float16 if library.i16_scale_bytes() == 2 else torch.float32
+    scales = torch.empty(n * k // 32, dtype=scale_dtype)
     offsets = torch.empty_like(scales) if qtype in cpu_int16.WITH_OFFSETS else None
     p = ctypes.c_void_p
     assert library.i16_pack(ctypes.c_int64(qtype), p(torch.from_numpy(widened).data_ptr()),

@@ -300,14 +300,15 @@ def _ranges_text(ranges: tuple[tuple[int, int], ...]) -> str:
 
 
 def _form_bytes(weight: QuantizedWeight, form: str) -> int:
-    """Bytes the form's copy of the weight takes (int16: 4- or 8-bit quants, float32 scales
-    and the 4-bit formats' offsets, one of each per 32 weights)."""
+    """Bytes the form's copy of the weight takes (int16: 4- or 8-bit quants, the build's
+    scales and the 4-bit formats' offsets, one of each per 32 weights)."""
     n = weight.out_features * weight.in_features
     if form in ("bfloat16", "bf16dot"):
         return 2 * n
     widened = weight.qtype % cpu_quant.FLOAT_SCALES + cpu_quant.FLOAT_SCALES
     scales = 2 if widened in cpu_int16.WITH_OFFSETS else 1
-    return n * cpu_int16.quant_bits(widened) // 8 + n // cpu_int16.BLOCK * 4 * scales
+    scale_bytes = cpu_int16.scale_dtype().itemsize
+    return n * cpu_int16.quant_bits(widened) // 8 + n // cpu_int16.BLOCK * scale_bytes * scales
 
 
 def measure_streamed(weights: list[QuantizedWeight], form: str = "int16") -> dict:
