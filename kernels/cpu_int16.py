@@ -1,9 +1,9 @@
 """Matrix products from GGUF-quantised weights in 16-bit integers (cpu_int16_matmul.c), for
-products with many input rows: each weight repacked once as 8-bit quants with float32
-scales, each input row rounded to int16 per block of 32, and the sums taken with AVX-512
-VNNI's vpdpwssd (twice float32's multiply-adds an instruction); the copy holds 8 bits a
-weight, widened a panel at a time. Compiled on first use and
-called through ctypes, like cpu_quant.
+products of any number of input rows: each weight repacked once as its file's 4- or 8-bit
+quants with a scale (and offset) per 32, float32 or, on AVX2, float16 (scale_dtype), each
+input row rounded to int16 per block of 32, and the sums taken with vpmaddwd (AVX-512 VNNI's
+vpdpwssd where there is one). The quants are widened in registers for few rows, a panel at a
+time for more. Compiled on first use and called through ctypes, like cpu_quant.
 
 Whether it is used for a weight, and from how many rows, is measured (path_choice), never
 assumed; its accuracy (first-step logits within 0.009 of float32 on SmolLM2) is tested.
