@@ -9,9 +9,9 @@
  *   Q4_0, Q4_1: wq (N / 16, K / 4, 32) bytes, two pairs' vectors (pairs 2c and 2c + 1) a
  *       32 bytes, in nibbles as quant_place places them, q unsigned (0..15): 4 bits a weight,
  *       as the file's own blocks (a byte a weight doubled the bytes a batch-1 step streams);
- *   d   (N / 16, K / 32, 16) float: each block's scale
- *   m   (N / 16, K / 32, 16) float: each block's offset: Q4_1's m, Q4_0's -8 d (w = d (q - 8)),
- *       no array for Q8_0
+ *   d   (N / 16, K / 32, 16) scale_t (float16 or float32, below): each block's scale
+ *   m   (N / 16, K / 32, 16) scale_t: each block's offset: Q4_1's m, Q4_0's -8 d
+ *       (w = d (q - 8)), no array for Q8_0
  * so the weight each lane multiplies is exactly the file's, w = d * q (+ m). The quants are
  * widened to int16 in registers for a product of few rows (each weight used once), or a panel
  * of output rows at a time into a buffer every input row then reads.
@@ -101,7 +101,6 @@ static inline int64_t quant_place(int64_t e, int p, int bits) {
  * file's float16 (Q4_0's -8 d too), so nothing is rounded, and a batch-1 step streams a sixth
  * fewer bytes (4-bit quants and two float32 a block of 32 were 0.75 bytes a weight). */
 #if defined(WORD_ORDER) && defined(__F16C__)
-#define HALF_SCALES 1
 typedef _Float16 scale_t;
 #define LOAD_SCALES8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #else
