@@ -240,23 +240,24 @@ class ModelRunner:
         sample from and their sampling settings."""
         bs = self.block_size
         input_ids: list[int] = []
-        position_ranges: list[tuple[int, int]] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSeq] = []
         sample_rows: list[int] = []
         rows: list[SamplingRow] = []
-        slot_parts: list[torch.Tensor] = []
+        # Positions and slots as plain ints, one tensor each at the end: per chunk tensor ops
+        # took 1.7 ms of a 32-sequence step (SmolLM2, Zen 3), for a few ints each.
+        positions: list[int] = []
+        slots: list[int] = []
         in_decode_prefix = True
         for chunk in plan.chunks:
             state = self.requests[chunk.request_id]
             start, n = chunk.start_position, len(chunk.token_ids)
             query_start = len(input_ids)
             input_ids.extend(chunk.token_ids)
-            position_ranges.append((start, start + n))
-            table = torch.tensor(state.block_table, dtype=torch.int64)
-            pos = torch.arange(start, start + n)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            positions.extend(range(start, start + n))
+            table = state.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             # One-token chunks at the head of the plan share one batched decode attention, and
             # so do verify chunks (a last token and its drafts): one decode row per position,
             # seeing its causal prefix, the drafts before it included (every row's K/V is
@@ -267,7 +268,9 @@ class ModelRunner:
                 decode_tables.extend([state.block_table] * n)
                 decode_lens.extend(range(start + 1, start + n + 1))
             else:
-                prefills.append(PrefillSeq(query_start, n, start + n, table.to(self.device)))
+                prefills.append(PrefillSeq(query_start, n, start + n,
+                                           torch.tensor(table, dtype=torch.int64,
+                                                        device=self.device)))
             if chunk.sample_index is not None:
                 history, num_prompt = state.history or [], state.sampling.num_prompt_tokens
                 if state.sampling.params.repetition_penalty != 1.0 and state.prompt_seen is None:
@@ -281,9 +284,8 @@ class ModelRunner:
                     rows.append(SamplingRow(state.sampling, chunk.sample_index + i, [],
                                             history[num_prompt:start + last + i + 1],
                                             state.constraint, state.prompt_seen, i))
-        positions = torch.cat([torch.arange(a, b) for a, b in position_ranges])
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_parts).to(self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             num_decodes=len(decode_tables),
             decode_block_tables=None, decode_key_bias=None, prefills=prefills)
         if decode_tables:
@@ -298,7 +300,7 @@ class ModelRunner:
             meta.decode_context_lens = torch.tensor(decode_lens, dtype=torch.int64,
                                                     device=self.device)
         return (torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-                positions.to(self.device), meta,
+                torch.tensor(positions, dtype=torch.int64, device=self.device), meta,
                 torch.tensor(sample_rows, dtype=torch.int64, device=self.device), rows)
 
 
