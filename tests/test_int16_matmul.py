@@ -3,8 +3,6 @@ here in float64 from the same int16 inputs: each GGUF format, remainders of its 
 output tiles, every row's result independent of the batch around it, and the portable C
 path equal to the vector one."""
 
-import ctypes
-
 import numpy as np
 import pytest
 import torch
@@ -103,45 +101,17 @@ def test_unsupported_shapes_get_no_copy():
         cpu_int16.matmul(torch.randn(2, 32), cpu_int16.pack(*blocks("Q4_1", 16, 64)[:2], 64))
 
 
-def portable_pack(library, raw: torch.Tensor, qtype: int, k: int) -> cpu_int16.Int16Weight:
-    """cpu_int16.pack through another build of the library (its own 4-bit layout)."""
-    widened, qtype = cpu_quant.with_float_scales(raw.numpy(), qtype)
-    n, bits = raw.shape[0], cpu_int16.quant_bits(qtype)
-    quants = torch.empty(n * k * bits // 8, dtype=torch.int8)
-    library.i16_scale_bytes.restype = ctypes.c_int64
-    scale_dtype = torch.float16 if library.i16_scale_bytes() == 2 else torch.float32
-    scales = torch.empty(n * k // 32, dtype=scale_dtype)
-    offsets = torch.empty_like(scales) if qtype in cpu_int16.WITH_OFFSETS else None
-    p = ctypes.c_void_p
-    assert library.i16_pack(ctypes.c_int64(qtype), p(torch.from_numpy(widened).data_ptr()),
-                            ctypes.c_int64(n), ctypes.c_int64(k), p(quants.data_ptr()),
-                            p(scales.data_ptr()),
-                            None if offsets is None else p(offsets.data_ptr())) == 1
-    return cpu_int16.Int16Weight(quants, scales, offsets, n, k, bits)
-
-
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize("m", [1, 3, 6])
 def test_the_portable_path_computes_what_the_vector_path_does(tmp_path, monkeypatch, fmt, m):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    portable = cpu_build.build(cpu_int16.SOURCE, (*cpu_int16.FLAGS, "-mno-avx512f", "-mno-avx2"))
-    assert portable is not None and portable.i16_vector_lanes() == 0
     assert cpu_int16.load().i16_vector_lanes() > 0 or pytest.skip("no vector path here")
     raw, qtype, _ = blocks(fmt, 80, 64, seed=4)
-    weight = portable_pack(portable, raw, qtype, 64)  # each build packs 4 bits its own way
     x = torch.randn(m, 64)
-    quants = torch.empty(m, 64, dtype=torch.int16)
-    scales, sums, out = torch.empty(m, 2), torch.empty(m, 2), torch.empty(m, 80)
-    p = ctypes.c_void_p
-    offsets = None if weight.offsets is None else p(weight.offsets.data_ptr())
-    portable.i16_quantize_rows(p(x.data_ptr()), ctypes.c_int64(m), ctypes.c_int64(64),
-                               p(quants.data_ptr()), p(scales.data_ptr()),
-                               p(sums.data_ptr()) if offsets else None)
-    assert portable.i16_matmul(p(quants.data_ptr()), p(scales.data_ptr()),
-                               p(sums.data_ptr()) if offsets else None,
-                               ctypes.c_int64(m), p(weight.quants.data_ptr()),
-                               p(weight.scales.data_ptr()), offsets,
-                               ctypes.c_int64(80), ctypes.c_int64(64),
-                               ctypes.c_int64(weight.bits), p(out.data_ptr())) == 1
-    # the same integer sums and the same float steps in the same order
-    assert torch.equal(out, cpu_int16.matmul(x, cpu_int16.pack(raw, qtype, 64)))
+    vector = cpu_int16.matmul(x, cpu_int16.pack(raw, qtype, 64))
+    flags = (*cpu_int16.FLAGS, "-mno-avx512f", "-mno-avx2")
+    portable = cpu_build.Library(cpu_int16.SOURCE, flags, cpu_int16._LIBRARY.signatures)
+    assert portable.load() is not None and portable.load().i16_vector_lanes() == 0
+    monkeypatch.setattr(cpu_int16, "_LIBRARY", portable)
+    # each build packs its own way; the same integer sums and float steps in the same order
+    assert torch.equal(cpu_int16.matmul(x, cpu_int16.pack(raw, qtype, 64)), vector)
