@@ -3,6 +3,8 @@ tiny model's engine would not matter: ids come from the served model's tokenizer
 tests/test_tokenizer.py holds to transformers'): vLLM's shapes, the chat template, the
 round trip, and typed 400s."""
 
+import os
+
 import httpx
 import pytest
 
@@ -10,6 +12,7 @@ from helpers.serving import module_server
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
 from tokstream.text.tokenizer import load_tokenizer
+from tokstream.text.tokenizer_pool import cpu_ticks, policy, thread_ids
 
 pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
 
@@ -84,3 +87,18 @@ def test_bad_bodies_get_a_typed_400(server, path, body, field):
     assert reply.status_code == 400
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == field
+
+
+def test_the_gateways_tokenising_threads_run_under_sched_idle(server):
+    # Issue 31 item 4: the tokenizers pool's threads yield the cores to the ranks' threads,
+    # so a request with heavy tokenising (here many messages with special-token text, batched)
+    # waits for its own work instead of stalling the streams decoding beside it.
+    gateway = server.pid
+    assert policy(gateway, gateway) == os.SCHED_OTHER
+    pool = [tid for tid in thread_ids(gateway) if policy(tid, gateway) == os.SCHED_IDLE]
+    assert pool, "no thread of the gateway runs under SCHED_IDLE"
+    before = sum(cpu_ticks(tid, gateway) for tid in pool)
+    messages = [{"role": "user", "content": f"<|im_start|> message {i} " + "word " * 200}
+                for i in range(400)]
+    assert post(server, "/tokenize", {"messages": messages}).status_code == 200
+    assert sum(cpu_ticks(tid, gateway) for tid in pool) > before

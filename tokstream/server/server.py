@@ -24,6 +24,7 @@ from tokstream.server.access.tenants import Tenant, Tenants, load_tenants
 from tokstream.server.validation import shown
 from tokstream.state_snapshot import ReplicaStatus, StateSnapshot
 from tokstream.text.tokenizer import Tokenizer
+from tokstream.text.tokenizer_pool import start_idle_pool
 
 log = logging.getLogger("tokstream.server")
 
@@ -39,6 +40,7 @@ class Server:
         self.config = config
         self.tokenizer = tokenizer
         if tokenizer is not None:  # before serving: building these holds the GIL
+            start_idle_pool(tokenizer.backend)  # first, before any batch call starts the pool
             tokenizer.prepare_user_text()
             tokenizer.max_token_bytes  # worked out once, here (a read of the whole vocabulary)
         self.model_id = model_id
