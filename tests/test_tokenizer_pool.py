@@ -14,7 +14,8 @@ import json, threading
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
 from tokstream.text.tokenizer import load_tokenizer
-from tokstream.text.tokenizer_pool import cpu_ticks, policy, start_idle_pool, thread_ids
+from tokstream.idle_threads import cpu_ticks, policy, thread_ids
+from tokstream.text.tokenizer_pool import start_idle_pool
 
 tokenizer = load_tokenizer(ModelSource("gguf", embedded_gguf_path(),
                                        dummy_config("smollm2-135m")))
