@@ -1,9 +1,11 @@
-"""The tokenizers library's worker threads, started under SCHED_IDLE (idle_threads.py). Its
-batch calls (long prompts, many messages, count_tokens) run on one process-wide pool of threads
-that hold no GIL. At normal priority they took the cores from the ranks: on 2 cores,
-count_tokens on 6,000 messages (~0.4 s of tokenising) stalled the streams decoding beside it
-for 265-552 ms in half the runs (issue 31 item 4); under SCHED_IDLE the request waits for its
-own tokenising instead.
+"""The tokenizers library's worker threads, started under SCHED_IDLE (idle_threads.py). A
+batch call of several texts (encode_chat's messages with special-token text, count_tokens over
+them) runs on one process-wide pool of threads that hold no GIL; one text, however long, is
+tokenised on the calling thread. At normal priority the pool took the cores from the ranks: on
+2 cores, count_tokens on 6,000 messages (~0.4 s of tokenising) stalled the streams decoding
+beside it for 265-552 ms in half the runs (issue 31 item 4). Under SCHED_IDLE the request waits
+for its own tokenising instead: against two threads that never sleep, an idle thread got 3% of
+a core, so under full load such a request is that much slower.
 
 Linux gives a new thread its creator's policy, and the pool starts on its first batch call; so
 that first call is made here, from a thread that has put itself under SCHED_IDLE. No torch
