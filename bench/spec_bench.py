@@ -19,9 +19,10 @@ Derived: the copy/free ratio of time per token at 1 stream per variant (issue 34
 tokstream's defaults: <= 0.5), and each speculating variant over its server's `off` on both
 mixes at every stream count (target on free-form: throughput within 3%).
 
-Each server runs alone: the script waits for a quiet load average (compare_vllm's settle),
+Each server runs alone: the script waits for a quiet load average (compare_machine's settle),
 records it, starts the server, warms it up, measures, stops its process group. The helpers
-(processes, the machine, the model folder, versions) are bench/compare_vllm.py's.
+(processes, the machine, the model folder, versions) are bench/compare_vllm.py's modules
+(compare_servers, compare_machine, compare_peers, compare_probes, compare_contenders).
 """
 
 from __future__ import annotations
@@ -43,7 +44,14 @@ from dataclasses import asdict, dataclass
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import compare_vllm as cv  # noqa: E402
+from compare_contenders import serve_and_measure, tokstream_serve_available  # noqa: E402
+from compare_machine import (NotQuiet, cpu_range, default_threads, host_info,  # noqa: E402
+                             loadavg, settle)
+from compare_peers import (DEFAULT_LLAMA_SERVER, DEFAULT_VENV, PEER_DIR,  # noqa: E402
+                           ensure_hf_folder, gguf_info, resolve_gguf, versions)
+from compare_probes import probe_ignore_eos  # noqa: E402
+from compare_servers import MODEL_NAME, ROOT, cmdline, free_port  # noqa: E402
+from tokstream.kernels import cpu_build  # noqa: E402
 
 SERVERS = ("tokstream", "vllm", "llamacpp")
 TARGET_COPY_OVER_FREE = 0.5  # issue 34: copy-heavy time per token <= 0.5x free-form's, 1 stream
@@ -193,7 +201,7 @@ class RequestTiming:
 
 
 def request_body(prompt: Prompt, max_tokens: int, ignore_eos: bool) -> dict:
-    body = {"model": cv.MODEL_NAME, "messages": list(prompt.messages), "max_tokens": max_tokens,
+    body = {"model": MODEL_NAME, "messages": list(prompt.messages), "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         body["ignore_eos"] = True
@@ -475,28 +483,17 @@ def measure(args, port: int) -> dict:
 
 def run_variant(args, name: str, cmd: list[str], env_extra: dict, work: str) -> dict:
     """One server config alone: settle, start, probe, measure, stop (whatever happened)."""
-    port = cv.free_port()
+    port = free_port()
     full = cmd + ["--port", str(port)]
-    out: dict = {"server_cmd": cv.cmdline(full, env_extra)}
-    out.update(cv.settle(args, name))
-    server = None
-    try:
-        server = cv.Server(name, full, dict(os.environ, **env_extra),
-                           os.path.join(work, f"{name}_server.log"), port)
-        out["startup_s"] = server.wait_healthy(args.startup_timeout)
-        log(f"{name}: healthy after {out['startup_s']:.1f} s")
-        out["ignore_eos_probe"] = {k: v for k, v in cv.probe_ignore_eos(port).items()
+    out: dict = {"server_cmd": cmdline(full, env_extra)}
+    out.update(settle(args, name))
+
+    def probe_and_measure() -> None:
+        out["ignore_eos_probe"] = {k: v for k, v in probe_ignore_eos(port).items()
                                    if k in ("accepted", "honoured", "conclusive")}
         out["runs"] = measure(args, port)
-    except Exception as exc:  # kept in the JSON; the server is stopped below
-        out["error"] = str(exc)[-2000:]
-        log(f"{name}: {str(exc)[-300:]}")
-    finally:
-        if server is not None:
-            out["stop"] = server.stop()
-            out["server_log"] = server.log_path
-        out["loadavg_after"] = cv.loadavg()
-    return out
+    return serve_and_measure(args, name, full, env_extra, work, port, out, probe_and_measure,
+                             log=log, error_chars=2000, log_chars=300)
 
 
 def run_server(args, server: str, variants: list[str], build, work: str, block: dict,
@@ -518,7 +515,7 @@ def run_server(args, server: str, variants: list[str], build, work: str, block: 
 
 
 def tokstream_block(args, work: str, block: dict) -> None:
-    ok, why, help_text = cv.tokstream_serve_available(args)
+    ok, why, help_text = tokstream_serve_available(args)
     if not ok:
         block["absent"] = {v: why for v in args.tokstream_variants}
         return
@@ -529,7 +526,7 @@ def tokstream_block(args, work: str, block: dict) -> None:
     model = ["--model", args.gguf] if args.gguf else []
     run_server(args, "tokstream", args.tokstream_variants, lambda v: (
         [args.tokstream, "serve"] + model + tokstream_variant_args(v, args.k) +
-        ["--host", "127.0.0.1", "--served-model-name", cv.MODEL_NAME], {}), work, block, absent)
+        ["--host", "127.0.0.1", "--served-model-name", MODEL_NAME], {}), work, block, absent)
 
 
 def vllm_block(args, work: str, block: dict) -> None:
@@ -538,11 +535,11 @@ def vllm_block(args, work: str, block: dict) -> None:
         block["absent"] = {v: f"{peer} missing (scripts/setup_vllm_peer.sh)"
                            for v in args.vllm_variants}
         return
-    env = {"VLLM_CPU_OMP_THREADS_BIND": cv.cpu_range(args.threads),
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cpu_range(args.threads),
            "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
     run_server(args, "vllm", args.vllm_variants, lambda v: (
         [peer, "serve", args.hf_folder, "--dtype", args.vllm_dtype, "--host", "127.0.0.1",
-         "--served-model-name", cv.MODEL_NAME] + vllm_variant_args(v, args.k) +
+         "--served-model-name", MODEL_NAME] + vllm_variant_args(v, args.k) +
         (["--enforce-eager"] if args.enforce_eager else []), env), work, block)
 
 
@@ -557,7 +554,7 @@ def llamacpp_block(args, gguf: str, work: str, block: dict) -> None:
     slots = max(args.streams)
     ctx = slots * args.llama_ctx_per_slot
     run_server(args, "llamacpp", args.llamacpp_variants, lambda v: (
-        [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "-a", cv.MODEL_NAME,
+        [args.llama_server, "-m", gguf, "--host", "127.0.0.1", "-a", MODEL_NAME,
          "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots), "-cb",
          "-c", str(ctx), "--metrics"] + shlex.split(args.llamacpp_extra_args) +
         llamacpp_variant_args(v, args.k, args.llamacpp_ngram_size_n), {}), work, block,
@@ -583,19 +580,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests-per-stream", type=int, default=None,
                    help="requests per stream at N > 1 streams (default 2; --quick: 1)")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (see above)")
-    p.add_argument("--tokstream", default=os.path.join(cv.ROOT, ".venv", "bin", "tokstream"))
+    p.add_argument("--tokstream", default=os.path.join(ROOT, ".venv", "bin", "tokstream"))
     p.add_argument("--gguf", default=None, help="default: the embedded SmolLM2 Q4_1")
-    p.add_argument("--vllm-venv", default=cv.DEFAULT_VENV)
+    p.add_argument("--vllm-venv", default=DEFAULT_VENV)
     p.add_argument("--vllm-dtype", default="float32")
     p.add_argument("--enforce-eager", action="store_true", help="vLLM --enforce-eager")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
-    p.add_argument("--hf-folder", default=os.path.join(cv.PEER_DIR, "smollm2-hf"))
-    p.add_argument("--llama-server", default=cv.DEFAULT_LLAMA_SERVER)
+    p.add_argument("--hf-folder", default=os.path.join(PEER_DIR, "smollm2-hf"))
+    p.add_argument("--llama-server", default=DEFAULT_LLAMA_SERVER)
     p.add_argument("--llama-ctx-per-slot", type=int, default=1024)
     p.add_argument("--llamacpp-ngram-size-n", type=int, default=3)
     p.add_argument("--llamacpp-extra-args", default="",
                    help="e.g. --no-repack (needed on the AMX VM, shared/REFERENCE.md)")
-    p.add_argument("--threads", type=int, default=cv.default_threads())
+    p.add_argument("--threads", type=int, default=default_threads())
     p.add_argument("--startup-timeout", type=float, default=420.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--quiet-load", type=float, default=0.5)
@@ -648,7 +645,7 @@ def workload(args) -> dict:
 def report_skeleton(args, work: str) -> dict:
     return {"what": __doc__.split("\n\n")[0], "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "command": shlex.join([".venv/bin/python", "bench/spec_bench.py"] + sys.argv[1:]),
-            "cpu_kind": cv.cpu_build.cpu_kind(), "host": cv.host_info(),
+            "cpu_kind": cpu_build.cpu_kind(), "host": host_info(),
             "workload": workload(args), "note": args.note, "work_dir": work,
             "prompts": {mix: [{"name": p.name, "task": p.task, "user": p.user}
                               for p in prompts] for mix, prompts in MIXES.items()},
@@ -668,7 +665,7 @@ def finish(report: dict, args, started: float) -> dict:
     report["quiet"] = bool(each) and all(r.get("quiet") for r in each.values())
     report["absent"] = {f"{s}/{v}": why for s, b in servers.items()
                         for v, why in (b.get("absent") or {}).items()}
-    report["loadavg_at_end"] = cv.loadavg()
+    report["loadavg_at_end"] = loadavg()
     report["wall_s"] = time.time() - started
     return report
 
@@ -699,8 +696,8 @@ def main(argv=None) -> int:
     work = args.work_dir or tempfile.mkdtemp(prefix="spec_bench-")
     os.makedirs(work, exist_ok=True)
     out_path = args.out or (os.path.join(work, "spec_bench_quick.json") if args.quick else
-                            os.path.join(cv.ROOT, "bench", "results",
-                                         f"spec_bench-{cv.cpu_build.cpu_kind()}.json"))
+                            os.path.join(ROOT, "bench", "results",
+                                         f"spec_bench-{cpu_build.cpu_kind()}.json"))
     log(f"logs in {work}")
 
     def _terminate(signum, frame):
@@ -710,20 +707,20 @@ def main(argv=None) -> int:
 
     started = time.time()
     report = report_skeleton(args, work)
-    gguf = cv.resolve_gguf(args)
-    report["model"] = cv.gguf_info(gguf)
-    report["versions"] = cv.versions(args)
+    gguf = resolve_gguf(args)
+    report["model"] = gguf_info(gguf)
+    report["versions"] = versions(args)
     servers, rc = report["servers"], 0
     try:
         if "tokstream" in args.only:
             tokstream_block(args, work, servers["tokstream"])
         if "vllm" in args.only:
-            report["model"]["hf_folder"] = cv.ensure_hf_folder(args.hf_folder, report["model"],
-                                                               work)
+            report["model"]["hf_folder"] = ensure_hf_folder(args.hf_folder, report["model"],
+                                                            work)
             vllm_block(args, work, servers["vllm"])
         if "llamacpp" in args.only:
             llamacpp_block(args, gguf, work, servers["llamacpp"])
-    except cv.NotQuiet as exc:
+    except NotQuiet as exc:
         report["aborted"] = f"--require-quiet: {exc}"
         rc = 3
     finally:

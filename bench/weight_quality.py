@@ -35,7 +35,10 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "bench")]
 
 import torch  # noqa: E402
 
-import compare_vllm  # noqa: E402
+from compare_machine import default_threads, host_info, loadavg  # noqa: E402
+from compare_peers import (DEFAULT_VENV, PEER_DIR, ensure_hf_folder, gguf_info,  # noqa: E402
+                           resolve_gguf)
+from compare_servers import Server, free_port  # noqa: E402
 from helpers.prefill import decode_greedy, prefill_logits  # noqa: E402
 from helpers.reference_text import CHAT_PROMPTS, RAW_PROMPTS, TEXT  # noqa: E402
 from tokstream.kernels import cpu_bf16_dot, cpu_build, cpu_int16  # noqa: E402
@@ -54,8 +57,8 @@ NEAR_TIE = 0.05
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--vllm-venv", default=compare_vllm.DEFAULT_VENV)
-    p.add_argument("--hf-folder", default=os.path.join(compare_vllm.PEER_DIR, "smollm2-hf"))
+    p.add_argument("--vllm-venv", default=DEFAULT_VENV)
+    p.add_argument("--hf-folder", default=os.path.join(PEER_DIR, "smollm2-hf"))
     p.add_argument("--no-vllm", action="store_true", help="tokstream's configs only")
     p.add_argument("--json", default=os.path.join(
         ROOT, "bench", "results", f"weight_quality-{cpu_build.cpu_kind()}.json"))
@@ -182,13 +185,13 @@ def summarize(rows: list[dict], perplexity_change: float) -> dict:
 
 def vllm_config(args, dtype: str, prompts, ref: dict, eos, work: str) -> dict:
     vllm_peer = os.path.join(args.vllm_venv, "bin", "vllm-peer")
-    port = compare_vllm.free_port()
+    port = free_port()
     cmd = [vllm_peer, "serve", args.hf_folder, "--dtype", dtype, "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "smollm2", "--enforce-eager",
            "--max-logprobs", str(TOP)]
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2")
-    server = compare_vllm.Server(f"vllm_{dtype}", cmd, env,
-                                 os.path.join(work, f"vllm_{dtype}.log"), port)
+    server = Server(f"vllm_{dtype}", cmd, env,
+                    os.path.join(work, f"vllm_{dtype}.log"), port)
     import httpx
 
     try:
@@ -217,26 +220,26 @@ def vllm_config(args, dtype: str, prompts, ref: dict, eos, work: str) -> dict:
 
 def main() -> int:
     args = parse_args()
-    torch.set_num_threads(compare_vllm.default_threads())
+    torch.set_num_threads(default_threads())
     started = time.time()
     source = resolve_model("smollm2")
     tokenizer = load_tokenizer(source)
     prompts = ([tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
                + [tokenizer.encode(p) for p in RAW_PROMPTS])
-    out = {"what": __doc__.split("\n\n")[0], "host": compare_vllm.host_info(),
+    out = {"what": __doc__.split("\n\n")[0], "host": host_info(),
            "cpu_kind": cpu_build.cpu_kind(), "matrix_units": matrix_units.describe(),
            "prompts": CHAT_PROMPTS + RAW_PROMPTS, "steps": STEPS, "near_tie": NEAR_TIE,
            "command": " ".join(sys.argv)}
     out["tokstream"], ref = tokstream_configs(source, tokenizer, prompts)
     if not args.no_vllm:
-        gguf = compare_vllm.gguf_info(compare_vllm.resolve_gguf(argparse.Namespace(gguf=None)))
+        gguf = gguf_info(resolve_gguf(argparse.Namespace(gguf=None)))
         work = os.path.join(ROOT, "bench", "out", "weight_quality")
         os.makedirs(work, exist_ok=True)
-        out["hf_folder"] = compare_vllm.ensure_hf_folder(args.hf_folder, gguf, work)
+        out["hf_folder"] = ensure_hf_folder(args.hf_folder, gguf, work)
         out["vllm"] = {dtype: vllm_config(args, dtype, prompts, ref,
                                           set(source.config.eos_token_ids), work)
                        for dtype in ("bfloat16", "float32")}
-    out["loadavg_at_end"] = compare_vllm.loadavg()
+    out["loadavg_at_end"] = loadavg()
     out["took_s"] = round(time.time() - started, 1)
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
