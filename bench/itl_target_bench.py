@@ -25,7 +25,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from scheduler_bench import Arrival, drive, random_tokens, write_json  # noqa: E402
+from scheduler_driver import Arrival, drive, random_tokens  # noqa: E402
+from scheduler_results import write_json  # noqa: E402
 from tokstream.stats import percentiles  # noqa: E402
 from tokstream.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from tokstream.engine.llm import LLM  # noqa: E402

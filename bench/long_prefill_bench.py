@@ -21,7 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from scheduler_bench import Arrival, drive, engine, random_tokens, write_json  # noqa: E402
+from scheduler_driver import Arrival, drive, engine, random_tokens  # noqa: E402
+from scheduler_results import write_json  # noqa: E402
 from tokstream.stats import percentiles  # noqa: E402
 from tokstream.engine.messages.request import EngineRequest
 from tokstream.sampling_params import SamplingParams  # noqa: E402
