@@ -9,10 +9,10 @@ import httpx
 import pytest
 
 from helpers.serving import module_server
+from tokstream.idle_threads import cpu_ticks, policy, thread_ids
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
 from tokstream.text.tokenizer import load_tokenizer
-from tokstream.idle_threads import cpu_ticks, policy, thread_ids
 
 pytestmark = pytest.mark.startup  # starts servers or engines (make test-fast leaves it out)
 

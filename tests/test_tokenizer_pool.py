@@ -13,8 +13,8 @@ SCRIPT = r"""
 import json, threading
 from tokstream.model.presets import dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
-from tokstream.text.tokenizer import load_tokenizer
 from tokstream.idle_threads import cpu_ticks, policy, thread_ids
+from tokstream.text.tokenizer import load_tokenizer
 from tokstream.text.tokenizer_pool import start_idle_pool
 
 tokenizer = load_tokenizer(ModelSource("gguf", embedded_gguf_path(),
@@ -50,5 +50,5 @@ def test_the_pool_runs_under_sched_idle_and_does_the_batch_work():
     # The tokenising itself ran on the idle-policy threads; the caller only waited and took the ids.
     assert on_workers >= 10, used
     assert on_workers > 3 * elsewhere, used
-    # A second start finds the pool running and says so (nothing to renice).
+    # A second start finds the pool running and says so (nothing left to set).
     assert seen["again"] == []

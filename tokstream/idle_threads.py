@@ -1,14 +1,14 @@
 """Threads under Linux's SCHED_IDLE policy, and the /proc reads that show a thread's policy and
 CPU time. The ranks' OpenMP threads wait for each other at every barrier of a step, so any
-thread at normal priority that keeps a core busy beside them (the gateway's tokenising)
-stalls the whole step, often by far more than its own CPU time. A
-SCHED_IDLE thread gives its core up the moment a normal thread wakes (the kernel preempts it at
-once; a nice value only shrinks its share), and still runs on any idle core: work that is one
-request's own is slowed under load, never the steps. Only for work that holds no GIL while it
-runs: a preempted idle thread holding the GIL would stop every other thread of its process.
-(A rank's grammar compile also drops the GIL, but under SCHED_IDLE it cost the constrained
-request 0.3-0.9 s for no measurable gain to the streams: it is left as it was.)
-Lowering a thread's own policy needs no privilege. No torch here."""
+thread at normal priority that keeps a core busy beside them (the gateway's tokenising) stalls
+the whole step, often by far more than its own CPU time. The kernel preempts a SCHED_IDLE
+thread the moment a normal thread wakes, and still runs it on any idle core: work that is one
+request's own is slowed under load, never the steps. (A nice value of 10 or 19 did not protect
+the streams in the served A/B; see README.) Only for work that holds no GIL while it runs: a
+preempted idle thread holding the GIL would stop every other thread of its process. A rank's
+grammar compile also drops the GIL, but under SCHED_IDLE it cost the constrained request
+0.3-0.9 s for no measurable gain to the streams, so it is left as it was. Lowering a thread's
+own policy needs no privilege. No torch here."""
 
 from __future__ import annotations
 
