@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from helpers.serving import ServerProcess, anthropic_body, record
-from tokstream.checker import check_streams
+from helpers.serving import INTEGRITY, ServerProcess, anthropic_body, record
+from tokstream.checker import SSERecorder, check_streams
 from tokstream.server.replica.recovery import RAPID_DEATHS_LIMIT
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
@@ -34,35 +34,76 @@ def wait_for(predicate, timeout=120, what=""):
     return found
 
 
-def tokens(state) -> int:
-    return sum(r["output_tokens"] for r in state["requests"])
+class Received:
+    """What each stream's client has received so far (request id, tokens), counted as the
+    tokens arrive: the kill loop sees a core serve on the streams themselves, without waiting
+    on /v1/state polls (slow while the streams' readers busy the test process, they let the
+    streams run hundreds of tokens past a core's first one)."""
+
+    def __init__(self):
+        self.ids: dict[int, str] = {}
+        self.tokens = [0] * len(PROMPTS)
+
+    def record(self, client, i, body):
+        """helpers.serving.record, counting stream i's tokens as they come."""
+        recorder = SSERecorder()
+        with client.stream("POST", "/v1/messages", json=body, headers=INTEGRITY) as response:
+            for chunk in response.iter_bytes():
+                for event in recorder.feed(chunk):
+                    try:
+                        data = event.json()
+                    except ValueError:
+                        continue
+                    if not isinstance(data, dict):
+                        continue
+                    if i not in self.ids and isinstance(data.get("message"), dict):
+                        self.ids[i] = data["message"]["id"]
+                    self.tokens[i] += len((data.get("tokstream") or {}).get("token_ids") or [])
+        return response, recorder.stream()
+
+    def past(self, counts: dict[str, int]) -> bool:
+        """A stream has received more tokens than the server had sent it at counts."""
+        return any(self.tokens[i] > counts[rid] for i, rid in self.ids.items() if rid in counts)
 
 
-def kill_cores_as_they_serve(server, deaths: int) -> list[int]:
-    """SIGKILL the engine core once the streams decode, then each replacement right after
-    it has served a token; returns the pids killed."""
+def kill_cores_as_they_serve(server, received: Received, core: int, deaths: int) -> list[int]:
+    """SIGKILL the engine core (pid core) once the streams decode, then each replacement
+    right after it has served a token; returns the pids killed."""
     killed = []
-    wait_for(lambda: len(server.state()["requests"]) == len(PROMPTS)
-             and all(r["output_tokens"] >= 2 for r in server.state()["requests"]),
-             what="the streams never decoded")
-    for _ in range(deaths):
-        state = wait_for(lambda: (s := server.state())["engine"]["pid"] not in killed
-                         and s["engine"]["alive"] and s, what="no new core")
-        before = tokens(state)
-        wait_for(lambda: tokens(server.state()) > before or server.state()["replica"][
-            "status"] == "down", what="the new core never served")
-        if server.state()["replica"]["status"] == "down":
-            break
-        pid = state["engine"]["pid"]
-        os.kill(pid, signal.SIGKILL)
-        killed.append(pid)
+    wait_for(lambda: min(received.tokens) >= 2, what="the streams never decoded")
+    for death in range(deaths):
+        if death:
+            state = wait_for(lambda: (s := server.state())["engine"]["pid"] not in killed
+                             and s["engine"]["alive"] and s, what="no new core")
+            before = {r["id"]: r["output_tokens"] for r in state["requests"]}
+            wait_for(lambda: served(server, received, before),
+                     what="the new core never served")
+            if server.state()["replica"]["status"] == "down":
+                break
+            core = state["engine"]["pid"]
+        os.kill(core, signal.SIGKILL)
+        killed.append(core)
     return killed
 
 
-def start_streams(server, client, results, max_tokens=300):
-    threads = [threading.Thread(target=lambda i=i, p=p: results.__setitem__(i, record(
-        client, "/v1/messages", anthropic_body(p, max_tokens=max_tokens, temperature=0,
-                                               ignore_eos=True))))
+def served(server, received: Received, before: dict[str, int]) -> bool:
+    """The core has served a token since the server's counts `before`: seen on a stream at
+    once, or in a /v1/state poll every 0.2 s (sooner when the client lags), which also tells
+    a replica gone down."""
+    deadline = time.monotonic() + 0.2
+    while time.monotonic() < deadline:
+        if received.past(before):
+            return True
+        time.sleep(0.002)
+    state = server.state()
+    rows = {r["id"]: r["output_tokens"] for r in state["requests"]}
+    return state["replica"]["status"] == "down" or any(
+        rows.get(rid, 0) > n for rid, n in before.items())
+
+
+def start_streams(client, received: Received, results, max_tokens):
+    threads = [threading.Thread(target=lambda i=i, p=p: results.__setitem__(i, received.record(
+        client, i, anthropic_body(p, max_tokens=max_tokens, temperature=0, ignore_eos=True))))
                for i, p in enumerate(PROMPTS)]
     for thread in threads:
         thread.start()
@@ -75,15 +116,20 @@ SERVE = ("--profile", "ci", "--max-num-batched-tokens", "32", "--no-prefix-cachi
 cores are killed (speculation through faults: test_speculative_faults.py)."""
 
 
+MAX_TOKENS = 500
+"""Long enough that no stream ends before the third death. With the kills timed by
+/v1/state polls alone, 300 once all ended between two polls of a new core (a full suite
+run); timed by the streams, they had at most 22 tokens at the third death in three runs on a
+loaded 2-core machine (82 when a mutation let every stream decode on every core)."""
+
+
 def test_three_quick_core_deaths_blame_no_request():
     with ServerProcess(*SERVE) as server:
         client = httpx.Client(base_url=server.url, timeout=120)
-        results = {}
-        # Long enough that no stream ends before the third death even when the test polls
-        # slowly (a full suite run): with 300 tokens all four once finished between two polls
-        # of a new core, which then served nothing the test could see.
-        threads = start_streams(server, client, results, max_tokens=1500)
-        killed = kill_cores_as_they_serve(server, 3)
+        results, received = {}, Received()
+        core = server.state()["engine"]["pid"]
+        threads = start_streams(client, received, results, max_tokens=MAX_TOKENS)
+        killed = kill_cores_as_they_serve(server, received, core, 3)
         for thread in threads:
             thread.join(180)
         assert len(killed) == 3
@@ -91,7 +137,7 @@ def test_three_quick_core_deaths_blame_no_request():
         assert report.ok, report.summary()
         for stream in report.streams:
             assert stream.status == "complete", (stream.status, stream.error)
-            assert len(stream.token_ids) == 1500
+            assert len(stream.token_ids) == MAX_TOKENS
         state = server.wait_idle()
         assert state["replica"]["restarts_by_kind"]["core"] == 3
         assert state["replica"]["status"] == "ready"
@@ -102,9 +148,11 @@ def test_three_quick_core_deaths_blame_no_request():
 def test_past_the_replica_limit_it_is_down_with_an_overloaded_error_then_back():
     with ServerProcess(*SERVE) as server:
         client = httpx.Client(base_url=server.url, timeout=120)
-        results = {}
-        threads = start_streams(server, client, results, max_tokens=1500)
-        killed = kill_cores_as_they_serve(server, RAPID_DEATHS_LIMIT)
+        results, received = {}, Received()
+        # The streams end with the replica's error, not at max_tokens: more costs nothing.
+        core = server.state()["engine"]["pid"]
+        threads = start_streams(client, received, results, max_tokens=1500)
+        killed = kill_cores_as_they_serve(server, received, core, RAPID_DEATHS_LIMIT)
         for thread in threads:
             thread.join(180)
         assert len(killed) == RAPID_DEATHS_LIMIT

@@ -121,16 +121,34 @@ def raw_request(host: str, port: int, path: str, body: dict, rcvbuf: int | None 
 
 
 def read_all(sock: socket.socket, timeout: float = 60) -> bytes:
+    """A raw response read to its end: the last chunk of a chunked body, or the server closing
+    the connection. (The server keeps the connection open for the next request; waiting for it
+    to close took its 30 s keep-alive.)"""
     sock.settimeout(timeout)
-    chunks = []
-    while True:
+    raw = b""
+    while not _chunked_body_ended(raw):
         chunk = sock.recv(65536)
         if not chunk:
             break
-        chunks.append(chunk)
-        if b"event: message_stop" in chunk or b"event: error" in chunks[-1]:
-            pass
-    return b"".join(chunks)
+        raw += chunk
+    return raw
+
+
+def _chunked_body_ended(raw: bytes) -> bool:
+    """Whether raw holds a whole chunked HTTP/1.1 response, up to its zero-size chunk."""
+    head, found, body = raw.partition(b"\r\n\r\n")
+    if not found or b"transfer-encoding: chunked" not in head.lower():
+        return False
+    while True:
+        size_line, found, rest = body.partition(b"\r\n")
+        if not found:
+            return False
+        size = int(size_line.split(b";")[0] or b"0", 16)
+        if size == 0:
+            return rest.startswith(b"\r\n")
+        if len(rest) < size + 2:
+            return False
+        body = rest[size + 2:]
 
 
 def dechunk(raw: bytes) -> bytes:
