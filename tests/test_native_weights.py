@@ -181,14 +181,44 @@ def product_path(request, models):
         w.int16_rows = ()
 
 
-def greedy(model, config, prompt, steps=32):
-    ids = list(prompt)
-    for _ in range(steps):
-        token = int(prefill_logits(model, ids)[-1].argmax())
-        ids.append(token)
-        if token in config.eos_token_ids:
-            break
-    return ids[len(prompt):]
+@pytest.fixture(scope="module")
+def prompts(models):
+    """The 7 reference prompts, tokenised: the 5 chat prompts, then the 2 raw ones."""
+    tokenizer = load_tokenizer(models[0])
+    return ([tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+            + [tokenizer.encode(p) for p in RAW_PROMPTS])
+
+
+@pytest.fixture(scope="module")
+def float32_answers(models, prompts):
+    """The float32 (dequantised) model's side of every comparison below, computed once for
+    the fused, int16 and bfloat16 paths alike: each reference prompt's logits over the prompt,
+    its greedy tokens and their logits through a float32 paged cache (decode_greedy), and the
+    perplexity of TEXT."""
+    source, _, dense = models
+    ids = load_tokenizer(source).encode(TEXT)
+    return {"first_step": [prefill_logits(dense, p) for p in prompts],
+            "greedy": [decode_greedy(dense, source.config, p, torch.float32) for p in prompts],
+            "perplexity": perplexity(dense, ids)}
+
+
+def perplexity(model, ids) -> float:
+    logits = prefill_logits(model, ids)[:-1]
+    return float(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).exp())
+
+
+def greedy_answer(tokens, config, steps=32):
+    """The first `steps` of greedy tokens, up to and with the first end-of-sequence one."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in config.eos_token_ids), len(tokens))
+    return tokens[:min(end, steps)]
+
+
+def greedy_choices(model, prompt, answer):
+    """The model's greedy token after the prompt and after each proper prefix of `answer`,
+    from one pass over them: equal to `answer` exactly when decoding greedily from the prompt
+    gives `answer` (each step sees the same tokens), without a pass per step."""
+    logits = prefill_logits(model, prompt + answer[:-1])[len(prompt) - 1:]
+    return logits.argmax(-1).tolist()
 
 
 @pytest.mark.slow
@@ -200,36 +230,29 @@ def test_native_model_holds_quantised_blocks(models):
 
 
 @pytest.mark.slow
-def test_first_step_logits_within_0_02(models, product_path):
-    source, native, dense = models
-    tokenizer = load_tokenizer(source)
-    prompts = ([tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
-               + [tokenizer.encode(p) for p in RAW_PROMPTS])
-    for prompt in prompts:
-        gap = (prefill_logits(native, prompt) - prefill_logits(dense, prompt)).abs().max()
+def test_first_step_logits_within_0_02(models, product_path, prompts, float32_answers):
+    native = models[1]
+    for prompt, reference in zip(prompts, float32_answers["first_step"]):
+        gap = (prefill_logits(native, prompt) - reference).abs().max()
         assert gap < 0.02, gap
 
 
 @pytest.mark.slow
-def test_greedy_tokens_equal_the_float32_paths(models, product_path):
-    source, native, dense = models
-    tokenizer = load_tokenizer(source)
-    for text in CHAT_PROMPTS[:3]:
-        prompt = tokenizer.encode_chat([{"role": "user", "content": text}])
-        assert greedy(native, source.config, prompt) == greedy(dense, source.config, prompt)
+def test_greedy_tokens_equal_the_float32_paths(models, product_path, prompts,
+                                               float32_answers):
+    """32 greedy tokens (or up to the end) of the first 3 chat prompts, each step a product
+    of many rows (the path under test), equal to float32's."""
+    source, native, _ = models
+    for prompt, (tokens, _) in zip(prompts[:3], float32_answers["greedy"]):
+        answer = greedy_answer(tokens, source.config)
+        assert greedy_choices(native, prompt, answer) == answer
 
 
 @pytest.mark.slow
-def test_perplexity_within_half_a_percent(models, product_path):
-    source, native, dense = models
-    ids = load_tokenizer(source).encode(TEXT)
-    targets = torch.tensor(ids[1:])
-
-    def perplexity(model):
-        logits = prefill_logits(model, ids)[:-1]
-        return float(torch.nn.functional.cross_entropy(logits, targets).exp())
-
-    ours, reference = perplexity(native), perplexity(dense)
+def test_perplexity_within_half_a_percent(models, product_path, float32_answers):
+    source, native, _ = models
+    ours = perplexity(native, load_tokenizer(source).encode(TEXT))
+    reference = float32_answers["perplexity"]
     assert abs(ours / reference - 1) < 0.005, (ours, reference)
 
 
@@ -390,18 +413,15 @@ def first_step_logprob_gap(logits, reference) -> float:
 
 
 @pytest.mark.slow
-def test_bfloat16_copies_pass_the_quality_bar(models, bfloat16_copies):
+def test_bfloat16_copies_pass_the_quality_bar(models, bfloat16_copies, prompts,
+                                              float32_answers):
     """Issue 28's bar on the 7 reference prompts: greedy tokens equal to float32's (or
     parting at a near-tie), first-step logprobs no further from float32 than vLLM's bfloat16,
     perplexity within 0.5%."""
-    source, native, dense = models
-    tokenizer = load_tokenizer(source)
-    prompts = ([tokenizer.encode_chat([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
-               + [tokenizer.encode(p) for p in RAW_PROMPTS])
+    source, native, _ = models
     eos = set(source.config.eos_token_ids)
-    for prompt in prompts:
+    for prompt, (theirs, their_logits) in zip(prompts, float32_answers["greedy"]):
         ours, our_logits = decode_greedy(native, source.config, prompt, torch.float32)
-        theirs, their_logits = decode_greedy(dense, source.config, prompt, torch.float32)
         end = next((i + 1 for i, t in enumerate(theirs) if t in eos), len(theirs))
         if ours[:end] != theirs[:end]:
             part = next(i for i in range(end) if ours[i] != theirs[i])
@@ -409,11 +429,5 @@ def test_bfloat16_copies_pass_the_quality_bar(models, bfloat16_copies):
             assert top2[0] - top2[1] < NEAR_TIE, (prompt, part)
         assert first_step_logprob_gap(our_logits[0], their_logits[0]) <= \
             VLLM_BFLOAT16_FIRST_STEP
-    ids = tokenizer.encode(TEXT)
-    targets = torch.tensor(ids[1:])
-
-    def perplexity(model):
-        return float(torch.nn.functional.cross_entropy(prefill_logits(model, ids)[:-1],
-                                                       targets).exp())
-
-    assert abs(perplexity(native) / perplexity(dense) - 1) < 0.005
+    ours = perplexity(native, load_tokenizer(source).encode(TEXT))
+    assert abs(ours / float32_answers["perplexity"] - 1) < 0.005

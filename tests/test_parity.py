@@ -53,10 +53,12 @@ def prompts(tokenizer):
 @pytest.fixture(scope="module")
 def hf_model(source, state_dict):
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
 
     hf_config = LlamaConfig.from_dict(hf_config_dict(source.config))
     hf_config._attn_implementation = "eager"
-    model = LlamaForCausalLM(hf_config).float().eval()
+    with no_init_weights():  # every weight is loaded below (~5 s of random init saved)
+        model = LlamaForCausalLM(hf_config).float().eval()
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     model.tie_weights()

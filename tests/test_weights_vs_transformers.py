@@ -4,6 +4,7 @@ greedy answer, and transformers' own GGUF reader gives the same config and the s
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -28,6 +29,7 @@ def private_cache(tmp_path, monkeypatch):
 
 def transformers_llama(config, state_dict):
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
 
     hf_config = LlamaConfig(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
@@ -37,11 +39,25 @@ def transformers_llama(config, state_dict):
         rope_theta=config.rope_theta, rms_norm_eps=config.rms_norm_eps,
         tie_word_embeddings=config.tie_word_embeddings, bos_token_id=config.bos_token_id,
         eos_token_id=list(config.eos_token_ids), attn_implementation="eager")
-    model = LlamaForCausalLM(hf_config).to(torch.float32)
+    with no_init_weights():  # every weight is loaded below (~5 s of random init saved)
+        model = LlamaForCausalLM(hf_config).to(torch.float32)
     result = model.load_state_dict(state_dict, strict=False)
     assert result.unexpected_keys == [] and result.missing_keys == ["lm_head.weight"]
     model.tie_weights()
     return model.eval()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gguf_parsed_once():
+    """One gguf.GGUFReader of the file for the module: transformers parses it anew for its
+    tokenizer, its config and its tensors (~4 s each here); each reads the same parse.
+    tokstream's own loader does not use GGUFReader, so it stays independent."""
+    import gguf
+
+    parse = functools.cache(gguf.GGUFReader)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", lambda path, mode="r": parse(os.path.realpath(path), mode))
+        yield
 
 
 @pytest.fixture(scope="module")
