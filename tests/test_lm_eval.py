@@ -67,11 +67,15 @@ def hf_tokenizer(tokenizer_folder):
 @pytest.fixture(scope="module")
 def hf_model(source):
     from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
 
     config = LlamaConfig.from_dict(hf_config_dict(source.config))
     config._attn_implementation = "eager"
-    model = LlamaForCausalLM(config).float().eval()
-    model.load_state_dict(load_state_dict(source, torch.float32), strict=False)
+    with no_init_weights():  # every weight is loaded below (~2 s of random init saved)
+        model = LlamaForCausalLM(config).float().eval()
+    missing, unexpected = model.load_state_dict(load_state_dict(source, torch.float32),
+                                                strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     model.tie_weights()
     return model
 
