@@ -13,8 +13,8 @@ import time
 import httpx
 import pytest
 
-from helpers.serving import INTEGRITY, ServerProcess, anthropic_body, record
-from tokstream.checker import SSERecorder, check_streams
+from helpers.serving import ServerProcess, anthropic_body, record
+from tokstream.checker import check_streams
 from tokstream.server.replica.recovery import RAPID_DEATHS_LIMIT
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
@@ -44,22 +44,17 @@ class Received:
         self.ids: dict[int, str] = {}
         self.tokens = [0] * len(PROMPTS)
 
-    def record(self, client, i, body):
-        """helpers.serving.record, counting stream i's tokens as they come."""
-        recorder = SSERecorder()
-        with client.stream("POST", "/v1/messages", json=body, headers=INTEGRITY) as response:
-            for chunk in response.iter_bytes():
-                for event in recorder.feed(chunk):
-                    try:
-                        data = event.json()
-                    except ValueError:
-                        continue
-                    if not isinstance(data, dict):
-                        continue
-                    if i not in self.ids and isinstance(data.get("message"), dict):
-                        self.ids[i] = data["message"]["id"]
-                    self.tokens[i] += len((data.get("tokstream") or {}).get("token_ids") or [])
-        return response, recorder.stream()
+    def count(self, i: int, event) -> None:
+        """record's on_event for stream i: its request id, and its tokens as they come."""
+        try:
+            data = event.json()
+        except ValueError:
+            return
+        if not isinstance(data, dict):
+            return
+        if i not in self.ids and isinstance(data.get("message"), dict):
+            self.ids[i] = data["message"]["id"]
+        self.tokens[i] += len((data.get("tokstream") or {}).get("token_ids") or [])
 
     def past(self, counts: dict[str, int]) -> bool:
         """A stream has received more tokens than the server had sent it at counts."""
@@ -102,8 +97,10 @@ def served(server, received: Received, before: dict[str, int]) -> bool:
 
 
 def start_streams(client, received: Received, results, max_tokens):
-    threads = [threading.Thread(target=lambda i=i, p=p: results.__setitem__(i, received.record(
-        client, i, anthropic_body(p, max_tokens=max_tokens, temperature=0, ignore_eos=True))))
+    threads = [threading.Thread(target=lambda i=i, p=p: results.__setitem__(i, record(
+        client, "/v1/messages", anthropic_body(p, max_tokens=max_tokens, temperature=0,
+                                               ignore_eos=True),
+        on_event=lambda event, i=i: received.count(i, event))))
                for i, p in enumerate(PROMPTS)]
     for thread in threads:
         thread.start()

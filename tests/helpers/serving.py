@@ -85,14 +85,17 @@ def openai_body(content: str = "hello", max_tokens: int = 16, stream: bool = Tru
             "messages": [{"role": "user", "content": content}], **extra}
 
 
-def record(client: httpx.Client, url: str, body: dict, headers: dict | None = None
-           ) -> tuple[httpx.Response, RecordedStream]:
-    """POST a streaming request and record every SSE event until the server ends it."""
+def record(client: httpx.Client, url: str, body: dict, headers: dict | None = None,
+           on_event=None) -> tuple[httpx.Response, RecordedStream]:
+    """POST a streaming request and record every SSE event until the server ends it;
+    on_event(event), if given, sees each event as it arrives."""
     recorder = SSERecorder()
     with client.stream("POST", url, json=body, headers={**INTEGRITY, **(headers or {})}) \
             as response:
         for chunk in response.iter_bytes():
-            recorder.feed(chunk)
+            for event in recorder.feed(chunk):
+                if on_event is not None:
+                    on_event(event)
     return response, recorder.stream()
 
 
