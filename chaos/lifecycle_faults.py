@@ -17,6 +17,7 @@ import psutil
 from tokstream.chaos import faults
 from tokstream.chaos.history import Violations
 from tokstream.chaos.workload import Recorder, StreamSpec
+from tokstream.process_end import wait_ended
 from tokstream.state_snapshot import StateSnapshot
 
 POISON_TOKEN = 7
@@ -121,7 +122,7 @@ async def _poll(get, ok, timeout_s: float):
 async def after_drain(fault: dict, violations: Violations) -> None:
     """The drained server must exit on its own, with everything under it."""
     tree = fault.pop("tree", [])
-    _, alive = await asyncio.to_thread(psutil.wait_procs, tree, DRAIN_EXIT_TIMEOUT_S)
+    alive = await asyncio.to_thread(wait_ended, tree, DRAIN_EXIT_TIMEOUT_S)
     fault["exited"] = not alive
     if alive:
         violations.add("drain_broken", f"pids {[p.pid for p in alive]} still run "

@@ -21,6 +21,7 @@ from tokstream.chaos.history import Violations, check_history
 from tokstream.chaos.target import Target
 from tokstream.chaos.timeline import around_fault
 from tokstream.chaos.workload import Recorder, StreamHistory, StreamSpec
+from tokstream.process_end import running
 from tokstream.state_snapshot import ReplicaStatus, StateSnapshot
 
 SAMPLE_INTERVAL_S = 0.25
@@ -329,20 +330,13 @@ async def _leaked_processes(fault: dict, violations: Violations) -> None:
     group = fault.pop("old_processes", [])
     deadline = time.monotonic() + GONE_TIMEOUT_S
     while True:
-        left = [process.pid for process in group if _running(process)]
+        left = [process.pid for process in group if running(process)]
         if not left or time.monotonic() > deadline:
             break
         await asyncio.sleep(0.1)
     if left:
         violations.add("leaked_processes", f"pids {left} of the replaced group still run",
                        len(left))
-
-
-def _running(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _new_recoveries(before: StateSnapshot, after: StateSnapshot) -> dict[str, list[float]]:

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from helpers.serving import ROOT, ServerProcess, interruptible
+from tokstream.process_end import wait_ended
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(400)]
 
@@ -195,5 +196,5 @@ def test_ctrl_c_tears_the_server_down(tmp_path):
             process.kill()
     assert process.returncode == 130, output[-2000:]
     assert "interrupted" in output
-    gone, alive = psutil.wait_procs(tree, timeout=30)
+    alive = wait_ended(tree, 30)
     assert not alive, alive

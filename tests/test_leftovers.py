@@ -18,6 +18,7 @@ import pytest
 from helpers.serving import ServerProcess, anthropic_body, record
 from tokstream.config import CacheConfig, EngineConfig
 from tokstream.server.replica.supervisor import replacement_config
+from tokstream.process_end import wait_ended
 
 
 pytestmark = pytest.mark.timeout(180)
@@ -67,7 +68,7 @@ def test_no_rank_folder_or_process_outlives_restarts_and_shutdown(short_tmp):
         forkserver[0].suspend()
         core.kill()  # an engine core restart: nothing under it may outlive it
         wait_for(lambda: server.state()["replica"]["restarts"] == 2)
-        _, alive = psutil.wait_procs(first_ranks + below, timeout=30)
+        alive = wait_ended(first_ranks + below, 30)
         assert not alive, alive
         response, _ = record(client, "/v1/messages", anthropic_body("hi", max_tokens=4))
         assert response.status_code == 200
@@ -77,7 +78,7 @@ def test_no_rank_folder_or_process_outlives_restarts_and_shutdown(short_tmp):
         wait_for(lambda: len(rank_folders(tmp_path)) == 2, timeout=30)
         tree = [psutil.Process(server.process.pid)] + psutil.Process(
             server.process.pid).children(recursive=True)
-    _, alive = psutil.wait_procs(tree, timeout=30)
+    alive = wait_ended(tree, 30)
     assert not alive, alive
     assert rank_folders(tmp_path) == []
 
@@ -128,6 +129,6 @@ def test_a_sigkilled_gateway_leaves_nothing_and_its_files_are_owner_only(short_t
         assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(rank_folders(
             tmp_path)[0])], list(tmp_path.iterdir())
         gateway.kill()
-        _, alive = psutil.wait_procs(tree, timeout=30)
+        alive = wait_ended(tree, 30)
         assert not alive, alive
     assert list(tmp_path.iterdir()) == []

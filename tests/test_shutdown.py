@@ -14,6 +14,7 @@ import pytest
 
 from helpers.serving import ServerProcess, anthropic_body, openai_body, record
 from tokstream.checker import check_streams
+from tokstream.process_end import wait_ended
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(240)]
 
@@ -87,7 +88,7 @@ def test_sigterm_lets_every_open_stream_run_to_its_end():
         assert len(stream.token_ids) == MAX_TOKENS
     log = "".join(server.log)
     assert "starting another" not in log and "CancelledError" not in log, log[-3000:]
-    _, alive = psutil.wait_procs(tree, timeout=30)
+    alive = wait_ended(tree, 30)
     assert not alive, alive
 
 
@@ -116,5 +117,5 @@ def test_sigterm_to_the_whole_process_group_drains_the_same():
         assert len(stream.token_ids) == MAX_TOKENS
     log = "".join(server.log)
     assert "died" not in log and "starting another" not in log, log[-3000:]
-    _, alive = psutil.wait_procs(tree, timeout=30)
+    alive = wait_ended(tree, 30)
     assert not alive, alive

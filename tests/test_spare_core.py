@@ -17,6 +17,7 @@ from test_recovery import GREEDY, PROMPTS, config
 from tokstream.checker import check_streams
 from tokstream.engine.llm import LLM
 from tokstream.engine.messages.request import EngineRequest
+from tokstream.process_end import wait_ended
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(240)]
 
@@ -72,7 +73,7 @@ def test_an_engine_core_death_swaps_in_the_spare_core():
         tree = psutil.Process(server.process.pid).children(recursive=True)
         server.wait_idle()
         client.close()
-    _, alive = psutil.wait_procs(tree, timeout=30)
+    alive = wait_ended(tree, 30)
     assert not alive, alive
 
 

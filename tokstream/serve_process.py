@@ -24,6 +24,8 @@ from typing import Sequence
 
 import psutil
 
+from tokstream.process_end import running
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKSTREAM = [sys.executable, "-m", "tokstream"]
 READY = re.compile(r"ready on (http://\S+)")
@@ -188,22 +190,23 @@ class ServeProcess:
         if self.reap:
             _each(tree, "kill")  # psutil checks identity: a reused pid is never signalled
             if self.new_session:
-                for _ in range(20):
-                    if not self.group_alive():
-                        break
+                deadline = time.monotonic() + 10
+                while self.group_alive() and time.monotonic() < deadline:
                     _signal_group(process.pid, signal.SIGKILL)
-                    time.sleep(0.5)
+                    time.sleep(0.05)
         return process.returncode
 
     def group_alive(self) -> bool:
-        """Whether any process of its own session's group is left (new_session only)."""
-        try:
-            os.killpg(self.process.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
+        """Whether any process of its own session's group still runs (new_session only; a
+        zombie has ended: process_end)."""
+        group = self.process.pid
+        for process in psutil.process_iter():
+            try:
+                if os.getpgid(process.pid) == group and running(process):
+                    return True
+            except (OSError, psutil.Error):
+                pass  # gone meanwhile
+        return False
 
 
 def _tree(pid: int) -> list[psutil.Process]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import psutil
 
+from tokstream.process_end import running
 from tokstream.state_snapshot import DeviceMemory, HostMemory, Memory, ProcessRow
 
 
@@ -44,7 +45,7 @@ def alive(pid: int | None) -> bool:
     if pid is None:
         return False
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return running(psutil.Process(pid))
     except psutil.Error:
         return False
 
