@@ -292,7 +292,7 @@ def test_bad_itl_settings_are_refused(bad):
 def test_the_flag_and_the_profile_key_reach_the_scheduler(monkeypatch):
     from typer.testing import CliRunner
 
-    import tokstream.server.app
+    import tokstream.server.startup
     from tokstream.cli import app
     from tokstream.config import SchedulerConfig
     from tokstream.settings import build_settings
@@ -303,7 +303,7 @@ def test_the_flag_and_the_profile_key_reach_the_scheduler(monkeypatch):
                                {"scheduler": {"itl_target_ms": 0.0}})
     assert engine.scheduler.itl_target_ms == 0  # 0 is a value (off), not "unset"
     seen = []
-    monkeypatch.setattr(tokstream.server.app, "run", lambda engine, server, **_: seen.append(
+    monkeypatch.setattr(tokstream.server.startup, "run", lambda engine, server, **_: seen.append(
         engine.scheduler.itl_target_ms))
     runner = CliRunner()
     assert runner.invoke(app, ["serve", "--itl-target-ms", "120"]).exit_code == 0

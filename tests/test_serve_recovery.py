@@ -50,11 +50,11 @@ COMPARED = [0, 1, 2, 4]
 def test_recovery_flags_map_onto_the_engine_config(monkeypatch):
     from typer.testing import CliRunner
 
-    import tokstream.server.app
+    import tokstream.server.startup
     from tokstream.cli import app
 
     started = []
-    monkeypatch.setattr(tokstream.server.app, "run",
+    monkeypatch.setattr(tokstream.server.startup, "run",
                         lambda engine, server, log_level: started.append((engine, server)))
     result = CliRunner().invoke(app, [
         "serve", "--profile", "ci", "--tp", "2", "--spare", "--step-timeout", "2.5",

@@ -286,7 +286,7 @@ def serve(
 
     preset = load_profile(profile) if profile else {}
     engine_config, server_config = build_settings(preset, flags)
-    from tokstream.server.app import run
+    from tokstream.server.startup import run
 
     run(engine_config, server_config, log_level="info" if verbose else "warning")
 

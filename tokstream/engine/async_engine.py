@@ -32,6 +32,7 @@ from tokstream.engine.messages.request import EngineRequest, RequestDelta
 from tokstream.engine.messages.worker import ScoreResult
 from tokstream.engine.recovery.pool_files import PoolFiles
 from tokstream.errors import ErrorKind, OverloadedError, ReplicaError, UserInputError
+from tokstream.process_end import wait_ended
 from tokstream.state_snapshot import ReplicaStatus
 
 log = logging.getLogger("tokstream.engine")
@@ -78,18 +79,24 @@ class AsyncEngine:
         """The core's ranks as last reported (psutil checks identity before a kill)."""
         self._step_record = None
         """The shared step record the core writes (engine/step_record.py)."""
+        self._heartbeat = None
+        """The counter the core bumps while it runs (engine/heartbeat.py)."""
+        self.process = None
+        """The core's process, from launch()."""
         self._watch: asyncio.Task | None = None
         """The heartbeat watch, from Ready until the core is dead or shut down."""
 
-    async def start(self) -> "AsyncEngine":
-        self._loop = asyncio.get_running_loop()
+    def launch(self) -> "AsyncEngine":
+        """Start the core's process and return at once; start() waits for it to be ready.
+        Launched early, it starts while its caller does other work: a core's start is mostly
+        its ranks' forkserver importing torch, which needs none of the gateway's set-up."""
         context = mp.get_context("spawn")
         conn, child_conn = context.Pipe()
         self._pipe = CorePipe(conn)
         self.run_dir = make_core_folder()
         JANITOR.watch(self.run_dir)  # removed even if this gateway is SIGKILLed
         # Not a daemon: the core must be able to start worker processes of its own.
-        heartbeat = context.RawValue("Q", 0)
+        heartbeat = self._heartbeat = context.RawValue("Q", 0)
         self._step_record = new_record(context)
         self.process = context.Process(target=core_main,
                                        args=(child_conn, self.config, os.getpid(), self.run_dir,
@@ -99,6 +106,14 @@ class AsyncEngine:
                                        name="tokstream-engine-core")
         self.process.start()
         child_conn.close()
+        return self
+
+    async def start(self) -> "AsyncEngine":
+        """Launch the core (unless launch() did) and return once it is ready; StartFailed's
+        error (UserInputError or ReplicaError) if it is not."""
+        if self.process is None:
+            self.launch()
+        self._loop = asyncio.get_running_loop()
         match await asyncio.to_thread(self._recv_first, self.config.start_timeout_s):
             case StartFailed(kind, text):
                 self.process.join(5)
@@ -113,7 +128,7 @@ class AsyncEngine:
         self._record_ranks(self.info["worker_pids"])
         self._pipe.start_reader(self._loop, self._dispatch)
         self._pipe.start_sender()
-        watch = HeartbeatWatch(heartbeat, silence_limit_s(self.config.step_timeout_s))
+        watch = HeartbeatWatch(self._heartbeat, silence_limit_s(self.config.step_timeout_s))
         self._watch = self._loop.create_task(self._watch_heartbeat(watch))
         return self
 
@@ -313,8 +328,16 @@ class AsyncEngine:
                 rank.kill()
             except psutil.Error:
                 pass  # gone already (or its pid reused: psutil refuses)
-        await asyncio.to_thread(psutil.wait_procs, self._ranks, 5)
+        await asyncio.to_thread(wait_ended, self._ranks, 5)
         self._pipe.close()
+        self._remove_run_dir()
+
+    def discard(self) -> None:
+        """Kill what is left of a core that was launched and never served (its caller failed
+        before start(), or start() failed): its process tree and its files. Nothing to do for
+        one that exited."""
+        if self.process is not None and self.process.is_alive():
+            kill_tree(self.process)
         self._remove_run_dir()
 
     def _remove_run_dir(self) -> None:
@@ -336,4 +359,4 @@ def kill_tree(process) -> None:
         except psutil.Error:
             pass
     process.join(5)
-    psutil.wait_procs(below, 5)
+    wait_ended(below, 5)

@@ -2,8 +2,9 @@
 
     tokstream serve --model dummy:tiny --port 0
 
-The engine core (and its workers) start in the app's lifespan; the event loop only routes,
-validates, tokenises and streams. A ready line goes to stderr once the engine is up:
+The engine core (and its workers) is launched before the gateway is built (server/startup.py)
+and waited for in the app's lifespan; the event loop only routes, validates, tokenises and
+streams. A ready line goes to stderr once the engine is up:
 `tokstream serve: ready on http://HOST:PORT ...` (tests read the port from it).
 """
 
@@ -21,9 +22,8 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from tokstream import gc_policy
-from tokstream.config import EngineConfig
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.engine.recovery.pool_files import PoolFiles
+from tokstream.model.source import ModelSource
 from tokstream.gateway_config import ServerConfig
 from tokstream.server.api import anthropic_routes, openai_routes, tokenizer_routes
 from tokstream.server.operations import admin_routes
@@ -75,18 +75,12 @@ async def http_error(request, exc: HTTPException):
     return error_response(api_for_path(request.url.path), error)
 
 
-def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id: str,
+def build_app(engine: AsyncEngine, server_config: ServerConfig, model_id: str,
               aliases: set[str], tokenizer, url: str | None = None) -> Starlette:
+    """The app over engine, a core launched (AsyncEngine.launch) that its lifespan waits for."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        # The KV pool files outlive every engine core (engine/recovery/pool_files.py): the
-        # gateway holds them, and each core it starts maps them.
-        pool = PoolFiles(engine_config.tp)
-        try:
-            engine = await AsyncEngine(engine_config, pool).start()
-        except BaseException:
-            pool.close()
-            raise
+        await engine.start()
         server = None
         try:
             await hand_over(engine)
@@ -103,7 +97,6 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id
         finally:
             # The server's engine may be a later one than this (after an engine core restart).
             await (server.close() if server is not None else engine.shutdown())
-            pool.close()
 
     # Outermost first: a foreign Host is refused before anything else looks at the request.
     middleware = [Middleware(HostCheck, allowed_hosts=server_config.allowed_hosts),
@@ -113,44 +106,20 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig, model_id
     return app
 
 
-def bind_socket(host: str, port: int, send_buffer_bytes: int | None = None) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if send_buffer_bytes:
-        # Accepted connections inherit it from the listening socket.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
-    try:
-        sock.bind((host, port))
-    except OSError as error:
-        sock.close()
-        from tokstream.errors import UserInputError
-        raise UserInputError(f"cannot bind {host}:{port}: {error.strerror}") from None
-    # Listen now: connections made as soon as the ready line appears wait in the backlog
-    # until uvicorn starts accepting, instead of being refused.
-    sock.listen(2048)
-    return sock
-
-
-def run(engine_config: EngineConfig, server_config: ServerConfig, log_level: str = "warning"):
-    """Serve until SIGINT/SIGTERM. Bad settings raise UserInputError before anything starts."""
+def serve(engine: AsyncEngine, source: ModelSource, sock: socket.socket,
+          server_config: ServerConfig, log_level: str = "warning") -> None:
+    """Build the gateway over a launched engine core and serve on sock (bound and listening)
+    until SIGINT/SIGTERM."""
     import uvicorn
 
-    from tokstream.model.source import resolve_model
     from tokstream.text.tokenizer import load_tokenizer
 
-    server_config.check_bind()
-    if server_config.tenants_file:
-        from tokstream.server.access.tenants import load_tenants
-        load_tenants(server_config.tenants_file)  # fail fast on a bad file
-    source = resolve_model(engine_config.model)
     tokenizer = load_tokenizer(source)
-    model_id = server_config.served_model_name or engine_config.model
-    aliases = {engine_config.model, source.config.name}
-    sock = bind_socket(server_config.host, server_config.port, server_config.send_buffer_bytes)
+    model_id = server_config.served_model_name or engine.config.model
+    aliases = {engine.config.model, source.config.name}
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    app = build_app(engine_config, server_config, model_id, aliases, tokenizer,
+    app = build_app(engine, server_config, model_id, aliases, tokenizer,
                     url=f"http://{shown}:{port}")
     limits = ConnectionLimits(
         connection_cap(server_config.max_connections, server_config.descriptor_reserve,
@@ -159,10 +128,7 @@ def run(engine_config: EngineConfig, server_config: ServerConfig, log_level: str
                             timeout_graceful_shutdown=3, timeout_keep_alive=30,
                             http=guarded_protocol(limits))
     server = DrainingServer(config, server_config.shutdown_timeout_s)
-    try:
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
+    server.run(sockets=[sock])
     if not server.started:
         from tokstream.errors import ReplicaError
         raise ReplicaError("server failed to start (see the log above)")

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from tokstream.config import EngineConfig
-from tokstream.engine.async_engine import AsyncEngine, kill_tree
+from tokstream.engine.async_engine import AsyncEngine
 from tokstream.engine.recovery.pool_files import PoolFiles
 
 log = logging.getLogger("tokstream.server")
@@ -97,5 +97,4 @@ class SpareCore:
         if engine.dead is None and engine.info:
             await engine.shutdown()
         else:  # still loading (or it failed): nothing to ask, end its tree
-            await asyncio.to_thread(kill_tree, engine.process)
-            engine._remove_run_dir()
+            await asyncio.to_thread(engine.discard)

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 
 from tokstream.config import EngineConfig
-from tokstream.engine.async_engine import AsyncEngine, kill_tree
+from tokstream.engine.async_engine import AsyncEngine
 from tokstream.server.replica.kept_pool import hand_over
 from tokstream.server.replica.recovery import ReplicaRecovery
 from tokstream.server.replica.spare_core import SpareCore
@@ -213,10 +213,9 @@ class EngineSupervisor:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if starting is not None and starting.process.is_alive():
+        if starting is not None:
             # Its ranks, still loading, would only notice its death once loaded: end them too.
-            await asyncio.to_thread(kill_tree, starting.process)
-            starting._remove_run_dir()
+            await asyncio.to_thread(starting.discard)
         await self.engine.shutdown()
 
 
