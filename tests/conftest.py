@@ -56,7 +56,7 @@ def pytest_configure(config):
 
     ServeProcess.start = _starts_model
     RankGroup.__init__ = _starts_model
-    AsyncEngine.start = _starts_model
+    AsyncEngine.launch = AsyncEngine.start = _starts_model
     popen_init = subprocess.Popen.__init__
 
     def guarded_popen(self, args, *rest, **kwargs):

@@ -17,8 +17,10 @@ import pytest
 
 from helpers.serving import ServerProcess, anthropic_body, record
 from tokstream.config import CacheConfig, EngineConfig
-from tokstream.server.replica.supervisor import replacement_config
+from tokstream.engine.executor import RankGroup
+from tokstream.errors import ReplicaError
 from tokstream.process_end import wait_ended
+from tokstream.server.replica.supervisor import replacement_config
 
 
 pytestmark = pytest.mark.timeout(180)
@@ -132,3 +134,15 @@ def test_a_sigkilled_gateway_leaves_nothing_and_its_files_are_owner_only(short_t
         alive = wait_ended(tree, 30)
         assert not alive, alive
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.startup
+def test_a_rank_killed_while_loading_takes_its_group_and_folder_with_it(tmp_path):
+    """The OOM killer taking one rank of a loading group: the group fails as a whole, its
+    other rank and its rendezvous folder do not outlive it."""
+    group = RankGroup(EngineConfig(model="dummy:tiny", tp=2), run_dir=str(tmp_path))
+    group.processes[0].kill()
+    with pytest.raises(ReplicaError, match="rank 0 .* died while loading"):
+        group.wait_ready()
+    assert group.alive() == [False, False]
+    assert rank_folders(tmp_path) == []

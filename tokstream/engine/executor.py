@@ -84,14 +84,20 @@ class RankGroup:
         self.ready: list[WorkerReady] = []
 
     def wait_ready(self) -> list[WorkerReady]:
-        """Every rank's WorkerReady; raises on a failed or dead rank, or past the deadline."""
+        """Every rank's WorkerReady; raises on a failed or dead rank, or past the deadline,
+        once the whole group is killed and its folder removed (a rank killed while loading, by
+        the OOM killer say, left its group's other ranks loading and its folder behind)."""
         deadline = time.monotonic() + self.config.start_timeout_s
-        for rank, conn in enumerate(self.conns):
-            message = self._receive(conn, deadline, "loading", self.config.start_timeout_s)
-            if isinstance(message, WorkerFailed):
-                self.kill()
-                raise (UserInputError if message.user_error else ReplicaError)(message.message)
-            self.ready.append(message)
+        try:
+            for conn in self.conns:
+                message = self._receive(conn, deadline, "loading", self.config.start_timeout_s)
+                if isinstance(message, WorkerFailed):
+                    raise (UserInputError if message.user_error else ReplicaError)(
+                        message.message)
+                self.ready.append(message)
+        except BaseException:
+            self.kill()
+            raise
         self.ready_at = time.monotonic()
         return self.ready
 
