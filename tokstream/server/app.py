@@ -23,8 +23,8 @@ from starlette.routing import Route
 
 from tokstream import gc_policy
 from tokstream.engine.async_engine import AsyncEngine
-from tokstream.model.source import ModelSource
 from tokstream.gateway_config import ServerConfig
+from tokstream.model.source import ModelSource
 from tokstream.server.api import anthropic_routes, openai_routes, tokenizer_routes
 from tokstream.server.operations import admin_routes
 from tokstream.server.access.connection_limits import (ConnectionLimits, connection_cap,
