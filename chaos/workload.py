@@ -145,11 +145,8 @@ class Recorder:
     def _record(self, history: StreamHistory, event: SSEEvent) -> None:
         now = self.now()
         history.events.append((now, event))
-        try:
-            data = event.json()
-        except ValueError:
-            return
-        if not isinstance(data, dict):
+        data = event.json_object()
+        if data is None:
             return
         if history.request_id is None:
             message = data.get("message")

@@ -112,3 +112,11 @@ def test_a_foreign_token_merged_behind_the_callers_own_is_foreign():
     events += anthropic_events()[-2:]
     report, _ = check(events)
     assert report.count("foreign") == 1 and report.count("duplicated") == 0, report.summary()
+
+
+def test_an_events_json_object_is_its_data_only_when_that_is_an_object():
+    assert SSEEvent("message_start", '{"type": "message_start"}').json_object() == {
+        "type": "message_start"}
+    assert SSEEvent(None, "[DONE]").json_object() is None
+    assert SSEEvent(None, "[1, 2]").json_object() is None
+    assert SSEEvent(None, "3").json_object() is None

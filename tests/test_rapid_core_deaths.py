@@ -46,11 +46,8 @@ class Received:
 
     def count(self, i: int, event) -> None:
         """record's on_event for stream i: its request id, and its tokens as they come."""
-        try:
-            data = event.json()
-        except ValueError:
-            return
-        if not isinstance(data, dict):
+        data = event.json_object()
+        if data is None:
             return
         if i not in self.ids and isinstance(data.get("message"), dict):
             self.ids[i] = data["message"]["id"]

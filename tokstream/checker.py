@@ -51,6 +51,14 @@ class SSEEvent:
     def json(self):
         return json.loads(self.data)
 
+    def json_object(self) -> dict | None:
+        """The data as a JSON object; None for anything else (`[DONE]`, a bare value)."""
+        try:
+            data = self.json()
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+
 
 class SSERecorder:
     """Incremental SSE parser: feed it bytes as they arrive, read back the events."""
@@ -284,13 +292,7 @@ def _text_of(data: dict) -> str:
 def split_choices(stream: RecordedStream) -> list[RecordedStream]:
     """A multi-choice stream as one stream per choice (each named by its engine request id);
     any other stream as itself. An error event ends every choice not yet ended."""
-    parsed = []
-    for event in stream.events:
-        try:
-            data = json.loads(event.data)
-        except ValueError:
-            data = None
-        parsed.append((event, data if isinstance(data, dict) else None))
+    parsed = [(event, event.json_object()) for event in stream.events]
     seen = [_choice_index(d) for _, d in parsed if d]
     n = stream.num_choices or max((i + 1 for i in seen if i is not None), default=1)
     if n <= 1:
