@@ -333,9 +333,9 @@ class AsyncEngine:
         self._remove_run_dir()
 
     def discard(self) -> None:
-        """Kill what is left of a core that was launched and never served (its caller failed
-        before start(), or start() failed): its process tree and its files. Nothing to do for
-        one that exited."""
+        """End a core that was launched and is not (or no longer) served: its process tree if
+        it still runs (its caller failed before start(), or gave up on a core still loading)
+        and its folder."""
         if self.process is not None and self.process.is_alive():
             kill_tree(self.process)
         self._remove_run_dir()

@@ -9,6 +9,7 @@ app's lifespan then waits for the core to be ready (server/app.py).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 from tokstream.config import EngineConfig
@@ -28,20 +29,20 @@ def run(engine_config: EngineConfig, server_config: ServerConfig,
         from tokstream.server.access.tenants import load_tenants
         load_tenants(server_config.tenants_file)  # fail fast on a bad file
     source = resolve_model(engine_config.model)
-    sock = bind_socket(server_config.host, server_config.port, server_config.send_buffer_bytes)
-    # The KV pool files outlive every engine core (engine/recovery/pool_files.py): the
-    # gateway holds them, and each core it starts maps them.
-    pool = PoolFiles(engine_config.tp)
-    engine = AsyncEngine(engine_config, pool)
-    try:
+    with contextlib.ExitStack() as cleanup:  # undone last first, however serve ends
+        sock = bind_socket(server_config.host, server_config.port,
+                           server_config.send_buffer_bytes)
+        cleanup.callback(sock.close)
+        # The KV pool files outlive every engine core (engine/recovery/pool_files.py): the
+        # gateway holds them, and each core it starts maps them.
+        pool = PoolFiles(engine_config.tp)
+        cleanup.callback(pool.close)
+        engine = AsyncEngine(engine_config, pool)
+        cleanup.callback(engine.discard)  # a core the gateway never came to serve with
         engine.launch()
         from tokstream.server.app import serve
 
         serve(engine, source, sock, server_config, log_level)
-    finally:
-        engine.discard()  # a core the gateway never came to serve with
-        pool.close()
-        sock.close()
 
 
 def bind_socket(host: str, port: int, send_buffer_bytes: int | None = None) -> socket.socket:
