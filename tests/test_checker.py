@@ -120,3 +120,29 @@ def test_an_events_json_object_is_its_data_only_when_that_is_an_object():
     assert SSEEvent(None, "[DONE]").json_object() is None
     assert SSEEvent(None, "[1, 2]").json_object() is None
     assert SSEEvent(None, "3").json_object() is None
+
+
+def test_responses_api_streams_are_named_read_and_failed_explicitly():
+    created = SSEEvent("response.created", json.dumps(
+        {"type": "response.created", "response": {"id": "resp_a", "output": []}}))
+    deltas = [SSEEvent("response.output_text.delta", json.dumps({
+        "type": "response.output_text.delta", "delta": f"t{token}",
+        "tokstream": {"request_id": "resp_a", "token_ids": [token], "indices": [n]}}), str(n))
+        for n, token in enumerate(TOKENS)]
+    completed = SSEEvent("response.completed", json.dumps({
+        "type": "response.completed", "response": {"id": "resp_a"}, "tokstream": {
+            "request_id": "resp_a", "num_output_tokens": 5, "digest": token_digest(TOKENS),
+            "finish_reason": "length"}}))
+    report, stream = check([created, *deltas, completed])
+    assert report.ok, report.summary()
+    assert stream.request_id == "resp_a" and stream.text == "t11t12t13t14t15"
+    stray = SSEEvent("x", json.dumps({"tokstream": {"request_id": "resp_b", "token_ids": [1],
+                                                    "indices": [5]}}), "5")
+    assert check([created, *deltas, stray, completed])[0].count("foreign") == 1
+    failed = SSEEvent("response.failed", json.dumps({
+        "type": "response.failed", "response": {"id": "resp_a", "status": "failed", "error": {
+            "code": "overloaded_error", "message": "replica down"}}}))
+    report, stream = check([created, *deltas[:2], failed])
+    assert report.ok and stream.status == "failed"
+    assert stream.error == {"type": "overloaded_error", "message": "replica down"}
+    assert check([created, *deltas[:2], failed, completed])[0].count("ended_twice") == 1

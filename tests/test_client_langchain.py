@@ -2,7 +2,8 @@
 quality does not matter here; its output is gibberish, the server's framing is what is
 checked): invoke and stream agree token for token under a seed, usage arrives on the stream,
 bind_tools round-trips a forced call through a history whose earlier call has broken JSON
-arguments, and with_structured_output parses a maxLength-bounded schema."""
+arguments, and with_structured_output parses a maxLength-bounded schema; and the same with
+use_responses_api (POST /v1/responses)."""
 
 import httpx
 import pytest
@@ -89,3 +90,40 @@ def test_structured_output_json_schema(chat, recorder):
     (sent,) = recorder.bodies
     assert sent["response_format"]["type"] == "json_schema"
     assert sent["response_format"]["json_schema"]["schema"]["properties"]["city"]["maxLength"] == 12
+
+
+def test_responses_api(server, recorder):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    with httpx.Client(event_hooks={"request": [recorder]}) as http:
+        # The Responses API has no seed field: the server reads it as a vLLM-style extra.
+        chat = ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model="dummy:tiny",
+                          temperature=1, extra_body={"seed": 7}, max_tokens=16, max_retries=0,
+                          stream_usage=True, use_responses_api=True, http_client=http)
+        whole = chat.invoke("hello")
+        assert whole.response_metadata["status"] == "incomplete"
+        assert whole.usage_metadata["output_tokens"] == 16
+        streamed = None
+        for chunk in chat.stream("hello"):
+            streamed = chunk if streamed is None else streamed + chunk
+        assert streamed.text == whole.text and len(whole.text) > 16
+        assert streamed.usage_metadata["output_tokens"] == 16
+
+        tools = chat.model_copy(update={"max_tokens": 200}).bind_tools(
+            [GetWeather], tool_choice="GetWeather")
+        reply = tools.invoke("weather in Paris?")
+        (call,) = reply.tool_calls
+        GetWeather.model_validate(call["args"])
+        again = tools.invoke([HumanMessage("weather in Paris?"), reply,
+                              ToolMessage("sunny", tool_call_id=call["id"]),
+                              HumanMessage("and tomorrow?")])
+        GetWeather.model_validate(again.tool_calls[0]["args"])
+        history = recorder.bodies[-1]["input"]
+        assert [item.get("type") for item in history] == [
+            "message", "function_call", "function_call_output", "message"]
+
+        structured = chat.model_copy(update={"max_tokens": 64}).with_structured_output(
+            GetWeather, method="json_schema")
+        assert isinstance(structured.invoke("weather?"), GetWeather)
+        assert recorder.bodies[-1]["text"]["format"]["type"] == "json_schema"

@@ -41,9 +41,12 @@ WORKLOAD = [
     anthropic("delta", temperature=1.0),  # unseeded: the gateway draws its seed
     ("/v1/completions", {"model": MODEL, "max_tokens": 24, "stream": True, "temperature": 0,
                          "ignore_eos": True, "prompt": LONG_PROMPT}),
+    ("/v1/responses", {"model": MODEL, "max_output_tokens": 48, "stream": True,
+                       "temperature": 0.8, "seed": 11, "ignore_eos": True,
+                       "instructions": "Be brief.", "input": "echo"}),
 ]
 UNSEEDED = 3
-COMPARED = [0, 1, 2, 4]
+COMPARED = [0, 1, 2, 4, 5]
 """Greedy or seeded: their tokens must equal the fault-free run's."""
 
 

@@ -89,6 +89,25 @@ openai_choice = st.sampled_from(["auto", "none", "required"]) | junk | st.just(
     {"type": "function", "function": {"name": "f"}})
 anthropic_choice = st.sampled_from([{"type": "auto"}, {"type": "any"}, {"type": "none"},
                                     {"type": "tool", "name": "f"}]) | junk
+responses_item = st.fixed_dictionaries({}, optional={
+    "type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning",
+                             "item_reference"]) | junk,
+    "role": st.sampled_from(["user", "assistant", "developer", "tool"]) | junk,
+    "content": text | st.lists(st.fixed_dictionaries(
+        {"type": st.sampled_from(["input_text", "output_text", "input_image"]) | junk,
+         "text": text | junk}), max_size=2) | junk,
+    "call_id": st.just("call_1") | junk, "name": names, "arguments": odd_arguments,
+    "output": text | junk})
+responses_input = text | st.lists(responses_item, max_size=3) | junk | st.lists(
+    responses_item, max_size=3).map(lambda items: [ASK, *items])
+responses_tools = st.lists(st.fixed_dictionaries({"type": st.just("function") | junk,
+                                                  "name": names, "parameters": schema}),
+                           max_size=2) | junk
+responses_choice = st.sampled_from(["auto", "none", "required"]) | junk | st.just(
+    {"type": "function", "name": "f"})
+responses_text = st.fixed_dictionaries({"format": st.fixed_dictionaries(
+    {"type": st.sampled_from(["text", "json_object", "json_schema"]) | junk,
+     "name": st.just("x") | junk, "schema": schema}) | junk}) | junk
 
 
 def maybe(strategy):
@@ -126,13 +145,21 @@ TOKENIZE = body(model=common["model"], messages=openai_messages, prompt=text | j
                 add_special_tokens=st.booleans() | junk, tools=openai_tools)
 DETOKENIZE = body(model=common["model"], tokens=st.lists(st.integers(-5, 600), max_size=8)
                   | junk)
+RESPONSES = body(model=common["model"], input=responses_input, instructions=text | junk,
+                 max_output_tokens=small_tokens | junk, temperature=common["temperature"],
+                 top_p=common["top_p"], seed=common["seed"], stream=common["stream"],
+                 tools=responses_tools, tool_choice=responses_choice,
+                 parallel_tool_calls=junk, text=responses_text, include=junk | st.just(
+                     ["message.output_text.logprobs"]), top_logprobs=small_tokens | junk,
+                 reasoning=junk, truncation=junk, metadata=junk, store=junk, background=junk,
+                 previous_response_id=junk)
 SCORE = body(token_ids=st.lists(st.integers(-5, 600), max_size=12) | junk,
              start=st.integers(-2, 12) | junk, prompt_token_ids=junk, output_token_ids=junk)
 
 
 ROUTES = {"/v1/messages": ANTHROPIC, "/v1/chat/completions": CHAT,
           "/v1/completions": COMPLETION, "/v1/messages/count_tokens": COUNT, "/v1/score": SCORE,
-          "/tokenize": TOKENIZE, "/detokenize": DETOKENIZE}
+          "/tokenize": TOKENIZE, "/detokenize": DETOKENIZE, "/v1/responses": RESPONSES}
 GET_PATHS = ["/health", "/metrics", "/v1/models", "/v1/state", "/openapi.json",
              "/v1/state/requests/msg_x", "/v1/state/requests/" + "z" * 300, "/", "/v1",
              "/v1/messages/x", "/v1/../v1/state", "/v1/state%00", "/metrics/"]
@@ -143,7 +170,8 @@ VALID = {"/v1/messages": anthropic_body(max_tokens=4),
                                        "messages": [{"role": "user", "content": "hi"}]},
          "/v1/score": {"token_ids": [5, 6, 7]},
          "/tokenize": {"messages": [{"role": "user", "content": "hi"}]},
-         "/detokenize": {"tokens": [5, 6, 7]}}
+         "/detokenize": {"tokens": [5, 6, 7]},
+         "/v1/responses": {"model": "dummy:tiny", "input": "hi", "max_output_tokens": 4}}
 """A valid body per route: near-valid requests override a few of its fields with fuzz."""
 SURROGATES = st.sampled_from(["\\ud800", "\\udfff", "a\\ud83d", "\\ud83d\\ude00\\udc00"])
 CONTENT_TYPES = st.sampled_from(["application/json"] * 16 + [
@@ -158,7 +186,8 @@ def _json_body(route_and_fields, near_valid: bool = False) -> bytes:
     path, fields = route_and_fields
     if near_valid:
         # max_tokens stays small: an absent one means "fill the context", thousands of tokens.
-        overrides = {k: v for k, v in fields.items() if k != "max_tokens"}
+        overrides = {k: v for k, v in fields.items()
+                     if k not in ("max_tokens", "max_output_tokens")}
         fields = {**VALID[path], **dict(list(overrides.items())[:2])}
     try:
         return json.dumps(fields).encode()
@@ -170,6 +199,9 @@ def _surrogate_body(path_and_text) -> bytes:
     path, text = path_and_text
     if path == "/v1/completions":
         return f'{{"model":"dummy:tiny","max_tokens":2,"prompt":"{text}"}}'.encode()
+    if path == "/v1/responses":
+        return (f'{{"model":"dummy:tiny","max_output_tokens":2,"instructions":"{text}",'
+                f'"input":[{{"role":"user","content":"{text}"}}]}}').encode()
     return ('{"model":"dummy:tiny","max_tokens":2,"system":"x","messages":[{"role":"user",'
             f'"content":"{text}"}}]}}').encode()
 
@@ -270,6 +302,7 @@ def type_stream(content: bytes):
     ("/v1/messages", ANTHROPIC), ("/v1/chat/completions", CHAT),
     ("/v1/completions", COMPLETION), ("/v1/messages/count_tokens", COUNT),
     ("/v1/score", SCORE), ("/tokenize", TOKENIZE), ("/detokenize", DETOKENIZE),
+    ("/v1/responses", RESPONSES),
 ])
 def test_fuzzed_bodies_never_5xx(client, path, strategy):
     @FUZZ

@@ -184,6 +184,8 @@ class CheckReport:
 def _stream_id(event: SSEEvent, data: dict) -> str | None:
     if event.event == "message_start":
         return data.get("message", {}).get("id")
+    if data.get("type") == "response.created":  # the Responses API
+        return (data.get("response") or {}).get("id")
     return data.get("id") if isinstance(data.get("id"), str) else None
 
 
@@ -212,12 +214,16 @@ def check_stream(stream: RecordedStream) -> StreamReport:
             continue
         if report.request_id is None:
             report.request_id = _stream_id(event, data)
-        if event.event == "error" or "error" in data and data.get("type") != "message":
+        failed = data.get("type") == "response.failed"  # the Responses API's error end
+        if event.event == "error" or failed or "error" in data and data.get("type") != "message":
             if ended:
                 problem("ended_twice", "error event after the stream ended")
             ended += 1
             report.status = "failed" if report.status == "cut" else report.status
             report.error = data.get("error")
+            if failed:  # {"code", "message"}: the code is the error type the others send
+                error = (data.get("response") or {}).get("error") or {}
+                report.error = {"type": error.get("code"), "message": error.get("message")}
             continue
         text_parts.append(_text_of(data))
         ext = data.get("tokstream")
@@ -280,6 +286,8 @@ def _text_of(data: dict) -> str:
     delta = data.get("delta")
     if data.get("type") == "content_block_delta" and isinstance(delta, dict):
         return delta.get("text") or ""
+    if data.get("type") == "response.output_text.delta" and isinstance(delta, str):
+        return delta
     choices = data.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         choice = choices[0]

@@ -47,7 +47,8 @@ async def record_stream(client, j, route, body, progress) -> RecordedStream:
                 except ValueError:
                     continue
                 if progress.request_ids[j] is None:
-                    progress.request_ids[j] = (data.get("message") or data).get("id")
+                    progress.request_ids[j] = (data.get("message") or data.get("response")
+                                               or data).get("id")
                 ext = data.get("tokstream") if isinstance(data, dict) else None
                 if ext and ext.get("token_ids"):
                     progress.add(j, len(ext["token_ids"]))
@@ -72,7 +73,8 @@ def run_streams(server, workload, fault=None):
     assert report.ok, report.summary()
     assert report.statuses == {"complete": len(workload), "failed": 0, "cut": 0}
     for stream, (_, body) in zip(report.streams, workload):
-        assert len(stream.token_ids) == body["max_tokens"], stream.request_id
+        wanted = body.get("max_tokens", body.get("max_output_tokens"))  # the Responses API's
+        assert len(stream.token_ids) == wanted, stream.request_id
     return report, progress
 
 

@@ -25,7 +25,8 @@ from tokstream import gc_policy
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.gateway_config import ServerConfig
 from tokstream.model.source import ModelSource
-from tokstream.server.api import anthropic_routes, openai_routes, tokenizer_routes
+from tokstream.server.api import (anthropic_routes, openai_routes, responses_routes,
+                                  tokenizer_routes)
 from tokstream.server.operations import admin_routes
 from tokstream.server.access.connection_limits import (ConnectionLimits, connection_cap,
                                                        guarded_protocol, raise_descriptor_limit)
@@ -48,6 +49,7 @@ def routes() -> list[Route]:
         Route("/v1/messages/count_tokens", anthropic_routes.count_tokens, methods=["POST"]),
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
+        Route("/v1/responses", responses_routes.create_response, methods=["POST"]),
         Route("/v1/models", openai_routes.models, methods=["GET"]),
         Route("/tokenize", tokenizer_routes.tokenize, methods=["POST"]),
         Route("/detokenize", tokenizer_routes.detokenize, methods=["POST"]),

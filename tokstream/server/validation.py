@@ -250,7 +250,7 @@ def reject_unsupported(body: dict, checks: dict) -> None:
 
 
 def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-               prompt_field: str) -> int:
+               prompt_field: str, max_tokens_field: str = "max_tokens") -> int:
     """Check the prompt (and max_tokens) fit the context; returns max_tokens (defaulted to the
     room left when None)."""
     if num_prompt_tokens == 0:
@@ -263,8 +263,9 @@ def check_fits(num_prompt_tokens: int, max_tokens: int | None, max_model_len: in
     if max_tokens is None:
         return room
     if max_tokens > room:
-        raise bad_request("max_tokens", f"{shown(max_tokens)} + {num_prompt_tokens} prompt tokens "
-                                        f"exceed the model's context of {max_model_len} tokens")
+        raise bad_request(max_tokens_field, f"{shown(max_tokens)} + {num_prompt_tokens} prompt "
+                                            f"tokens exceed the model's context of "
+                                            f"{max_model_len} tokens")
     return max_tokens
 
 

@@ -111,6 +111,40 @@ CHAT_BODY = {
     },
 }
 
+RESPONSES_BODY = {
+    "type": "object", "required": ["model", "input"],
+    "properties": {
+        "model": {"type": "string"}, "stream": {"type": "boolean"},
+        "instructions": {"type": ["string", "null"]},
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {
+            "type": "object", "properties": {
+                "type": {"enum": ["message", "function_call", "function_call_output",
+                                  "reasoning"]},
+                "role": {"enum": ["user", "assistant", "system", "developer"]},
+                "content": {"oneOf": [{"type": "string"}, {"type": "array"}]},
+                "call_id": {"type": "string"}, "name": {"type": "string"},
+                "arguments": {"type": "string"}, "output": {"type": "string"}}}}]},
+        "max_output_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0}, "top_p": {"type": "number"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+        "include": {"type": "array", "items": {"type": "string"}},
+        "text": {"type": "object", "properties": {"format": {"type": "object", "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "name": {"type": "string"}, "schema": {"type": "object"}}}}},
+        "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"],
+                                             "properties": {"type": {"const": "function"},
+                                                            "name": {"type": "string"},
+                                                            "parameters": {"type": "object"}}}},
+        "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]},
+                                  {"type": "object", "properties": {
+                                      "type": {"const": "function"},
+                                      "name": {"type": "string"}}}]},
+        "parallel_tool_calls": {"type": "boolean"},
+        "store": {"type": "boolean", "description": "accepted; nothing is stored"},
+        "metadata": {"type": "object"},
+    },
+}
+
 COMPLETION_BODY = {
     "type": "object", "required": ["model", "prompt"],
     "properties": {**OPENAI_COMMON,
@@ -201,6 +235,8 @@ def openapi_schema() -> dict:
                                           True, 503),
             "/v1/completions": _post("OpenAI completions", COMPLETION_BODY, OPENAI_ERROR,
                                      True, 503),
+            "/v1/responses": _post("OpenAI Responses API (nothing stored)", RESPONSES_BODY,
+                                   OPENAI_ERROR, True, 503),
             "/v1/score": _post("Teacher-forced re-scoring (admin)", SCORE_BODY, OPENAI_ERROR,
                                False, 503),
             "/tokenize": _post("Prompt or messages to token ids (vLLM)", TOKENIZE_BODY,

@@ -1,0 +1,322 @@
+"""An OpenAI Responses API body (POST /v1/responses) read into a Prompt: `instructions` and
+`input` (a string, or items: messages, past `function_call`s and their
+`function_call_output`s) as the chat the model is shown, `tools` and `tool_choice` as a
+ToolRequest, `text.format` as a structured output, and the sampling options.
+
+Nothing is stored: a request carries its whole conversation in `input`, and fields that need
+a stored response (`previous_response_id`, `conversation`, `item_reference` items,
+`background`) are refused with a 400 naming them. `store` is accepted and answered as false.
+Every other field the API defines is read and checked, or refused where honouring it needs
+something this server does not do (built-in tools, images and files, reasoning effort on a
+model that does not reason)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from tokstream.sampling_params import MAX_LOGPROBS
+from tokstream.server.api.openai_tools import history_arguments
+from tokstream.server.api.sampling_options import bounded_options
+from tokstream.server.api.tool_template import encode_chat
+from tokstream.server.api.tools import ToolRequest, read_function, read_tools, tool_sampling
+from tokstream.server.api_errors import bad_request
+from tokstream.server.submit import Prompt
+from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_object,
+                                         sampling_params, shown)
+from tokstream.errors import UserInputError
+from tokstream.structured import StructuredOutput
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+"""The one `include` value that changes what this server returns (each output_text part's
+token logprobs); the others name data of built-in tools or stored reasoning, which it never
+has, and are accepted as asking for nothing."""
+INCLUDES = (LOGPROBS_INCLUDE, "reasoning.encrypted_content", "code_interpreter_call.outputs",
+            "computer_call_output.output.image_url", "file_search_call.results",
+            "message.input_image.image_url", "web_search_call.action.sources",
+            "web_search_call.results")
+NEEDS_STORE = ("previous_response_id", "conversation", "prompt")
+"""Fields that name something stored on the server (a past response, a conversation, a
+saved prompt): nothing is stored here."""
+ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",),
+              "assistant": ("output_text", "input_text", "refusal")}
+"""The content parts each role's message may hold (an assistant's past output_text comes back
+as the history of a conversation)."""
+ECHOED = ("instructions", "max_output_tokens", "metadata", "parallel_tool_calls",
+          "temperature", "top_p", "top_logprobs", "truncation", "user", "safety_identifier",
+          "prompt_cache_key", "service_tier")
+"""Request fields the response object repeats as they came (the API's own defaults where
+absent: see response_fields)."""
+
+
+@dataclass(frozen=True)
+class ResponseRequest:
+    """A read Responses API request: its prompt, and what the response object repeats."""
+
+    prompt: Prompt
+    fields: dict
+    """The request's settings as the response object shows them (model, instructions, tools,
+    tool_choice, text, ...)."""
+    logprobs: bool
+    """Whether each output_text part lists its tokens' logprobs (include)."""
+
+
+def parse(body: dict, server) -> ResponseRequest:
+    server.check_model(body.get("model"))
+    refuse_stored(body)
+    if get_bool(body, "background"):
+        raise bad_request("background", "background responses need a stored response to poll; "
+                                        "this server keeps none (stream instead)")
+    reasoning = get_object(body, "reasoning") or {}
+    if reasoning.get("effort") not in (None, "none"):
+        raise bad_request("reasoning.effort", f"{server.model_id} is not a reasoning model")
+    truncation = body.get("truncation") or "disabled"
+    if truncation != "disabled":
+        raise bad_request("truncation", f"only 'disabled' is supported (a conversation past "
+                                        f"the context is a 400), got {shown(truncation)}")
+    metadata(body)
+    for name in ("user", "safety_identifier", "prompt_cache_key", "service_tier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise bad_request(name, f"must be a string, not {_kind(body[name])}")
+    get_bool(body, "store", True)
+    stream = get_bool(body, "stream")
+    get_object(body, "stream_options")
+    max_tokens = get_int(body, "max_output_tokens", None, minimum=1)
+    if get_int(body, "max_tool_calls", None, minimum=1) is not None:
+        raise bad_request("max_tool_calls", "not supported by this server (parallel_tool_calls: "
+                                            "false allows one call)")
+    options = bounded_options(body, "openai")
+    options["top_k"] = max(options["top_k"], 0)
+    logprobs = LOGPROBS_INCLUDE in includes(body)
+    top = get_int(body, "top_logprobs", None, minimum=0, maximum=MAX_LOGPROBS)
+    structured, text = text_format(body)
+    tools = tool_request(body)
+    extras = {"structured": structured, "logprobs": (top or 0) if logprobs else None}
+    if structured is not None:
+        try:  # compiled here, so a schema the grammar engine refuses is a 400 on its field
+            extras["grammar"] = structured.grammar()
+        except UserInputError as error:
+            raise bad_request("text.format.schema", str(error)) from None
+    extras.update(tool_sampling(tools, structured))
+    try:
+        token_ids = encode_chat(server.tokenizer, chat_messages(body),
+                                tools.tools if tools else (), limit=server.max_model_len)
+    except UserInputError as error:
+        raise bad_request("input", str(error)) from None
+    max_tokens = check_fits(len(token_ids), max_tokens, server.max_model_len, "input",
+                            "max_output_tokens")
+    params = sampling_params({"max_tokens": "max_output_tokens", "structured": "text.format"},
+                             max_tokens=max_tokens, ignore_eos=get_bool(body, "ignore_eos"),
+                             **options, **extras)
+    fields = response_fields(body, tools, text)
+    return ResponseRequest(Prompt(token_ids, params, stream, tools=tools), fields, logprobs)
+
+
+def refuse_stored(body: dict) -> None:
+    for name in NEEDS_STORE:
+        if body.get(name) is not None:
+            raise bad_request(name, "this server stores no responses, conversations or "
+                                    "prompts: send the whole conversation in input")
+
+
+def metadata(body: dict) -> dict:
+    value = get_object(body, "metadata") or {}
+    if len(value) > 16:
+        raise bad_request("metadata", f"at most 16 keys, got {len(value)}")
+    for key, item in value.items():
+        if len(key) > 64 or not isinstance(item, str) or len(item) > 512:
+            raise bad_request(f"metadata.{key}"[:80], "keys are at most 64 characters and "
+                                                      "values strings of at most 512")
+    return value
+
+
+def includes(body: dict) -> list[str]:
+    value = body.get("include") or []
+    if not isinstance(value, list):
+        raise bad_request("include", f"must be an array, not {_kind(value)}")
+    for n, item in enumerate(value):
+        if item not in INCLUDES:
+            raise bad_request(f"include.{n}", f"must be one of {', '.join(INCLUDES)}, got "
+                                              f"{shown(item)}")
+    return value
+
+
+def text_format(body: dict) -> tuple[StructuredOutput | None, dict]:
+    """The structured output `text.format` asks for (None for plain text) and the `text`
+    object the response repeats."""
+    text = get_object(body, "text") or {}
+    spec = text.get("format") or {"type": "text"}
+    if not isinstance(spec, dict):
+        raise bad_request("text.format", f"must be an object, not {_kind(spec)}")
+    verbosity = text.get("verbosity")
+    if verbosity not in (None, "low", "medium", "high"):
+        raise bad_request("text.verbosity", f"must be low, medium or high, got {shown(verbosity)}")
+    shown_text = {"format": spec, **({"verbosity": verbosity} if verbosity else {})}
+    kind = spec.get("type")
+    if kind == "text":
+        return None, shown_text
+    if kind == "json_object":
+        return StructuredOutput("json_object"), shown_text
+    if kind == "json_schema":
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request("text.format.schema", "required: a JSON schema object")
+        if not isinstance(spec.get("name"), str):
+            raise bad_request("text.format.name", "required")
+        return StructuredOutput("json_schema", json.dumps(schema)), shown_text
+    raise bad_request("text.format.type", f"must be 'text', 'json_object' or 'json_schema', got "
+                                          f"{shown(kind)}")
+
+
+def tool_request(body: dict) -> ToolRequest | None:
+    """The request's function tools and tool_choice (None: no tools, or tool_choice none)."""
+    items, choice = body.get("tools"), body.get("tool_choice")
+    parallel = get_bool(body, "parallel_tool_calls", True)
+    if not items:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice", "needs tools to choose from")
+        return None
+    tools = tuple(read_tools(items, read_tool))
+    if choice in (None, "auto"):
+        return ToolRequest(tools, "auto", parallel=parallel)
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolRequest(tools, "required", parallel=parallel)
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name")
+        if name not in {t.name for t in tools}:
+            raise bad_request("tool_choice.name", f"no tool is named {shown(name)}")
+        return ToolRequest(tools, "named", name, parallel)
+    raise bad_request("tool_choice", "must be 'auto', 'none', 'required' or "
+                                     "{'type': 'function', 'name': ...}, got " + shown(choice))
+
+
+def read_tool(item, path: str):
+    if not isinstance(item, dict):
+        raise bad_request(path, f"must be an object, not {_kind(item)}")
+    if item.get("type") != "function":
+        raise bad_request(f"{path}.type", f"only 'function' tools are supported (no built-in "
+                                          f"tools here), got {shown(item.get('type'))}")
+    return read_function(item.get("name"), item.get("description"), item.get("parameters"),
+                         path, "parameters")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """`instructions` and `input` as chat messages in transformers' shape: a past turn's
+    function_call items become its assistant message's tool_calls, their outputs tool
+    messages."""
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("instructions", f"must be a string, not {_kind(instructions)}")
+    chat = [{"role": "system", "content": instructions}] if instructions else []
+    value = body.get("input")
+    if value is None:
+        raise bad_request("input", "required")
+    if isinstance(value, str):
+        return chat + [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise bad_request("input", f"must be a string or an array of items, not {_kind(value)}")
+    if not value:
+        raise bad_request("input", "must contain at least one item")
+    for n, item in enumerate(value):
+        at = f"input.{n}"
+        if not isinstance(item, dict):
+            raise bad_request(at, f"must be an object, not {_kind(item)}")
+        kind = item.get("type", "message")
+        if kind == "message":
+            chat.append(message(item, at))
+        elif kind == "function_call":
+            call = function_call(item, at)
+            last = chat[-1] if chat else None
+            if last is None or last["role"] != "assistant" or "tool_call_id" in last:
+                last = {"role": "assistant", "content": ""}
+                chat.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            chat.append(call_output(item, at))
+        elif kind == "reasoning":
+            continue  # another model's reasoning, replayed by its client: nothing to show here
+        else:
+            raise bad_request(f"{at}.type", "must be message, function_call, "
+                                            "function_call_output or reasoning (no built-in "
+                                            f"tools or stored items here), got {shown(kind)}")
+    if all(m["role"] == "system" for m in chat):
+        raise bad_request("input", "holds no message, call or call output")
+    return chat
+
+
+def message(item: dict, at: str) -> dict:
+    role = item.get("role")
+    if role not in ROLES:
+        raise bad_request(f"{at}.role", f"must be one of {', '.join(ROLES)}, got {shown(role)}")
+    content = item.get("content")
+    if isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        parts = []
+        for n, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in TEXT_PARTS[role] or not isinstance(part.get("text", part.get("refusal")),
+                                                              str):
+                what = "images and files are" if kind in ("input_image", "input_file") \
+                    else f"{shown(kind)} is"
+                raise bad_request(f"{at}.content.{n}", f"{what} not supported in a {role} "
+                                                       f"message; only "
+                                                       f"{' and '.join(TEXT_PARTS[role])} parts")
+            parts.append(part.get("text", part.get("refusal")))
+        text = "".join(parts)
+    else:
+        raise bad_request(f"{at}.content", f"must be a string or an array of content parts, "
+                                           f"not {_kind(content)}")
+    return {"role": "system" if role == "developer" else role, "content": text}
+
+
+def function_call(item: dict, at: str) -> dict:
+    for name in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(name), str):
+            raise bad_request(f"{at}.{name}", "required: a string")
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": history_arguments(item["arguments"])}}
+
+
+def call_output(item: dict, at: str) -> dict:
+    if not isinstance(item.get("call_id"), str):
+        raise bad_request(f"{at}.call_id", "required: the call_id of the call answered")
+    output = item.get("output")
+    if isinstance(output, list):
+        texts = []
+        for n, part in enumerate(output):
+            if not isinstance(part, dict) or part.get("type") != "input_text" \
+                    or not isinstance(part.get("text"), str):
+                raise bad_request(f"{at}.output.{n}", "only input_text parts are supported")
+            texts.append(part["text"])
+        output = "".join(texts)
+    if not isinstance(output, str):
+        raise bad_request(f"{at}.output", f"must be a string or an array of input_text parts, "
+                                          f"not {_kind(output)}")
+    return {"role": "tool", "content": output, "tool_call_id": item["call_id"]}
+
+
+def response_fields(body: dict, tools: ToolRequest | None, text: dict) -> dict:
+    """The request's settings as a response object repeats them, the API's defaults where a
+    field was not given."""
+    fields = {name: body.get(name) for name in ECHOED}
+    fields["metadata"] = fields["metadata"] or {}
+    fields["parallel_tool_calls"] = get_bool(body, "parallel_tool_calls", True)
+    fields["temperature"] = body.get("temperature", 1.0)
+    fields["top_p"] = body.get("top_p", 1.0)
+    fields["top_logprobs"] = body.get("top_logprobs") or 0
+    fields["truncation"] = "disabled"
+    fields["service_tier"] = body.get("service_tier") or "default"
+    fields["tools"] = body.get("tools") or []
+    fields["tool_choice"] = body.get("tool_choice") or "auto"
+    fields["text"] = text
+    fields["reasoning"] = {"effort": None, "summary": None}
+    fields["store"] = False
+    fields["previous_response_id"] = None
+    fields["background"] = False
+    if tools is None and fields["tools"]:
+        fields["tool_choice"] = "none"
+    return fields
