@@ -131,7 +131,8 @@ def message(text: str) -> list[dict]:
 
 
 def decode_stream(i: int, rng: random.Random, model: str, max_tokens: int) -> StreamSpec:
-    """Stream i: greedy, seeded or unseeded in turn; every fourth on the OpenAI route."""
+    """Stream i: greedy, seeded or unseeded in turn; every fourth on OpenAI's chat route and
+    every fourth from the second on its Responses API, the rest on the Anthropic route."""
     topic = TOPICS[i % len(TOPICS)]
     kind = i % 3
     sampling = ({"temperature": 0} if kind == 0 else
@@ -142,6 +143,10 @@ def decode_stream(i: int, rng: random.Random, model: str, max_tokens: int) -> St
     if i % 4 == 3:
         return StreamSpec(f"s{i}", "/v1/chat/completions",
                           {**body, "stream_options": {"include_usage": True}})
+    if i % 4 == 1:
+        body.pop("max_tokens")
+        return StreamSpec(f"s{i}", "/v1/responses", {
+            **body, "max_output_tokens": max_tokens, "input": body.pop("messages")})
     return StreamSpec(f"s{i}", "/v1/messages", body)
 
 

@@ -84,7 +84,7 @@ def _row(history: StreamHistory, status: str, checked) -> dict:
         "class": status,
         "client": ("hung up" if history.hung_up else
                    "stopped reading" if history.stopped_reading else "read all"),
-        "max_tokens": spec.body.get("max_tokens"),
+        "max_tokens": spec.max_tokens,
         "tokens": len(checked.token_ids),
         "token_ids": checked.token_ids,
         "finish_reason": checked.finish_reason,

@@ -32,7 +32,7 @@ def around_fault(histories: list[StreamHistory], fault_s: float,
             row["resumed_after_s"] = after[0] - fault_s
             row["pause_s"] = after[0] - (before[-1] if before else fault_s)
             recovery = max(recovery or 0.0, row["resumed_after_s"])
-        elif not history.hung_up and len(before) < (history.spec.body.get("max_tokens") or 0):
+        elif not history.hung_up and len(before) < (history.spec.max_tokens or 0):
             violations.add("not_recovered", f"{history.spec.name}: live at the fault, no token "
                                             "after it")
         rows.append(row)

@@ -30,6 +30,11 @@ class StreamSpec:
     """Stop reading once this many tokens have arrived, until released (slow-client)."""
 
     @property
+    def max_tokens(self) -> int | None:
+        """The most tokens the body asks for (`max_output_tokens` on the Responses API)."""
+        return self.body.get("max_tokens", self.body.get("max_output_tokens"))
+
+    @property
     def greedy(self) -> bool:
         return self.body.get("temperature", 1.0) == 0
 
@@ -149,7 +154,7 @@ class Recorder:
         if data is None:
             return
         if history.request_id is None:
-            message = data.get("message")
+            message = data.get("message") or data.get("response")  # Anthropic, Responses API
             request_id = message.get("id") if isinstance(message, dict) else data.get("id")
             history.request_id = request_id if isinstance(request_id, str) else None
         ext = data.get("tokstream")
