@@ -158,8 +158,55 @@ def test_logprobs_streamed_and_not(client, server):
     assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == streamed
 
 
+def test_stored_responses_continue_list_and_delete(client, server):
+    first = client.responses.create(model=MODEL, input="My name is Ann.", max_output_tokens=8,
+                                    extra_body=SEEDED)
+    assert first.store is True and first.previous_response_id is None
+    second = client.responses.create(model=MODEL, input="What is my name?", max_output_tokens=8,
+                                     previous_response_id=first.id, extra_body=SEEDED)
+    assert second.previous_response_id == first.id
+    # The model was shown the first turn, its answer, then the new input: the prompt is
+    # exactly the chat of those three messages.
+    chat = [{"role": "user", "content": "My name is Ann."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "What is my name?"}]
+    counted = httpx.post(server.url + "/tokenize", json={"messages": chat}, timeout=30).json()
+    assert second.usage.input_tokens == counted["count"]
+
+    assert client.responses.retrieve(second.id).output_text == second.output_text
+    newest_first = client.responses.input_items.list(second.id)
+    assert [(i.type, i.role) for i in newest_first.data] == [
+        ("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert newest_first.data[1].id == first.output[0].id
+    page = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [i.id for i in page.data] == [i.id for i in newest_first.data[::-1][:2]]
+    assert page.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", after=page.last_id)
+    assert [i.id for i in rest.data] == [newest_first.data[0].id] and not rest.has_more
+
+    # Streamed responses are stored too, and continue from a stored one.
+    events = list(client.responses.create(model=MODEL, input="Again?", max_output_tokens=4,
+                                          previous_response_id=second.id, stream=True,
+                                          extra_body=SEEDED))
+    third = client.responses.retrieve(events[-1].response.id)
+    assert third.output_text == events[-1].response.output_text
+    assert len(client.responses.input_items.list(third.id).data) == 5
+
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match="previous_response_id"):
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+    assert client.responses.retrieve(second.id).id == second.id  # the rest stay
+    unstored = client.responses.create(model=MODEL, input="x", store=False,
+                                       max_output_tokens=2)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
 @pytest.mark.parametrize("extra, field", [
-    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"previous_response_id": 5}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "high"}}, "reasoning.effort"),

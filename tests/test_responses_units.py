@@ -7,7 +7,9 @@ import json
 import pytest
 
 from tokstream.server.api.responses_output import ResponseItems
-from tokstream.server.api.responses_request import chat_messages, response_fields, tool_request
+from tokstream.server.api.responses_request import (chat_messages, input_items,
+                                                    response_fields, tool_request)
+from tokstream.server.api.responses_store import ResponseStore
 from tokstream.server.api_errors import ApiError
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -15,8 +17,12 @@ WEATHER = {"type": "function", "name": "get_weather",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
 
+def chat_of(body: dict) -> list[dict]:
+    return chat_messages(body, input_items(body))
+
+
 def test_input_items_become_the_chat_with_calls_and_their_outputs():
-    chat = chat_messages({"instructions": "Be brief.", "input": [
+    chat = chat_of({"instructions": "Be brief.", "input": [
         {"role": "developer", "content": "Use tools."},
         {"type": "message", "role": "user",
          "content": [{"type": "input_text", "text": "weather in "},
@@ -47,7 +53,7 @@ def test_input_items_become_the_chat_with_calls_and_their_outputs():
 
 
 def test_a_call_after_a_tool_result_starts_a_new_assistant_turn():
-    chat = chat_messages({"input": [
+    chat = chat_of({"input": [
         {"role": "user", "content": "go"},
         {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "a", "output": "1"},
@@ -56,10 +62,20 @@ def test_a_call_after_a_tool_result_starts_a_new_assistant_turn():
     assert [c["id"] for c in chat[3]["tool_calls"]] == ["b"]
 
 
-def test_a_plain_string_input_is_one_user_message():
-    assert chat_messages({"input": "hi"}) == [{"role": "user", "content": "hi"}]
+def test_a_plain_string_input_is_one_user_message_and_every_item_gets_an_id():
+    assert chat_of({"input": "hi"}) == [{"role": "user", "content": "hi"}]
+    [item] = input_items({"input": "hi"})
+    assert item["type"] == "message" and item["content"] == [{"type": "input_text",
+                                                              "text": "hi"}]
+    items = input_items({"input": [{"role": "user", "content": "a", "id": "msg_mine"},
+                                   {"type": "function_call_output", "call_id": "c",
+                                    "output": "1"}]})
+    assert items[0]["id"] == "msg_mine" and items[1]["id"].startswith("fco_")
     with pytest.raises(ApiError, match="input: holds no message"):
-        chat_messages({"instructions": "x", "input": [{"type": "reasoning"}]})
+        chat_of({"instructions": "x", "input": [{"type": "reasoning"}]})
+    with pytest.raises(ApiError, match="input.1.call_id"):  # checked when read, not later
+        input_items({"input": [{"role": "user", "content": "a"},
+                               {"type": "function_call_output", "output": "1"}]})
 
 
 def events_of(items: ResponseItems, pieces: list[str], state: str = "completed") -> list[dict]:
@@ -106,8 +122,32 @@ def test_without_tools_call_markup_is_text():
 
 def test_a_response_repeats_the_requests_settings_with_the_apis_defaults():
     fields = response_fields({"input": "x", "metadata": {"k": "v"}, "tools": [WEATHER],
-                              "tool_choice": "none"}, None, {"format": {"type": "text"}})
+                              "tool_choice": "none"}, None, {"format": {"type": "text"}},
+                             stored=False)
     assert fields["metadata"] == {"k": "v"} and fields["tool_choice"] == "none"
     assert fields["temperature"] == 1.0 and fields["top_p"] == 1.0
     assert fields["parallel_tool_calls"] is True and fields["store"] is False
     assert fields["truncation"] == "disabled" and fields["instructions"] is None
+
+
+def stored(store: ResponseStore, owner: str, response_id: str, text: str = "x") -> bool:
+    return store.put(owner, {"id": response_id, "output": [{"text": text}]}, [])
+
+
+def test_the_store_keeps_each_owners_responses_apart_and_evicts_the_largest_owner_first():
+    one = len(json.dumps([{"id": "r0", "output": [{"text": "x"}]}, []]))
+    store = ResponseStore(max_bytes=one * 4)
+    assert stored(store, "b", "r1") and stored(store, "a", "r0")  # b's is the oldest
+    assert store.get("a", "r0") is not None and store.get("b", "r0") is None  # not b's
+    assert not store.delete("b", "r0") and store.get("a", "r0") is not None
+    for n in range(2, 5):  # "a" floods: past the bound it loses its own oldest first
+        stored(store, "a", f"r{n}")
+    assert store.get("b", "r1") is not None and store.get("a", "r0") is None
+    assert store.count() == 4 and store.bytes <= store.max_bytes
+    assert store.delete("a", "r4") and store.get("a", "r4") is None
+    assert not stored(store, "a", "big", "x" * one * 4)  # alone past the bound: not kept
+
+
+def test_a_store_of_no_bytes_keeps_nothing():
+    store = ResponseStore(max_bytes=0)
+    assert not store.enabled and not stored(store, "a", "r0") and store.count() == 0

@@ -162,7 +162,9 @@ ROUTES = {"/v1/messages": ANTHROPIC, "/v1/chat/completions": CHAT,
           "/tokenize": TOKENIZE, "/detokenize": DETOKENIZE, "/v1/responses": RESPONSES}
 GET_PATHS = ["/health", "/metrics", "/v1/models", "/v1/state", "/openapi.json",
              "/v1/state/requests/msg_x", "/v1/state/requests/" + "z" * 300, "/", "/v1",
-             "/v1/messages/x", "/v1/../v1/state", "/v1/state%00", "/metrics/"]
+             "/v1/messages/x", "/v1/../v1/state", "/v1/state%00", "/metrics/",
+             "/v1/responses/resp_x", "/v1/responses/resp_x/input_items",
+             "/v1/responses/" + "r" * 300]
 VALID = {"/v1/messages": anthropic_body(max_tokens=4),
          "/v1/chat/completions": {**anthropic_body(max_tokens=4), "stream": False},
          "/v1/completions": {"model": "dummy:tiny", "prompt": "hi", "max_tokens": 4},

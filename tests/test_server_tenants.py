@@ -180,3 +180,26 @@ def test_count_tokens_is_charged_to_the_tenant(server):
                 break
         assert codes[0] == 200 and codes[-1] == 429, codes
         assert response.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_stored_responses_are_their_tenants_own(server):
+    def call(method, path, key, **kwargs):
+        return httpx.request(method, server.url + path, timeout=30,
+                             headers={"authorization": f"Bearer {key}"}, **kwargs)
+
+    made = call("POST", "/v1/responses", ALICE, json={
+        "model": "dummy:tiny", "input": "hi", "max_output_tokens": 2})
+    assert made.status_code == 200, made.text
+    response_id = made.json()["id"]
+    assert call("GET", f"/v1/responses/{response_id}", ALICE).status_code == 200
+    for path in (f"/v1/responses/{response_id}", f"/v1/responses/{response_id}/input_items"):
+        assert call("GET", path, CAROL).status_code == 404
+    assert call("DELETE", f"/v1/responses/{response_id}", CAROL).status_code == 404
+    continued = call("POST", "/v1/responses", CAROL, json={
+        "model": "dummy:tiny", "input": "and?", "max_output_tokens": 2,
+        "previous_response_id": response_id})
+    assert continued.status_code == 404 and continued.json()["error"]["param"] == \
+        "previous_response_id"
+    assert call("GET", f"/v1/responses/{response_id}", "sk-nobody").status_code == 401
+    assert call("DELETE", f"/v1/responses/{response_id}", ALICE).json()["deleted"] is True
+    assert call("GET", f"/v1/responses/{response_id}", ALICE).status_code == 404

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import uuid
+from typing import Callable
 
 from tokstream.engine.messages.request import FinishReason
 from tokstream.server.api.content_logprobs import ContentLogprobs
@@ -157,8 +158,11 @@ class ResponseFormatter:
     """A streamed response's events (a StreamFormatter for sse.EventStreamResponse)."""
 
     def __init__(self, stream: Stream, model: str, fields: dict, tokenizer, logprobs: bool,
-                 integrity: bool = True, tools: ToolRequest | None = None):
+                 integrity: bool = True, tools: ToolRequest | None = None,
+                 on_done: Callable[[dict], None] | None = None):
         self.stream = stream
+        self.on_done = on_done
+        """Called with the finished response (completed or incomplete), to store it."""
         self.model = model
         self.fields = fields
         """The request's settings, repeated in every response object sent."""
@@ -216,7 +220,10 @@ class ResponseFormatter:
                 self.unsent.token_ids, self.unsent.logprobs, self.unsent.text)
                 + self.content_logprobs.finish())
         events = self.items.finish(state)
-        last = {"type": f"response.{state}", "response": self._response(state),
+        response = self._response(state)
+        if self.on_done is not None:
+            self.on_done(response)
+        last = {"type": f"response.{state}", "response": response,
                 "tokstream": final_integrity(self.stream)}
         carried, self.unsent = self.unsent, DeltaBatch()
         return self._sse(events) + self._sse([last], carried)

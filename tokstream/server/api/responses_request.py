@@ -3,12 +3,12 @@
 `function_call_output`s) as the chat the model is shown, `tools` and `tool_choice` as a
 ToolRequest, `text.format` as a structured output, and the sampling options.
 
-Nothing is stored: a request carries its whole conversation in `input`, and fields that need
-a stored response (`previous_response_id`, `conversation`, `item_reference` items,
-`background`) are refused with a 400 naming them. `store` is accepted and answered as false.
-Every other field the API defines is read and checked, or refused where honouring it needs
-something this server does not do (built-in tools, images and files, reasoning effort on a
-model that does not reason)."""
+A request continues a stored response (responses_store.py) with `previous_response_id`: that
+response's conversation (its input and output items) comes before the new input. Fields that
+need what this server keeps nowhere (`conversation`, a saved `prompt`, `item_reference`
+items, `background`) are refused with a 400 naming them. Every other field the API defines is
+read and checked, or refused where honouring it needs something this server does not do
+(built-in tools, images and files, reasoning effort on a model that does not reason)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ from tokstream.server.api.openai_tools import history_arguments
 from tokstream.server.api.sampling_options import bounded_options
 from tokstream.server.api.tool_template import encode_chat
 from tokstream.server.api.tools import ToolRequest, read_function, read_tools, tool_sampling
-from tokstream.server.api_errors import bad_request
+from tokstream.server.api.responses_output import CALL_ITEM_PREFIX, MESSAGE_ID_PREFIX, item_id
+from tokstream.server.api.responses_store import ResponseStore
+from tokstream.server.api_errors import ApiError, bad_request
 from tokstream.server.submit import Prompt
 from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_object,
                                          sampling_params, shown)
@@ -35,9 +37,9 @@ INCLUDES = (LOGPROBS_INCLUDE, "reasoning.encrypted_content", "code_interpreter_c
             "computer_call_output.output.image_url", "file_search_call.results",
             "message.input_image.image_url", "web_search_call.action.sources",
             "web_search_call.results")
-NEEDS_STORE = ("previous_response_id", "conversation", "prompt")
-"""Fields that name something stored on the server (a past response, a conversation, a
-saved prompt): nothing is stored here."""
+KEPT_NOWHERE = ("conversation", "prompt")
+"""Fields that name something stored that this server does not keep (a conversation object,
+a saved prompt)."""
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",),
               "assistant": ("output_text", "input_text", "refusal")}
@@ -57,14 +59,21 @@ class ResponseRequest:
     prompt: Prompt
     fields: dict
     """The request's settings as the response object shows them (model, instructions, tools,
-    tool_choice, text, ...)."""
+    tool_choice, text, store, ...)."""
     logprobs: bool
     """Whether each output_text part lists its tokens' logprobs (include)."""
+    input_items: list[dict]
+    """The conversation answered, as items (a previous response's, then this input), kept
+    with the response when it is stored."""
 
 
-def parse(body: dict, server) -> ResponseRequest:
+def parse(body: dict, server, store: ResponseStore, owner: str) -> ResponseRequest:
+    """store and owner: where a previous_response_id is looked up, and whose it must be."""
     server.check_model(body.get("model"))
-    refuse_stored(body)
+    for name in KEPT_NOWHERE:
+        if body.get(name) is not None:
+            raise bad_request(name, "not kept by this server: send the conversation in input, "
+                                    "or continue a stored response with previous_response_id")
     if get_bool(body, "background"):
         raise bad_request("background", "background responses need a stored response to poll; "
                                         "this server keeps none (stream instead)")
@@ -79,7 +88,8 @@ def parse(body: dict, server) -> ResponseRequest:
     for name in ("user", "safety_identifier", "prompt_cache_key", "service_tier"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise bad_request(name, f"must be a string, not {_kind(body[name])}")
-    get_bool(body, "store", True)
+    stored = get_bool(body, "store", True) and store.enabled
+    conversation = previous_conversation(body, store, owner) + input_items(body)
     stream = get_bool(body, "stream")
     get_object(body, "stream_options")
     max_tokens = get_int(body, "max_output_tokens", None, minimum=1)
@@ -100,7 +110,7 @@ def parse(body: dict, server) -> ResponseRequest:
             raise bad_request("text.format.schema", str(error)) from None
     extras.update(tool_sampling(tools, structured))
     try:
-        token_ids = encode_chat(server.tokenizer, chat_messages(body),
+        token_ids = encode_chat(server.tokenizer, chat_messages(body, conversation),
                                 tools.tools if tools else (), limit=server.max_model_len)
     except UserInputError as error:
         raise bad_request("input", str(error)) from None
@@ -109,15 +119,26 @@ def parse(body: dict, server) -> ResponseRequest:
     params = sampling_params({"max_tokens": "max_output_tokens", "structured": "text.format"},
                              max_tokens=max_tokens, ignore_eos=get_bool(body, "ignore_eos"),
                              **options, **extras)
-    fields = response_fields(body, tools, text)
-    return ResponseRequest(Prompt(token_ids, params, stream, tools=tools), fields, logprobs)
+    fields = response_fields(body, tools, text, stored)
+    return ResponseRequest(Prompt(token_ids, params, stream, tools=tools), fields, logprobs,
+                           conversation)
 
 
-def refuse_stored(body: dict) -> None:
-    for name in NEEDS_STORE:
-        if body.get(name) is not None:
-            raise bad_request(name, "this server stores no responses, conversations or "
-                                    "prompts: send the whole conversation in input")
+def previous_conversation(body: dict, store: ResponseStore, owner: str) -> list[dict]:
+    """The conversation of the response previous_response_id names (none: [])."""
+    previous = body.get("previous_response_id")
+    if previous is None:
+        return []
+    if not isinstance(previous, str):
+        raise bad_request("previous_response_id", f"must be a string, not {_kind(previous)}")
+    found = store.get(owner, previous)
+    if found is None:
+        kept = "responses are kept in the gateway's memory, within --responses-store-bytes" \
+            if store.enabled else "this server stores none (--responses-store-bytes 0)"
+        raise ApiError("not_found_error", f"previous_response_id: no stored response "
+                                          f"{shown(previous)} ({kept})",
+                       param="previous_response_id")
+    return found.conversation
 
 
 def metadata(body: dict) -> dict:
@@ -203,28 +224,45 @@ def read_tool(item, path: str):
                          path, "parameters")
 
 
-def chat_messages(body: dict) -> list[dict]:
-    """`instructions` and `input` as chat messages in transformers' shape: a past turn's
-    function_call items become its assistant message's tool_calls, their outputs tool
-    messages."""
-    instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise bad_request("instructions", f"must be a string, not {_kind(instructions)}")
-    chat = [{"role": "system", "content": instructions}] if instructions else []
+def input_items(body: dict) -> list[dict]:
+    """`input` as items, each checked, with its type and an id (a string input is one user
+    message)."""
     value = body.get("input")
     if value is None:
         raise bad_request("input", "required")
     if isinstance(value, str):
-        return chat + [{"role": "user", "content": value}]
+        value = [{"role": "user", "content": [{"type": "input_text", "text": value}]}]
     if not isinstance(value, list):
         raise bad_request("input", f"must be a string or an array of items, not {_kind(value)}")
     if not value:
         raise bad_request("input", "must contain at least one item")
+    items = []
     for n, item in enumerate(value):
         at = f"input.{n}"
         if not isinstance(item, dict):
             raise bad_request(at, f"must be an object, not {_kind(item)}")
         kind = item.get("type", "message")
+        if kind not in ITEM_TYPES:
+            raise bad_request(f"{at}.type", "must be message, function_call, "
+                                            "function_call_output or reasoning (no built-in "
+                                            f"tools or stored items here), got {shown(kind)}")
+        READ_ITEM[kind](item, at)  # checked here: a stored item is read again later
+        items.append({**item, "type": kind,
+                      "id": item.get("id") or item_id(ITEM_ID_PREFIX[kind])})
+    return items
+
+
+def chat_messages(body: dict, items: list[dict]) -> list[dict]:
+    """`instructions` and the conversation's items as chat messages in transformers' shape: a
+    turn's function_call items become its assistant message's tool_calls, their outputs tool
+    messages; reasoning items (another model's, replayed by its client) show nothing."""
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("instructions", f"must be a string, not {_kind(instructions)}")
+    chat = [{"role": "system", "content": instructions}] if instructions else []
+    for n, item in enumerate(items):
+        at = f"input.{n}"
+        kind = item["type"]
         if kind == "message":
             chat.append(message(item, at))
         elif kind == "function_call":
@@ -236,12 +274,6 @@ def chat_messages(body: dict) -> list[dict]:
             last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             chat.append(call_output(item, at))
-        elif kind == "reasoning":
-            continue  # another model's reasoning, replayed by its client: nothing to show here
-        else:
-            raise bad_request(f"{at}.type", "must be message, function_call, "
-                                            "function_call_output or reasoning (no built-in "
-                                            f"tools or stored items here), got {shown(kind)}")
     if all(m["role"] == "system" for m in chat):
         raise bad_request("input", "holds no message, call or call output")
     return chat
@@ -299,7 +331,15 @@ def call_output(item: dict, at: str) -> dict:
     return {"role": "tool", "content": output, "tool_call_id": item["call_id"]}
 
 
-def response_fields(body: dict, tools: ToolRequest | None, text: dict) -> dict:
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+READ_ITEM = {"message": message, "function_call": function_call,
+             "function_call_output": call_output, "reasoning": lambda item, at: None}
+"""Each item type's reader (raises a 400 naming the field of a bad item)."""
+ITEM_ID_PREFIX = {"message": MESSAGE_ID_PREFIX, "function_call": CALL_ITEM_PREFIX,
+                  "function_call_output": "fco_", "reasoning": "rs_"}
+
+
+def response_fields(body: dict, tools: ToolRequest | None, text: dict, stored: bool) -> dict:
     """The request's settings as a response object repeats them, the API's defaults where a
     field was not given."""
     fields = {name: body.get(name) for name in ECHOED}
@@ -314,8 +354,8 @@ def response_fields(body: dict, tools: ToolRequest | None, text: dict) -> dict:
     fields["tool_choice"] = body.get("tool_choice") or "auto"
     fields["text"] = text
     fields["reasoning"] = {"effort": None, "summary": None}
-    fields["store"] = False
-    fields["previous_response_id"] = None
+    fields["store"] = stored
+    fields["previous_response_id"] = body.get("previous_response_id")
     fields["background"] = False
     if tools is None and fields["tools"]:
         fields["tool_choice"] = "none"

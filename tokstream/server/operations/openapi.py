@@ -140,10 +140,15 @@ RESPONSES_BODY = {
                                       "type": {"const": "function"},
                                       "name": {"type": "string"}}}]},
         "parallel_tool_calls": {"type": "boolean"},
-        "store": {"type": "boolean", "description": "accepted; nothing is stored"},
+        "store": {"type": "boolean", "description": "keep the response (default true) for "
+                                                    "previous_response_id and GET"},
+        "previous_response_id": {"type": "string"},
         "metadata": {"type": "object"},
     },
 }
+
+RESPONSE_ID = {"name": "response_id", "in": "path", "required": True,
+               "schema": {"type": "string"}}
 
 COMPLETION_BODY = {
     "type": "object", "required": ["model", "prompt"],
@@ -235,8 +240,16 @@ def openapi_schema() -> dict:
                                           True, 503),
             "/v1/completions": _post("OpenAI completions", COMPLETION_BODY, OPENAI_ERROR,
                                      True, 503),
-            "/v1/responses": _post("OpenAI Responses API (nothing stored)", RESPONSES_BODY,
-                                   OPENAI_ERROR, True, 503),
+            "/v1/responses": _post("OpenAI Responses API", RESPONSES_BODY, OPENAI_ERROR, True,
+                                   503),
+            "/v1/responses/{response_id}": {
+                **_get("A stored response (the caller's own)"),
+                "delete": {"summary": "Delete a stored response",
+                           "responses": {"200": {"description": "deleted"}}},
+                "parameters": [RESPONSE_ID]},
+            "/v1/responses/{response_id}/input_items": {
+                **_get("The items a stored response answered (limit, order, after)"),
+                "parameters": [RESPONSE_ID]},
             "/v1/score": _post("Teacher-forced re-scoring (admin)", SCORE_BODY, OPENAI_ERROR,
                                False, 503),
             "/tokenize": _post("Prompt or messages to token ids (vLLM)", TOKENIZE_BODY,
@@ -245,6 +258,9 @@ def openapi_schema() -> dict:
                                  False, 503),
             "/v1/models": _get("Served models"),
             "/health": _get("200 ready; 503 recovering or down"),
+            "/health/live": _get("200 whenever the gateway answers"),
+            "/health/ready": _get("200 while new requests are welcome; 503 recovering, down "
+                                  "or draining"),
             "/metrics": _get("Prometheus metrics"),
             "/v1/state": _get("State snapshot (admin)", schema=json_schema(StateSnapshot)),
             "/v1/state/requests/{request_id}": {
