@@ -1,7 +1,8 @@
 """The OpenAI Agents SDK (openai-agents) on OpenAIResponsesModel against a real `tokstream
 serve` on dummy:tiny, through POST /v1/responses: an agent loop that forces a function call,
 runs the tool, sends its output back as function_call / function_call_output items and ends
-on the model's text, run and streamed alike under a seed; and an output_type parsed into a
+on the model's text, run and streamed alike under a seed; the same loop kept on the server with
+previous_response_id (the SDK's auto_previous_response_id); and an output_type parsed into a
 pydantic model."""
 
 import asyncio
@@ -41,10 +42,9 @@ def run(server, recorder, check) -> None:
     asyncio.run(main())
 
 
-def test_a_tool_loop_run_and_streamed(server, recorder):
-    from agents import Agent, ModelSettings, Runner, function_tool
-
-    cities = []
+def weather_agent(model, cities: list[str]):
+    """An agent with one tool, which records the cities it is called with."""
+    from agents import Agent, ModelSettings, function_tool
 
     @function_tool
     def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:
@@ -53,13 +53,20 @@ def test_a_tool_loop_run_and_streamed(server, recorder):
         return "sunny, 21C"
 
     # Forced on the first turn only (the SDK resets tool_choice once a tool has run), one
-    # call, a seed (an extra: the Responses API has none) so both runs sample alike.
+    # call, a seed (an extra: the Responses API has none) so runs sample alike.
     settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=120,
                              temperature=1.0, extra_body={"seed": 7})
+    return Agent(name="weather", instructions="Answer with the weather.", model=model,
+                 tools=[get_weather], model_settings=settings)
+
+
+def test_a_tool_loop_run_and_streamed(server, recorder):
+    from agents import Runner
+
+    cities = []
 
     async def check(model):
-        agent = Agent(name="weather", instructions="Answer with the weather.", model=model,
-                      tools=[get_weather], model_settings=settings)
+        agent = weather_agent(model, cities)
         result = await Runner.run(agent, "weather in Paris?", max_turns=3)
         assert isinstance(result.final_output, str) and result.final_output
         assert len(cities) == 1 and len(recorder.bodies) == 2
@@ -76,6 +83,31 @@ def test_a_tool_loop_run_and_streamed(server, recorder):
         assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
         assert streamed.final_output == result.final_output
         assert cities[1] == cities[0] and len(recorder.bodies) == 4
+
+    run(server, recorder, check)
+
+
+def test_a_tool_loop_kept_on_the_server(server, recorder):
+    from agents import Runner
+
+    cities = []
+
+    async def check(model):
+        agent = weather_agent(model, cities)
+        whole = await Runner.run(agent, "weather in Paris?", max_turns=3)
+        kept = await Runner.run(agent, "weather in Paris?", max_turns=3,
+                                auto_previous_response_id=True)
+        # The second turn sends only the tool's output, naming the response it follows.
+        first, second = recorder.bodies[2:]
+        assert "previous_response_id" not in first
+        assert [item.get("type") for item in second["input"]] == ["function_call_output"]
+        assert kept.final_output == whole.final_output  # the server rebuilt the same prompt
+        stored = httpx.get(f"{server.url}/v1/responses/{kept.last_response_id}/input_items",
+                           params={"order": "asc"}).json()["data"]
+        assert [item["type"] for item in stored] == [
+            "message", "function_call", "function_call_output"]
+        followed = httpx.get(f"{server.url}/v1/responses/{second['previous_response_id']}")
+        assert followed.json()["output"] == [stored[1]]  # the call, as the first turn made it
 
     run(server, recorder, check)
 
