@@ -70,32 +70,12 @@ class ResponseRequest:
 def parse(body: dict, server, store: ResponseStore, owner: str) -> ResponseRequest:
     """store and owner: where a previous_response_id is looked up, and whose it must be."""
     server.check_model(body.get("model"))
-    for name in KEPT_NOWHERE:
-        if body.get(name) is not None:
-            raise bad_request(name, "not kept by this server: send the conversation in input, "
-                                    "or continue a stored response with previous_response_id")
-    if get_bool(body, "background"):
-        raise bad_request("background", "background responses need a stored response to poll; "
-                                        "this server keeps none (stream instead)")
-    reasoning = get_object(body, "reasoning") or {}
-    if reasoning.get("effort") not in (None, "none"):
-        raise bad_request("reasoning.effort", f"{server.model_id} is not a reasoning model")
-    truncation = body.get("truncation") or "disabled"
-    if truncation != "disabled":
-        raise bad_request("truncation", f"only 'disabled' is supported (a conversation past "
-                                        f"the context is a 400), got {shown(truncation)}")
-    metadata(body)
-    for name in ("user", "safety_identifier", "prompt_cache_key", "service_tier"):
-        if body.get(name) is not None and not isinstance(body[name], str):
-            raise bad_request(name, f"must be a string, not {_kind(body[name])}")
+    refuse_unsupported(body, server.model_id)
     stored = get_bool(body, "store", True) and store.enabled
     conversation = previous_conversation(body, store, owner) + input_items(body)
     stream = get_bool(body, "stream")
     get_object(body, "stream_options")
     max_tokens = get_int(body, "max_output_tokens", None, minimum=1)
-    if get_int(body, "max_tool_calls", None, minimum=1) is not None:
-        raise bad_request("max_tool_calls", "not supported by this server (parallel_tool_calls: "
-                                            "false allows one call)")
     options = bounded_options(body, "openai")
     options["top_k"] = max(options["top_k"], 0)
     logprobs = LOGPROBS_INCLUDE in includes(body)
@@ -122,6 +102,32 @@ def parse(body: dict, server, store: ResponseStore, owner: str) -> ResponseReque
     fields = response_fields(body, tools, text, stored)
     return ResponseRequest(Prompt(token_ids, params, stream, tools=tools), fields, logprobs,
                            conversation)
+
+
+def refuse_unsupported(body: dict, model_id: str) -> None:
+    """A 400 naming the first field that asks for what this server does not do; the
+    metadata and string fields it repeats checked."""
+    for name in KEPT_NOWHERE:
+        if body.get(name) is not None:
+            raise bad_request(name, "not kept by this server: send the conversation in input, "
+                                    "or continue a stored response with previous_response_id")
+    if get_bool(body, "background"):
+        raise bad_request("background", "background responses are not run here (stream, or "
+                                        "wait for the answer)")
+    reasoning = get_object(body, "reasoning") or {}
+    if reasoning.get("effort") not in (None, "none"):
+        raise bad_request("reasoning.effort", f"{model_id} is not a reasoning model")
+    truncation = body.get("truncation") or "disabled"
+    if truncation != "disabled":
+        raise bad_request("truncation", f"only 'disabled' is supported (a conversation past "
+                                        f"the context is a 400), got {shown(truncation)}")
+    if get_int(body, "max_tool_calls", None, minimum=1) is not None:
+        raise bad_request("max_tool_calls", "not supported by this server (parallel_tool_calls: "
+                                            "false allows one call)")
+    metadata(body)
+    for name in ("user", "safety_identifier", "prompt_cache_key", "service_tier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise bad_request(name, f"must be a string, not {_kind(body[name])}")
 
 
 def previous_conversation(body: dict, store: ResponseStore, owner: str) -> list[dict]:
