@@ -3,6 +3,7 @@ APIs, the integrity extension, non-streaming bodies, exact usage, typed errors n
 field, the admin routes, metrics and the published schema."""
 
 import json
+import re
 
 import httpx
 import pytest
@@ -209,8 +210,8 @@ def test_unknown_model_size_limit_and_routes(client):
 def test_openapi_schema_lists_every_route(client):
     schema = client.get("/openapi.json").json()
     assert schema["openapi"].startswith("3.")
-    served = {(route.path, method.lower()) for route in routes() for method in route.methods
-              if method != "HEAD"}
+    served = {(re.sub(r":\w+}", "}", route.path), method.lower())  # {id:path} -> {id}
+              for route in routes() for method in route.methods if method != "HEAD"}
     listed = {(path, method) for path, item in schema["paths"].items() for method in item
               if method != "parameters"}
     assert served == listed
@@ -300,3 +301,22 @@ def test_stock_framing_by_default(path, body):
     else:
         assert all(line.startswith(("event: ", "data: ")) for line in lines)
     assert any(line.startswith("id: ") for line in with_integrity.splitlines())
+
+
+def test_models_listed_and_retrieved_by_both_sdks(server):
+    import anthropic
+    import openai
+
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as gpt:
+        assert [m.id for m in gpt.models.list()] == ["dummy:tiny"]
+        model = gpt.models.retrieve("dummy:tiny")
+        assert model.id == "dummy:tiny" and model.object == "model"
+        with pytest.raises(openai.NotFoundError):
+            gpt.models.retrieve("gpt-4o")
+    with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0) as claude:
+        [listed] = claude.models.list().data
+        assert listed.id == "dummy:tiny" and listed.type == "model"
+        assert listed.created_at.year >= 2026  # an RFC 3339 time the SDK parses
+        assert claude.models.retrieve("dummy:tiny").display_name == "dummy:tiny"
+        with pytest.raises(anthropic.NotFoundError):
+            claude.models.retrieve("claude-opus-4")

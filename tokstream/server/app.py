@@ -25,8 +25,8 @@ from tokstream import gc_policy
 from tokstream.engine.async_engine import AsyncEngine
 from tokstream.gateway_config import ServerConfig
 from tokstream.model.source import ModelSource
-from tokstream.server.api import (anthropic_routes, openai_routes, responses_routes,
-                                  tokenizer_routes)
+from tokstream.server.api import (anthropic_routes, model_routes, openai_routes,
+                                  responses_routes, tokenizer_routes)
 from tokstream.server.operations import admin_routes
 from tokstream.server.access.connection_limits import (ConnectionLimits, connection_cap,
                                                        guarded_protocol, raise_descriptor_limit)
@@ -55,7 +55,8 @@ def routes() -> list[Route]:
               methods=["DELETE"]),
         Route("/v1/responses/{response_id}/input_items", responses_routes.input_items,
               methods=["GET"]),
-        Route("/v1/models", openai_routes.models, methods=["GET"]),
+        Route("/v1/models", model_routes.models, methods=["GET"]),
+        Route("/v1/models/{model_id:path}", model_routes.model, methods=["GET"]),
         Route("/tokenize", tokenizer_routes.tokenize, methods=["POST"]),
         Route("/detokenize", tokenizer_routes.detokenize, methods=["POST"]),
         Route("/health", admin_routes.health, methods=["GET"]),

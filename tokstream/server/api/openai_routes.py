@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions and /v1/completions: the OpenAI-compatible API, and GET /v1/models.
+"""POST /v1/chat/completions and /v1/completions: the OpenAI-compatible API.
 
 The body is read in tokstream/server/api/openai_request.py; here the answer is written, streamed
 chunk by chunk or as one JSON body."""
@@ -23,7 +23,6 @@ from tokstream.server.api.openai_tools import (ToolDeltas, finish_reason as tool
                                                tool_message)
 from tokstream.server.streaming.sse import (final_integrity, integrity, sse, stream_failure,
                                             wants_integrity)
-from tokstream.server.server import Server
 from tokstream.server.streaming.streams import Stream
 from tokstream.server.api.tools import ToolRequest
 from tokstream.server.validation import parse_off_loop
@@ -245,11 +244,3 @@ async def chat_completions(request):
 async def completions(request):
     return await _complete(request, chat=False)
 
-
-@api_route(OPENAI)
-async def models(request):
-    server: Server = request.app.state.server
-    server.auth.authenticate(request.headers)
-    return JSONResponse({"object": "list", "data": [{
-        "id": server.model_id, "object": "model", "created": int(server.started),
-        "owned_by": "tokstream", "max_model_len": server.max_model_len}]})

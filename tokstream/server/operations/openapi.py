@@ -256,7 +256,11 @@ def openapi_schema() -> dict:
                                OPENAI_ERROR, False, 503),
             "/detokenize": _post("Token ids to text (vLLM)", DETOKENIZE_BODY, OPENAI_ERROR,
                                  False, 503),
-            "/v1/models": _get("Served models"),
+            "/v1/models": _get("Served models (Anthropic's shape with anthropic-version)"),
+            "/v1/models/{model_id}": {**_get("The served model by any of its names"),
+                                      "parameters": [{"name": "model_id", "in": "path",
+                                                      "required": True,
+                                                      "schema": {"type": "string"}}]},
             "/health": _get("200 ready; 503 recovering or down"),
             "/health/live": _get("200 whenever the gateway answers"),
             "/health/ready": _get("200 while new requests are welcome; 503 recovering, down "
