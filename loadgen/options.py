@@ -12,7 +12,8 @@ from tokstream.errors import UserInputError
 from tokstream.gateway_config import ServerConfig
 from tokstream.loadgen.mix import ARRIVALS
 
-ROUTES = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions"}
+ROUTES = {"anthropic": "/v1/messages", "openai": "/v1/chat/completions",
+          "responses": "/v1/responses"}
 """--api's choices, and the route each one streams from."""
 WEB_PORT = 8089
 """Port of Locust's web UI (--web-port; the UI is off without --web)."""
@@ -42,7 +43,8 @@ class Options:
     """A mix in profiles/mixes/ (chat, mixed, long-prompt-flood, shared-prefix, hot-tenant,
     agent-never-stops) or a TOML file."""
     api: str = "anthropic"
-    """anthropic (/v1/messages) or openai (/v1/chat/completions)."""
+    """anthropic (/v1/messages), openai (/v1/chat/completions) or responses (/v1/responses,
+    nothing stored)."""
     users: int | None = None
     """Closed loop: concurrent users. Open loop (and the sweep's Poisson stages): most requests
     in flight. Default: the mix's."""

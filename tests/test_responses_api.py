@@ -235,3 +235,17 @@ def test_refused_fields_are_a_400_naming_them(server, extra, field):
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["message"].startswith(field + ":"), error
+
+
+def test_the_load_generators_responses_requests(server):
+    """`tokstream loadtest --api responses` sends this body and reads this stream."""
+    from tokstream.loadgen.stream import auth_headers, request_body, stream_request
+
+    body = request_body("responses", MODEL, "hello there", "Be brief.", 12, 1.0, True)
+    assert body["store"] is False and body["max_output_tokens"] == 12
+    with httpx.Client(timeout=60) as http:
+        sample = stream_request(http, server.url, "responses", body,
+                                auth_headers("responses", None), 60)
+    assert sample["status"] == "ok" and not sample["integrity"], sample
+    assert sample["output_tokens"] == sample["tokens_counted"] == 12
+    assert sample["input_tokens"] > 0 and sum(sample["event_tokens"]) == 12
