@@ -95,7 +95,9 @@ def test_forced_call_streams_and_round_trips(client, server):
     body = {"model": MODEL, "input": "weather in Paris?", "tools": [WEATHER],
             "tool_choice": "required", "parallel_tool_calls": False,
             "max_output_tokens": 200, **SEEDED}
-    events, _ = record(server, body)
+    events, stream = record(server, body)
+    report = check_streams([stream])  # the markup's tokens ride on the call's events
+    assert report.ok and report.streams[0].status == "complete", report.summary()
     types = [e["type"] for e in events]
     assert types[2] == "response.output_item.added"
     assert events[2]["item"]["type"] == "function_call"

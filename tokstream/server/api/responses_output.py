@@ -42,12 +42,22 @@ class ResponseItems:
             if tools is not None else None
         """Splits text and calls (a request with tools); without tools all text is text."""
         self.output: list[dict] = []
-        """Every item so far, the last one still being written while `open` is set."""
+        """Every item so far, the last one still being written while `open` is set (its text
+        or arguments as of the last current_output())."""
         self.open = False
+        self.pieces: list[str] = []
+        """The open item's text or arguments so far, joined when it closes (a long output
+        appended to one string would be copied whole at every token)."""
 
-    @property
-    def made_calls(self) -> bool:
-        return any(item["type"] == "function_call" for item in self.output)
+    def current_output(self) -> list[dict]:
+        """Every item so far, the open one holding all its text yet."""
+        if self.open:
+            item, text = self.output[-1], "".join(self.pieces)
+            if item["type"] == "message":
+                item["content"][0]["text"] = text
+            else:
+                item["arguments"] = text
+        return self.output
 
     def feed(self, text: str) -> list[dict]:
         pieces = self.parser.feed(text) if self.parser else [TextPiece(text)] if text else []
@@ -73,8 +83,7 @@ class ResponseItems:
             case TextPiece(text=text):
                 out = [] if self.open and self.output[-1]["type"] == "message" \
                     else self._close("completed") + self._open_message()
-                item = self.output[-1]
-                item["content"][0]["text"] += text
+                self.pieces.append(text)
                 return out + [{"type": "response.output_text.delta", **self._where(),
                                "content_index": 0, "delta": text, "logprobs": []}]
             case CallStart(name=name):
@@ -83,7 +92,7 @@ class ResponseItems:
                     "status": "in_progress", "call_id": new_call_id(CALL_ID_PREFIX),
                     "name": name, "arguments": ""})
             case ArgumentsPiece(text=text):
-                self.output[-1]["arguments"] += text
+                self.pieces.append(text)
                 return [{"type": "response.function_call_arguments.delta", **self._where(),
                          "delta": text}]
             case CallEnd():
@@ -104,12 +113,14 @@ class ResponseItems:
     def _open(self, item: dict) -> list[dict]:
         self.output.append(item)
         self.open = True
+        self.pieces = []
         return [{"type": "response.output_item.added", "output_index": len(self.output) - 1,
                  "item": copy.deepcopy(item)}]
 
     def _close(self, status: str) -> list[dict]:
         if not self.open:
             return []
+        self.current_output()
         self.open = False
         item = self.output[-1]
         item["status"] = status
@@ -188,8 +199,8 @@ class ResponseFormatter:
         return body
 
     def _response(self, state: str, error: dict | None = None) -> dict:
-        return response_object(self.stream, self.model, self.fields, state, self.items.output,
-                               error)
+        return response_object(self.stream, self.model, self.fields, state,
+                               self.items.current_output(), error)
 
     def start(self) -> bytes:
         head = self._response("in_progress")
@@ -197,11 +208,13 @@ class ResponseFormatter:
                           {"type": "response.in_progress", "response": head}])
 
     def tokens(self, batch: DeltaBatch) -> bytes:
-        self.unsent.merge(batch)
         events = self.items.feed(batch.text)
-        if not events:
-            return b""
-        carried, self.unsent = self.unsent, DeltaBatch()
+        if self.unsent.token_ids or not events:  # tokens held back ride with these
+            self.unsent.merge(batch)
+            if not events:
+                return b""
+            batch, self.unsent = self.unsent, DeltaBatch()
+        carried = batch
         if self.content_logprobs is not None and carried.token_ids:
             entries = self.content_logprobs.feed(carried.token_ids, carried.logprobs,
                                                  carried.text)
