@@ -255,3 +255,28 @@ def test_the_load_generators_responses_requests(server):
     assert sample["status"] == "ok" and not sample["integrity"], sample
     assert sample["output_tokens"] == sample["tokens_counted"] == 12
     assert sample["input_tokens"] > 0 and sum(sample["event_tokens"]) == 12
+
+
+def test_the_same_conversation_samples_the_same_tokens_as_on_chat(server):
+    """instructions + input items make the prompt chat's messages make: under one seed the
+    two routes sample the same tokens, a tool call's history included."""
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+            "arguments": '{"city": "Paris"}'}
+    responses_body = {"model": MODEL, "instructions": "Be brief.", "tools": [WEATHER],
+                      "max_output_tokens": 12, **SEEDED, "input": [
+                          {"role": "user", "content": "weather in Paris?"}, call,
+                          {"type": "function_call_output", "call_id": "call_1",
+                           "output": "sunny"}]}
+    chat_body = {"model": MODEL, "max_tokens": 12, **SEEDED, "tools": [
+        {"type": "function", "function": {k: WEATHER[k] for k in ("name", "description",
+                                                                 "parameters")}}],
+        "messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "weather in Paris?"},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "call_1", "type": "function", "function": {
+                             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]}
+    answered = httpx.post(server.url + "/v1/responses", json=responses_body, timeout=60).json()
+    chatted = httpx.post(server.url + "/v1/chat/completions", json=chat_body, timeout=60).json()
+    assert answered["usage"]["input_tokens"] == chatted["usage"]["prompt_tokens"]
+    assert answered["tokstream"]["token_ids"] == chatted["tokstream"]["token_ids"]
