@@ -1,5 +1,6 @@
 """The official `anthropic` and `openai` SDKs against a real `tokstream serve` on the real
-SmolLM2 (float32, small max_tokens), streaming and not, plus the raw stream through the
+SmolLM2 (float32, small max_tokens), streaming and not (chat, completions, the Responses API
+with a conversation continued from a stored response), plus the raw stream through the
 checker. These load the real model: marked slow, still part of `make test`."""
 
 import anthropic
@@ -98,6 +99,22 @@ def test_openai_sdk_chat_completions_and_stream(gpt):
         stream=True))
     assert streamed == completion.choices[0].text
     assert [m.id for m in gpt.models.list().data] == ["smollm2"]
+
+
+def test_openai_sdk_responses_on_the_real_model(gpt):
+    answer = gpt.responses.create(model="smollm2", input=QUESTION, max_output_tokens=16,
+                                  temperature=0)
+    assert answer.output_text == ANSWER and answer.status == "completed"
+    assert answer.usage.input_tokens == 37  # the prompt chat builds from the same question
+    with gpt.responses.stream(model="smollm2", input=QUESTION, max_output_tokens=16,
+                              temperature=0) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        final = stream.get_final_response()
+    assert text == ANSWER == final.output_text
+    followed = gpt.responses.create(model="smollm2", input="And of Germany?",
+                                    previous_response_id=answer.id, max_output_tokens=16,
+                                    temperature=0)
+    assert "Berlin" in followed.output_text
 
 
 def test_raw_streams_on_the_real_model_pass_the_checker(server):
