@@ -207,8 +207,9 @@ def test_stored_responses_continue_list_and_delete(client, server):
         client.responses.retrieve(unstored.id)
     kept = {line.split()[0]: float(line.split()[1])
             for line in httpx.get(server.url + "/metrics").text.splitlines()
-            if line.startswith("tokstream_stored_response")}
-    assert kept["tokstream_stored_responses"] >= 2 and kept["tokstream_stored_response_bytes"] > 0
+            if line.startswith("tokstream_stored_conversation")}
+    assert kept["tokstream_stored_conversations"] >= 2
+    assert kept["tokstream_stored_conversation_bytes"] > 0
 
 
 @pytest.mark.parametrize("extra, field", [

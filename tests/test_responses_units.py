@@ -9,7 +9,7 @@ import pytest
 from tokstream.server.api.responses_output import ResponseItems
 from tokstream.server.api.responses_request import (chat_messages, input_items,
                                                     response_fields, tool_request)
-from tokstream.server.api.responses_store import ResponseStore
+from tokstream.server.api.conversation_store import ConversationStore
 from tokstream.server.api_errors import ApiError
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -130,13 +130,13 @@ def test_a_response_repeats_the_requests_settings_with_the_apis_defaults():
     assert fields["truncation"] == "disabled" and fields["instructions"] is None
 
 
-def stored(store: ResponseStore, owner: str, response_id: str, text: str = "x") -> bool:
-    return store.put(owner, {"id": response_id, "output": [{"text": text}]}, [])
+def stored(store: ConversationStore, owner: str, key: str, text: str = "x") -> bool:
+    return store.put(owner, key, {"text": text})
 
 
 def test_the_store_keeps_each_owners_responses_apart_and_evicts_the_largest_owner_first():
-    one = len(json.dumps([{"id": "r0", "output": [{"text": "x"}]}, []]))
-    store = ResponseStore(max_bytes=one * 4)
+    one = len(json.dumps({"text": "x"}))
+    store = ConversationStore(max_bytes=one * 4)
     assert stored(store, "b", "r1") and stored(store, "a", "r0")  # b's is the oldest
     assert store.get("a", "r0") is not None and store.get("b", "r0") is None  # not b's
     assert not store.delete("b", "r0") and store.get("a", "r0") is not None
@@ -149,5 +149,5 @@ def test_the_store_keeps_each_owners_responses_apart_and_evicts_the_largest_owne
 
 
 def test_a_store_of_no_bytes_keeps_nothing():
-    store = ResponseStore(max_bytes=0)
+    store = ConversationStore(max_bytes=0)
     assert not store.enabled and not stored(store, "a", "r0") and store.count() == 0

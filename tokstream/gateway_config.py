@@ -62,11 +62,11 @@ class ServerConfig:
     Token streams are a few KB/s each; a fixed buffer bounds kernel memory per connection and
     lets a caller that stopped reading show up as backpressure within a few hundred KB instead
     of after megabytes of autotuned buffer. None keeps the kernel's autotuning."""
-    responses_store_bytes: int = field(default=64 * 2**20, metadata=BYTES)
-    """Most bytes of Responses API responses kept (each with its conversation) for
-    previous_response_id and GET /v1/responses/{id}, in the gateway's memory: past it the
-    tenant holding the most loses its oldest first. 0 stores nothing (`store` is answered
-    false)."""
+    conversation_store_bytes: int = field(default=64 * 2**20, metadata=BYTES)
+    """Most bytes of conversations kept in the gateway's memory, for the Responses API's
+    previous_response_id and GET /v1/responses/{id} and the Messages API's threads: past it
+    the tenant holding the most loses its oldest first. 0 keeps none (`store` is answered
+    false, a `thread` refused)."""
     down_retry_s: float = 10.0
     """While the replica is down because engine cores keep failing to start, seconds between
     further tries."""
@@ -110,8 +110,8 @@ class ServerConfig:
         at_least_one(self, "max_pending_tokens")
         if not self.ping_interval_s > 0:
             raise UserInputError("ping_interval_s must be > 0")
-        if self.responses_store_bytes < 0:
-            raise UserInputError("responses_store_bytes must be >= 0 (0 = store nothing)")
+        if self.conversation_store_bytes < 0:
+            raise UserInputError("conversation_store_bytes must be >= 0 (0 = keep none)")
         if self.max_body_bytes < 1024:
             raise UserInputError("max_body_bytes must be >= 1024")
         if not self.down_retry_s > 0:

@@ -12,7 +12,7 @@ from tokstream.engine.async_engine import AsyncEngine
 from tokstream.gateway_config import ServerConfig
 from tokstream.server.access.gateway_admission import Admission
 from tokstream.server.access.auth import Auth
-from tokstream.server.api.responses_store import ResponseStore
+from tokstream.server.api.conversation_store import ConversationStore
 from tokstream.server.api_errors import ApiError, bad_request
 from tokstream.server.operations.events import EventLog
 from tokstream.server.operations.gateway_snapshot import GatewaySnapshot
@@ -62,8 +62,8 @@ class Server:
             from tokstream.chaos import demux_mutation  # test only: never loaded otherwise
             demux_mutation.install(self.registry, config.demux_mutation)
         self.events = EventLog()
-        self.responses = ResponseStore(config.responses_store_bytes)
-        """Stored Responses API responses (previous_response_id, GET /v1/responses/{id})."""
+        self.conversations = ConversationStore(config.conversation_store_bytes)
+        """Kept conversations: stored Responses API responses, Messages API threads."""
         self.started = time.time()
         self.core_state = SharedSnapshot(lambda: self.engine.state(),
                                          timeout_s=STATE_TIMEOUT_S)

@@ -3,7 +3,7 @@
 `function_call_output`s) as the chat the model is shown, `tools` and `tool_choice` as a
 ToolRequest, `text.format` as a structured output, and the sampling options.
 
-A request continues a stored response (responses_store.py) with `previous_response_id`: that
+A request continues a stored response (conversation_store.py) with `previous_response_id`: that
 response's conversation (its input and output items) comes before the new input. Fields that
 need what this server keeps nowhere (`conversation`, a saved `prompt`, `item_reference`
 items, `background`) are refused with a 400 naming them. Every other field the API defines is
@@ -21,7 +21,7 @@ from tokstream.server.api.sampling_options import bounded_options
 from tokstream.server.api.tool_template import encode_chat
 from tokstream.server.api.tools import ToolRequest, read_function, read_tools, tool_sampling
 from tokstream.server.api.responses_output import CALL_ITEM_PREFIX, MESSAGE_ID_PREFIX, item_id
-from tokstream.server.api.responses_store import ResponseStore
+from tokstream.server.api.conversation_store import ConversationStore
 from tokstream.server.api_errors import ApiError, bad_request
 from tokstream.server.submit import Prompt
 from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_object,
@@ -67,7 +67,7 @@ class ResponseRequest:
     with the response when it is stored."""
 
 
-def parse(body: dict, server, store: ResponseStore, owner: str) -> ResponseRequest:
+def parse(body: dict, server, store: ConversationStore, owner: str) -> ResponseRequest:
     """store and owner: where a previous_response_id is looked up, and whose it must be."""
     server.check_model(body.get("model"))
     refuse_unsupported(body, server.model_id)
@@ -130,21 +130,34 @@ def refuse_unsupported(body: dict, model_id: str) -> None:
             raise bad_request(name, f"must be a string, not {_kind(body[name])}")
 
 
-def previous_conversation(body: dict, store: ResponseStore, owner: str) -> list[dict]:
+def previous_conversation(body: dict, store: ConversationStore, owner: str) -> list[dict]:
     """The conversation of the response previous_response_id names (none: [])."""
     previous = body.get("previous_response_id")
     if previous is None:
         return []
     if not isinstance(previous, str):
         raise bad_request("previous_response_id", f"must be a string, not {_kind(previous)}")
-    found = store.get(owner, previous)
+    found = stored_response(store, owner, previous)
     if found is None:
-        kept = "responses are kept in the gateway's memory, within --responses-store-bytes" \
-            if store.enabled else "this server stores none (--responses-store-bytes 0)"
+        kept = "responses are kept in the gateway's memory, within --conversation-store-bytes" \
+            if store.enabled else "this server keeps none (--conversation-store-bytes 0)"
         raise ApiError("not_found_error", f"previous_response_id: no stored response "
                                           f"{shown(previous)} ({kept})",
                        param="previous_response_id")
-    return found.conversation
+    return found["input_items"] + found["response"]["output"]
+
+
+def stored_response(store: ConversationStore, owner: str, response_id: str) -> dict | None:
+    """{"response", "input_items"}: a stored response and the conversation it answered (the
+    previous one's input and output items, then its own input), if the owner has it."""
+    record = store.get(owner, response_id)
+    return record if record is not None and record.get("kind") == "response" else None
+
+
+def store_response(store: ConversationStore, owner: str, response: dict,
+                   input_items: list[dict]) -> None:
+    store.put(owner, response["id"], {"kind": "response", "response": response,
+                                      "input_items": input_items})
 
 
 def metadata(body: dict) -> dict:

@@ -1,7 +1,7 @@
 """The OpenAI Responses API: POST /v1/responses, streamed as its semantic events or answered
 with one response object, and the stored responses' GET and DELETE /v1/responses/{id} and GET
 /v1/responses/{id}/input_items. The body is read in responses_request.py, the answer written
-in responses_output.py, and kept in responses_store.py."""
+in responses_output.py, and kept in conversation_store.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from starlette.responses import JSONResponse
 
 from tokstream.server.api.api_request import read_request
 from tokstream.server.api.responses_output import ResponseFormatter, response_body
-from tokstream.server.api.responses_request import parse
-from tokstream.server.api.responses_store import StoredResponse
+from tokstream.server.api.conversation_store import owner_of
+from tokstream.server.api.responses_request import parse, store_response, stored_response
 from tokstream.server.api_errors import OPENAI, ApiError, api_route, bad_request
 from tokstream.server.server import Server
 from tokstream.server.streaming.responses import collect
@@ -23,16 +23,11 @@ MAX_LIST = 100
 """Most input items one GET .../input_items returns (the API's limit)."""
 
 
-def owner_of(tenant) -> str:
-    """Whose stored responses a caller sees: its tenant's (everyone's on an open server)."""
-    return tenant.name if tenant is not None else ""
-
-
 @api_route(OPENAI)
 async def create_response(request):
     server, tenant, body = await read_request(request)
     owner = owner_of(tenant)
-    asked = await parse_off_loop(request, parse, body, server, server.responses, owner)
+    asked = await parse_off_loop(request, parse, body, server, server.conversations, owner)
     prompt = asked.prompt
     request_id = f"resp_{uuid.uuid4().hex[:24]}"
     stream = server.submit(request_id, prompt, tenant, OPENAI)
@@ -40,7 +35,7 @@ async def create_response(request):
 
     def keep(response: dict) -> None:
         if asked.fields["store"]:
-            server.responses.put(owner, response, asked.input_items)
+            store_response(server.conversations, owner, response, asked.input_items)
 
     if prompt.stream:
         formatter = ResponseFormatter(stream, body["model"], asked.fields, server.tokenizer,
@@ -59,12 +54,12 @@ async def create_response(request):
     return JSONResponse(answer, headers=headers)
 
 
-def stored(request) -> tuple[Server, str, StoredResponse]:
-    """The stored response the path names, the caller's own (else a 404)."""
+def stored(request) -> tuple[Server, str, dict]:
+    """The stored response the path names, the caller's own (else a 404), with its input."""
     server: Server = request.app.state.server
     owner = owner_of(server.auth.authenticate(request.headers))
     response_id = request.path_params["response_id"]
-    found = server.responses.get(owner, response_id)
+    found = stored_response(server.conversations, owner, response_id)
     if found is None:
         raise ApiError("not_found_error", f"no stored response {shown(response_id)}")
     return server, owner, found
@@ -73,14 +68,15 @@ def stored(request) -> tuple[Server, str, StoredResponse]:
 @api_route(OPENAI)
 async def get_response(request):
     _, _, found = stored(request)
-    return JSONResponse(found.response)
+    return JSONResponse(found["response"])
 
 
 @api_route(OPENAI)
 async def delete_response(request):
     server, owner, found = stored(request)
-    server.responses.delete(owner, found.response["id"])
-    return JSONResponse({"id": found.response["id"], "object": "response", "deleted": True})
+    response_id = found["response"]["id"]
+    server.conversations.delete(owner, response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 
 @api_route(OPENAI)
@@ -93,7 +89,7 @@ async def input_items(request):
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request("order", f"must be asc or desc, got {shown(order)}")
-    items = found.input_items if order == "asc" else found.input_items[::-1]
+    items = found["input_items"] if order == "asc" else found["input_items"][::-1]
     after = query.get("after")
     if after is not None:
         ids = [item["id"] for item in items]

@@ -40,8 +40,8 @@ async def metrics(request):
     # scrape after 1 s; past SCRAPE_WAIT_S the last snapshot is served.
     await server.core_snapshot(patience_s=SCRAPE_WAIT_S)
     server.metrics.live.set(len(server.registry))
-    server.metrics.stored_responses.set(server.responses.count())
-    server.metrics.stored_bytes.set(server.responses.bytes)
+    server.metrics.stored.set(server.conversations.count())
+    server.metrics.stored_bytes.set(server.conversations.bytes)
     return Response(server.metrics.render(tenants=tenants),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 

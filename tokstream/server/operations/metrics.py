@@ -154,12 +154,12 @@ class Metrics:
                                registry=r)
         self.live = Gauge("tokstream_live_streams", "Requests the gateway is serving.",
                           registry=r)
-        self.stored_responses = Gauge("tokstream_stored_responses",
-                                      "Responses API responses kept for previous_response_id.",
-                                      registry=r)
-        self.stored_bytes = Gauge("tokstream_stored_response_bytes",
-                                  "Bytes those responses take (--responses-store-bytes bounds "
-                                  "it).", registry=r)
+        self.stored = Gauge("tokstream_stored_conversations", "Conversations kept: stored "
+                            "Responses API responses and Messages API thread replies.",
+                            registry=r)
+        self.stored_bytes = Gauge("tokstream_stored_conversation_bytes",
+                                  "Bytes they take (--conversation-store-bytes bounds it).",
+                                  registry=r)
         # kind: rank (the core replaced its rank group) or core (the gateway replaced the
         # engine core process).
         self.restarts = Counter("tokstream_restarts", "Replica restarts, by kind.", ["kind"],
