@@ -132,7 +132,9 @@ ANTHROPIC = body(messages=anthropic_messages, system=text | junk,
                  tools=anthropic_tools, tool_choice=anthropic_choice,
                  output_config=st.fixed_dictionaries({}, optional={
                      "format": output_format, "effort": st.just("high") | junk}) | junk,
-                 output_format=output_format, **common)
+                 output_format=output_format, thread=junk | st.sampled_from([
+                     {"type": "create"}, {"type": "continue", "previous_message_id": "msg_x"}]),
+                 **common)
 CHAT = body(messages=openai_messages, stop=text | junk,
             n=st.integers(0, 2) | junk, stream_options=junk, logprobs=junk,
             tools=openai_tools, tool_choice=openai_choice, **common)

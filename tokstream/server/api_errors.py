@@ -36,12 +36,15 @@ class ApiError(Exception):
     """One request failed: a 4xx (or an overload refusal) with a message naming the cause."""
 
     def __init__(self, error_type: str, message: str, param: str | None = None,
-                 retry_after: float | None = None, status: int | None = None):
+                 retry_after: float | None = None, status: int | None = None,
+                 details: dict | None = None):
         super().__init__(message)
         self.error_type = error_type
         self.message = message
         self.param = param
         """The offending field (OpenAI's `param`), when one is to blame."""
+        self.details = details
+        """Anthropic's `error.details` (an `error_code` a client acts on), when there is one."""
         self.retry_after = retry_after
         self.status = status or STATUS[error_type]
 
@@ -60,9 +63,11 @@ def bad_request(param: str, message: str) -> ApiError:
     return ApiError("invalid_request_error", f"{param}: {message}", param=param)
 
 
-def error_body(api: str, error_type: str, message: str, param: str | None = None) -> dict:
+def error_body(api: str, error_type: str, message: str, param: str | None = None,
+               details: dict | None = None) -> dict:
     if api == ANTHROPIC:
-        return {"type": "error", "error": {"type": error_type, "message": message}}
+        error = {"type": error_type, "message": message}
+        return {"type": "error", "error": {**error, "details": details} if details else error}
     return {"error": {"message": message, "type": error_type, "param": param,
                       "code": STATUS.get(error_type)}}
 
@@ -75,7 +80,8 @@ def error_response(api: str, error: ApiError) -> Response:
         headers["x-should-retry"] = "true"
     if error.status == 408:
         headers["connection"] = "close"  # the rest of the body may still come: not reusable
-    body = json.dumps(error_body(api, error.error_type, error.message, error.param))
+    body = json.dumps(error_body(api, error.error_type, error.message, error.param,
+                                 error.details))
     return Response(body, status_code=error.status_for(api), headers=headers,
                     media_type="application/json")
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import uuid
+from typing import Callable
 
 from starlette.responses import JSONResponse
 
 from tokstream.engine.messages.request import FinishReason
 from tokstream.errors import UserInputError
 from tokstream.server.api.anthropic_output import output_sampling
+from tokstream.server.api.anthropic_threads import keep_reply, thread_of, with_thread
+from tokstream.server.api.conversation_store import owner_of
 from tokstream.server.api.anthropic_tools import (ToolBlocks, content_blocks, history_messages,
                                                   tool_request, tool_stop_reason)
 from tokstream.server.api.api_request import chat_turns, read_request
@@ -146,7 +149,12 @@ def usage(stream: Stream, block_size: int) -> dict:
 
 class AnthropicFormatter:
     def __init__(self, stream: Stream, model: str, integrity: bool = True,
-                 block_size: int = 16, tools: ToolRequest | None = None):
+                 block_size: int = 16, tools: ToolRequest | None = None,
+                 on_done: Callable[[list[dict]], None] | None = None):
+        self.on_done = on_done
+        """Called with the finished message's content blocks (to keep a thread's reply)."""
+        self.sent: list[tuple[str, dict]] = []
+        """With on_done: the content events sent so far, the content rebuilt from them."""
         self.integrity = integrity
         self.block_size = block_size
         """id: lines on token events (the integrity framing); off: the Messages API's own."""
@@ -171,9 +179,10 @@ class AnthropicFormatter:
     def tokens(self, batch: DeltaBatch) -> bytes:
         if self.tool_blocks is not None:
             self.unsent.merge(batch)
-            return self._carrying(self.tool_blocks.feed(batch.text))
+            return self._carrying(self._record(self.tool_blocks.feed(batch.text)))
         data = {"type": "content_block_delta", "index": 0,
                 "delta": {"type": "text_delta", "text": batch.text}}
+        self._record([("content_block_delta", data)])
         if batch.token_ids:
             data["tokstream"] = integrity(batch)
             return sse("content_block_delta", data,
@@ -188,14 +197,23 @@ class AnthropicFormatter:
         if self.tool_blocks is None:
             body = sse("content_block_stop", {"type": "content_block_stop", "index": 0})
         else:
-            body = self._carrying(self.tool_blocks.finish())
+            body = self._carrying(self._record(self.tool_blocks.finish()))
             reason, sequence = tool_stop_reason(reason, sequence, self.tool_blocks.made_calls)
+        if self.on_done is not None:
+            start = [] if self.tool_blocks is not None else [("content_block_start", {
+                "content_block": {"type": "text", "text": ""}})]
+            self.on_done(content_blocks(start + self.sent))
         delta = {"type": "message_delta",
                  "delta": {"stop_reason": reason, "stop_sequence": sequence},
                  "usage": usage(self.stream, self.block_size),
                  "tokstream": final_integrity(self.stream)}
         return (body + self._carrying([("message_delta", delta)])
                 + sse("message_stop", {"type": "message_stop"}))
+
+    def _record(self, events: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+        if self.on_done is not None:
+            self.sent += events
+        return events
 
     def _carrying(self, events: list[tuple[str, dict]]) -> bytes:
         """The events, the last carrying the tokens not yet sent (so every token rides on
@@ -235,27 +253,36 @@ def message_body(stream: Stream, batch: DeltaBatch, model: str, block_size: int,
 @api_route(ANTHROPIC)
 async def create_message(request):
     server, tenant, body = await read_request(request)
+    owner = owner_of(tenant)
+    body = with_thread(body, server.conversations, owner)
     prompt = await parse_off_loop(request, parse, body, server)
     request_id = f"msg_{uuid.uuid4().hex[:24]}"
     stream = server.submit(request_id, prompt, tenant, ANTHROPIC)
     headers = {"request-id": request_id}
+
+    def keep(content: list[dict]) -> None:
+        keep_reply(server.conversations, owner, body, request_id, content)
+
     if prompt.stream:
         formatter = AnthropicFormatter(stream, body["model"], wants_integrity(
-            request.headers, server.config.stream_integrity), server.block_size, prompt.tools)
+            request.headers, server.config.stream_integrity), server.block_size, prompt.tools,
+            on_done=keep if thread_of(body) else None)
         return EventStreamResponse(stream, formatter,
                                    server.registry, server.config.ping_interval_s, headers)
     batch = await collect(stream, request.receive, server.registry)
     failure = stream_failure(stream)
     if failure is not None:
         raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
-    return JSONResponse(message_body(stream, batch, body["model"], server.block_size,
-                                     prompt.tools), headers=headers)
+    message = message_body(stream, batch, body["model"], server.block_size, prompt.tools)
+    keep(message["content"])
+    return JSONResponse(message, headers=headers)
 
 
 @api_route(ANTHROPIC)
 async def count_tokens(request):
     server, tenant, body = await read_request(request)
     server.check_model(body.get("model"))
+    body = with_thread(body, server.conversations, owner_of(tenant))  # a continue's whole
 
     def count():  # the tools' schemas compile too (tool_request): off the loop with the rest
         tools = tool_request(body)

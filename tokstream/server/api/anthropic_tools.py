@@ -172,20 +172,20 @@ def content_blocks(events: list[tuple[str, dict]]) -> list[dict]:
     """The finished content of a non-streaming message, from its stream's events (each
     call's input parsed; a call cut short by max_tokens, or whose JSON cannot be read or sent
     on, gets {})."""
-    blocks, inputs = [], []
+    blocks, pieces = [], []  # each block's text or input JSON, joined at the end
     for name, data in events:
         if name == "content_block_start":
             blocks.append(dict(data["content_block"]))
-            inputs.append("")
+            pieces.append([])
         elif name == "content_block_delta":
             delta = data["delta"]
-            if delta["type"] == "text_delta":
-                blocks[-1]["text"] += delta["text"]
-            else:
-                inputs[-1] += delta["partial_json"]
-    for block, text in zip(blocks, inputs):
+            pieces[-1].append(delta["text"] if delta["type"] == "text_delta"
+                              else delta["partial_json"])
+    for block, parts in zip(blocks, pieces):
         if block["type"] == "tool_use":
-            block["input"] = json_value(text or "{}", dict) or {}
+            block["input"] = json_value("".join(parts) or "{}", dict) or {}
+        else:
+            block["text"] += "".join(parts)
     return blocks
 
 
