@@ -14,8 +14,8 @@ import pytest
 from pydantic import Field
 
 from helpers.serving import module_server
-from tokstream.server.api.anthropic_threads import keep_reply, with_thread
-from tokstream.server.api.conversation_store import ConversationStore
+from tokstream.server.api.anthropic_threads import conversation_size, keep_reply, with_thread
+from tokstream.server.api.conversation_store import ConversationStore, json_size
 from tokstream.server.api_errors import ApiError
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(120)]
@@ -137,8 +137,12 @@ def test_a_thread_is_kept_for_its_owner_and_refused_when_nothing_is_kept():
     store = ConversationStore(max_bytes=2**20)
     created = {"model": MODEL, "system": "s", "tools": [{"name": "f"}],
                "thread": {"type": "create"}, "messages": [{"role": "user", "content": "a"}]}
-    keep_reply(store, "alice", with_thread(created, store, "alice"), "msg_1",
+    seen = with_thread(created, store, "alice")
+    keep_reply(store, "alice", seen, conversation_size(seen), "msg_1",
                [{"type": "text", "text": "b"}])
+    # Measured in two parts (the conversation where it is parsed, the reply at the end): the
+    # record's JSON less its keys and punctuation.
+    assert 0 < json_size(store.get("alice", "msg_1")) - store.bytes < 64
     follow = {"model": MODEL, "thread": {"type": "continue", "previous_message_id": "msg_1"},
               "messages": [{"role": "user", "content": "c"}]}
     seen = with_thread(follow, store, "alice")
@@ -148,7 +152,7 @@ def test_a_thread_is_kept_for_its_owner_and_refused_when_nothing_is_kept():
     with pytest.raises(ApiError) as other:
         with_thread(follow, store, "bob")
     assert other.value.details == {"error_code": "thread_not_found"}
-    keep_reply(store, "alice", {**follow, "thread": None}, "msg_2", [])  # unthreaded
+    keep_reply(store, "alice", {**follow, "thread": None}, 0, "msg_2", [])  # unthreaded
     assert store.get("alice", "msg_2") is None
     with pytest.raises(ApiError) as off:
         with_thread(created, ConversationStore(max_bytes=0), "alice")

@@ -58,6 +58,7 @@ async def read_json(request, max_bytes: int, timeout_s: float | None = None) -> 
     else:
         data = decode_json(bytes(body))
     request.state.compiles_grammar = any(name in data for name in GRAMMAR_FIELDS)
+    request.state.joins_conversation = any(name in data for name in CONVERSATION_FIELDS)
     return data
 
 
@@ -124,18 +125,23 @@ OFFLOAD_BYTES = 65536
 """Bodies larger than this are tokenised on a worker thread, so a long prompt's chat template
 and tokenisation never hold up the event loop (and the streams it is writing)."""
 GRAMMAR_FIELDS = ("response_format", "structured_outputs", "output_config", "output_format",
-                  "tools")
+                  "tools", "text")
 """Fields whose parse compiles a grammar (StructuredOutput.grammar: llguidance validates it),
 which costs what the schema asks, not what the body weighs: a 5 KB schema nested 50 deep took
 8-9 ms to validate, inline on the event loop before, so a body holding one of these is parsed
-on a worker thread whatever its size."""
+on a worker thread whatever its size (`text` is the Responses API's output format)."""
+CONVERSATION_FIELDS = ("thread", "previous_response_id")
+"""Fields whose parse joins a conversation the server kept (a Messages API thread, a stored
+Responses API response) to the body: a short body may stand for a long prompt, so it is
+parsed on a worker thread too."""
 
 
 async def parse_off_loop(request, parse, *args):
-    """parse(*args) on a thread when the request body was large or may compile a grammar,
-    inline otherwise."""
+    """parse(*args) on a thread when the request body was large, may compile a grammar or
+    joins a kept conversation, inline otherwise."""
     if getattr(request.state, "body_bytes", 0) > OFFLOAD_BYTES \
-            or getattr(request.state, "compiles_grammar", False):
+            or getattr(request.state, "compiles_grammar", False) \
+            or getattr(request.state, "joins_conversation", False):
         return await asyncio.to_thread(parse, *args)
     return parse(*args)
 

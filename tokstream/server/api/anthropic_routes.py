@@ -10,7 +10,8 @@ from starlette.responses import JSONResponse
 from tokstream.engine.messages.request import FinishReason
 from tokstream.errors import UserInputError
 from tokstream.server.api.anthropic_output import output_sampling
-from tokstream.server.api.anthropic_threads import keep_reply, thread_of, with_thread
+from tokstream.server.api.anthropic_threads import (conversation_size, keep_reply, thread_of,
+                                                    with_thread)
 from tokstream.server.api.conversation_store import owner_of
 from tokstream.server.api.anthropic_tools import (ToolBlocks, content_blocks, history_messages,
                                                   tool_request, tool_stop_reason)
@@ -254,14 +255,18 @@ def message_body(stream: Stream, batch: DeltaBatch, model: str, block_size: int,
 async def create_message(request):
     server, tenant, body = await read_request(request)
     owner = owner_of(tenant)
-    body = with_thread(body, server.conversations, owner)
-    prompt = await parse_off_loop(request, parse, body, server)
+
+    def read(body: dict) -> tuple[dict, Prompt, int]:  # off the loop, long threads included
+        body = with_thread(body, server.conversations, owner)
+        return body, parse(body, server), conversation_size(body) if thread_of(body) else 0
+
+    body, prompt, size = await parse_off_loop(request, read, body)
     request_id = f"msg_{uuid.uuid4().hex[:24]}"
     stream = server.submit(request_id, prompt, tenant, ANTHROPIC)
     headers = {"request-id": request_id}
 
     def keep(content: list[dict]) -> None:
-        keep_reply(server.conversations, owner, body, request_id, content)
+        keep_reply(server.conversations, owner, body, size, request_id, content)
 
     if prompt.stream:
         formatter = AnthropicFormatter(stream, body["model"], wants_integrity(
@@ -282,11 +287,11 @@ async def create_message(request):
 async def count_tokens(request):
     server, tenant, body = await read_request(request)
     server.check_model(body.get("model"))
-    body = with_thread(body, server.conversations, owner_of(tenant))  # a continue's whole
 
     def count():  # the tools' schemas compile too (tool_request): off the loop with the rest
-        tools = tool_request(body)
-        return encode_messages(server, chat_messages(body), tools.tools if tools else ())
+        whole = with_thread(body, server.conversations, owner_of(tenant))  # a continue's all
+        tools = tool_request(whole)
+        return encode_messages(server, chat_messages(whole), tools.tools if tools else ())
 
     token_ids = await parse_off_loop(request, count)
     if tenant is not None:

@@ -18,7 +18,7 @@ nothing kept at all (--conversation-store-bytes 0) a thread is refused as
 
 from __future__ import annotations
 
-from tokstream.server.api.conversation_store import ConversationStore
+from tokstream.server.api.conversation_store import ConversationStore, json_size
 from tokstream.server.api_errors import ApiError, bad_request
 from tokstream.server.validation import _kind, get_messages, shown
 
@@ -70,12 +70,19 @@ def with_thread(body: dict, store: ConversationStore, owner: str) -> dict:
             "messages": kept["messages"] + get_messages(body)}
 
 
-def keep_reply(store: ConversationStore, owner: str, body: dict, reply_id: str,
+def conversation_size(body: dict) -> int:
+    """Bytes a threaded turn's conversation takes before its reply (body: as with_thread made
+    it), measured where the body is parsed, off the event loop."""
+    return json_size([body.get(name) for name in (*CREATE_ONLY, "messages")])
+
+
+def keep_reply(store: ConversationStore, owner: str, body: dict, size: int, reply_id: str,
                content: list[dict]) -> None:
     """Keep a threaded turn's conversation under its reply's id (body: as with_thread made
-    it). Nothing for a request without a thread."""
+    it; size: its conversation_size). Nothing for a request without a thread."""
     if thread_of(body) is None:
         return
+    reply = {"role": "assistant", "content": content}
     store.put(owner, reply_id, {
         "kind": "thread", **{name: body.get(name) for name in CREATE_ONLY},
-        "messages": body["messages"] + [{"role": "assistant", "content": content}]})
+        "messages": body["messages"] + [reply]}, size + json_size(reply))

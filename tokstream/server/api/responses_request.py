@@ -21,7 +21,7 @@ from tokstream.server.api.sampling_options import bounded_options
 from tokstream.server.api.tool_template import encode_chat
 from tokstream.server.api.tools import ToolRequest, read_function, read_tools, tool_sampling
 from tokstream.server.api.responses_output import CALL_ITEM_PREFIX, MESSAGE_ID_PREFIX, item_id
-from tokstream.server.api.conversation_store import ConversationStore
+from tokstream.server.api.conversation_store import ConversationStore, json_size
 from tokstream.server.api_errors import ApiError, bad_request
 from tokstream.server.submit import Prompt
 from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_object,
@@ -65,6 +65,9 @@ class ResponseRequest:
     input_items: list[dict]
     """The conversation answered, as items (a previous response's, then this input), kept
     with the response when it is stored."""
+    input_size: int
+    """Bytes input_items take in the store (measured here, off the event loop; 0 when the
+    response is not to be stored)."""
 
 
 def parse(body: dict, server, store: ConversationStore, owner: str) -> ResponseRequest:
@@ -101,7 +104,7 @@ def parse(body: dict, server, store: ConversationStore, owner: str) -> ResponseR
                              **options, **extras)
     fields = response_fields(body, tools, text, stored)
     return ResponseRequest(Prompt(token_ids, params, stream, tools=tools), fields, logprobs,
-                           conversation)
+                           conversation, json_size(conversation) if stored else 0)
 
 
 def refuse_unsupported(body: dict, model_id: str) -> None:
@@ -155,9 +158,11 @@ def stored_response(store: ConversationStore, owner: str, response_id: str) -> d
 
 
 def store_response(store: ConversationStore, owner: str, response: dict,
-                   input_items: list[dict]) -> None:
+                   asked: ResponseRequest) -> None:
+    """Keep a finished response with the conversation it answered."""
     store.put(owner, response["id"], {"kind": "response", "response": response,
-                                      "input_items": input_items})
+                                      "input_items": asked.input_items},
+              asked.input_size + json_size(response))
 
 
 def metadata(body: dict) -> dict:

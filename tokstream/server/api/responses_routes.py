@@ -35,7 +35,7 @@ async def create_response(request):
 
     def keep(response: dict) -> None:
         if asked.fields["store"]:
-            store_response(server.conversations, owner, response, asked.input_items)
+            store_response(server.conversations, owner, response, asked)
 
     if prompt.stream:
         formatter = ResponseFormatter(stream, body["model"], asked.fields, server.tokenizer,
