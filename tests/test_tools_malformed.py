@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from tokstream.server.api.anthropic_tools import ToolBlocks, content_blocks
+from tokstream.server.tool_calls.anthropic_tools import ToolBlocks, content_blocks
 from tokstream.server.api_errors import ApiError
 from tokstream.server.api.openai_request import chat_messages
-from tokstream.server.api.openai_tools import ToolDeltas, tool_message
-from tokstream.server.api.tool_template import encode_chat, fallback_messages
-from tokstream.server.api.tools import Tool, ToolRequest
+from tokstream.server.tool_calls.openai_tools import ToolDeltas, tool_message
+from tokstream.server.tool_calls.tool_template import encode_chat, fallback_messages
+from tokstream.server.tool_calls.tools import Tool, ToolRequest
 from tokstream.text.tokenizer import dummy_tokenizer
 
 ASK = {"role": "user", "content": "Weather in Paris?"}

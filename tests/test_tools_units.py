@@ -8,12 +8,12 @@ import json
 import pytest
 from llguidance import LLMatcher, LLTokenizer
 
-from tokstream.server.api.anthropic_tools import ToolBlocks, content_blocks
-from tokstream.server.api.openai_tools import ToolDeltas, tool_message
-from tokstream.server.api.tool_parser import (ArgumentsPiece, CallEnd, CallStart, HermesParser,
+from tokstream.server.tool_calls.anthropic_tools import ToolBlocks, content_blocks
+from tokstream.server.tool_calls.openai_tools import ToolDeltas, tool_message
+from tokstream.server.tool_calls.tool_parser import (ArgumentsPiece, CallEnd, CallStart, HermesParser,
                                               TextPiece, parse_output)
-from tokstream.server.api.tool_template import FALLBACK_PROMPT, encode_chat, fallback_messages
-from tokstream.server.api.tools import Tool, ToolRequest
+from tokstream.server.tool_calls.tool_template import FALLBACK_PROMPT, encode_chat, fallback_messages
+from tokstream.server.tool_calls.tools import Tool, ToolRequest
 from tokstream.text.tokenizer import dummy_tokenizer
 
 WEATHER = Tool("get_weather", "Weather in a city", {

@@ -21,7 +21,7 @@ from tokstream.server.operations.metrics import Metrics
 from tokstream.server.streaming.streams import Stream, StreamRegistry
 from tokstream.server.access.tenants import Tenant
 from tokstream.server.api.echo import Echo
-from tokstream.server.api.tools import ToolRequest
+from tokstream.server.tool_calls.tools import ToolRequest
 
 
 @dataclass

@@ -13,7 +13,7 @@ from tokstream.server.api.anthropic_output import output_sampling
 from tokstream.server.api.anthropic_threads import (conversation_size, keep_reply, thread_of,
                                                     with_thread)
 from tokstream.server.api.conversation_store import owner_of
-from tokstream.server.api.anthropic_tools import (ToolBlocks, content_blocks, history_messages,
+from tokstream.server.tool_calls.anthropic_tools import (ToolBlocks, content_blocks, history_messages,
                                                   tool_request, tool_stop_reason)
 from tokstream.server.api.api_request import chat_turns, read_request
 from tokstream.server.streaming.channel import DeltaBatch
@@ -24,8 +24,8 @@ from tokstream.server.streaming.sse import (EventStreamResponse, final_integrity
                                             stream_failure, wants_integrity)
 from tokstream.server.server import Prompt, Server
 from tokstream.server.streaming.streams import Stream
-from tokstream.server.api.tool_template import encode_chat, message_text
-from tokstream.server.api.tools import Tool, ToolRequest, tool_sampling
+from tokstream.server.tool_calls.tool_template import encode_chat, message_text
+from tokstream.server.tool_calls.tools import Tool, ToolRequest, tool_sampling
 from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_messages,
                                          get_object, get_strings, parse_off_loop,
                                          reject_unsupported, sampling_params, shown)

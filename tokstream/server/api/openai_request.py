@@ -9,11 +9,11 @@ from tokstream.server.api.api_request import chat_turns
 from tokstream.server.api.choices import num_choices
 from tokstream.server.api.echo import Echo
 from tokstream.server.api_errors import bad_request
-from tokstream.server.api.openai_tools import tool_fields, tool_request
+from tokstream.server.tool_calls.openai_tools import tool_fields, tool_request
 from tokstream.server.api.sampling_options import bounded_options, sampling_extras
 from tokstream.server.server import Prompt, Server
-from tokstream.server.api.tool_template import encode_chat
-from tokstream.server.api.tools import ToolRequest, tool_sampling
+from tokstream.server.tool_calls.tool_template import encode_chat
+from tokstream.server.tool_calls.tools import ToolRequest, tool_sampling
 from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int,
                                          get_object, get_strings,
                                          reject_unsupported, sampling_params)

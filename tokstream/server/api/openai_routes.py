@@ -19,12 +19,12 @@ from tokstream.server.api.content_logprobs import ContentLogprobs
 from tokstream.server.api.echo import Echo, echoed, prompt_logprobs_field
 from tokstream.server.api.logprobs_format import completion_logprobs
 from tokstream.server.api.openai_request import parse
-from tokstream.server.api.openai_tools import (ToolDeltas, finish_reason as tool_finish_reason,
+from tokstream.server.tool_calls.openai_tools import (ToolDeltas, finish_reason as tool_finish_reason,
                                                tool_message)
 from tokstream.server.streaming.sse import (final_integrity, integrity, sse, stream_failure,
                                             wants_integrity)
 from tokstream.server.streaming.streams import Stream
-from tokstream.server.api.tools import ToolRequest
+from tokstream.server.tool_calls.tools import ToolRequest
 from tokstream.server.validation import parse_off_loop
 
 

@@ -19,9 +19,9 @@ from typing import Callable
 
 from tokstream.engine.messages.request import FinishReason
 from tokstream.server.api.content_logprobs import ContentLogprobs
-from tokstream.server.api.tool_parser import (ArgumentsPiece, CallEnd, CallStart, HermesParser,
+from tokstream.server.tool_calls.tool_parser import (ArgumentsPiece, CallEnd, CallStart, HermesParser,
                                               TextPiece)
-from tokstream.server.api.tools import ToolRequest, new_call_id
+from tokstream.server.tool_calls.tools import ToolRequest, new_call_id
 from tokstream.server.streaming.channel import DeltaBatch
 from tokstream.server.streaming.sse import final_integrity, integrity, sse, stream_failure
 from tokstream.server.streaming.streams import Stream

@@ -16,10 +16,10 @@ import json
 from dataclasses import dataclass
 
 from tokstream.sampling_params import MAX_LOGPROBS
-from tokstream.server.api.openai_tools import history_arguments
+from tokstream.server.tool_calls.openai_tools import history_arguments
 from tokstream.server.api.sampling_options import bounded_options
-from tokstream.server.api.tool_template import encode_chat
-from tokstream.server.api.tools import ToolRequest, read_function, read_tools, tool_sampling
+from tokstream.server.tool_calls.tool_template import encode_chat
+from tokstream.server.tool_calls.tools import ToolRequest, read_function, read_tools, tool_sampling
 from tokstream.server.api.responses_output import CALL_ITEM_PREFIX, MESSAGE_ID_PREFIX, item_id
 from tokstream.server.api.conversation_store import ConversationStore, json_size
 from tokstream.server.api_errors import ApiError, bad_request

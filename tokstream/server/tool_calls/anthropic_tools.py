@@ -6,9 +6,9 @@ content_block_start, `input_json_delta` pieces, content_block_stop)."""
 from __future__ import annotations
 
 from tokstream.server.api_errors import bad_request
-from tokstream.server.api.tool_parser import (ArgumentsPiece, CallEnd, CallStart, Event,
+from tokstream.server.tool_calls.tool_parser import (ArgumentsPiece, CallEnd, CallStart, Event,
                                               HermesParser, TextPiece, json_value)
-from tokstream.server.api.tools import Tool, ToolRequest, new_call_id, read_function, read_tools
+from tokstream.server.tool_calls.tools import Tool, ToolRequest, new_call_id, read_function, read_tools
 from tokstream.server.validation import _kind, get_bool, shown
 
 CALL_ID_PREFIX = "toolu_"

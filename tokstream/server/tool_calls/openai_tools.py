@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 from tokstream.server.api_errors import bad_request
-from tokstream.server.api.tool_parser import (ArgumentsPiece, CallStart, Event, HermesParser,
+from tokstream.server.tool_calls.tool_parser import (ArgumentsPiece, CallStart, Event, HermesParser,
                                               TextPiece, parse_output)
-from tokstream.server.api.tools import Tool, ToolRequest, new_call_id, read_function, read_tools
+from tokstream.server.tool_calls.tools import Tool, ToolRequest, new_call_id, read_function, read_tools
 from tokstream.server.validation import _kind, get_bool, shown
 
 CALL_ID_PREFIX = "call_"

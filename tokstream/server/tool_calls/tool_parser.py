@@ -16,7 +16,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from tokstream.server.api.tools import CLOSE_TAG, OPEN_TAG
+from tokstream.server.tool_calls.tools import CLOSE_TAG, OPEN_TAG
 
 HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"'
                   r'\s*:\s*')

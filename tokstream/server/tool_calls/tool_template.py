@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 
-from tokstream.server.api.tools import CLOSE_TAG, OPEN_TAG, Tool
+from tokstream.server.tool_calls.tools import CLOSE_TAG, OPEN_TAG, Tool
 
 FALLBACK_PROMPT = """\
 You are a function calling AI model. You are provided with function signatures within \
