@@ -58,6 +58,11 @@ MESSAGES_BODY = {
             "enum": ["low", "medium", "high", "xhigh", "max"]}}},
         "output_format": {**OUTPUT_FORMAT, "description": "the beta's name for "
                                                           "output_config.format"},
+        "thread": {"type": "object", "description": "the message-threads beta: create keeps "
+                   "the conversation under the reply's id; continue (with "
+                   "previous_message_id, no system or tools) goes on from it",
+                   "properties": {"type": {"enum": ["create", "continue"]},
+                                  "previous_message_id": {"type": "string"}}},
         **ANTHROPIC_TOOLS,
         **SAMPLING,
     },
