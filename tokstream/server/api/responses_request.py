@@ -16,10 +16,11 @@ import json
 from dataclasses import dataclass
 
 from tokstream.sampling_params import MAX_LOGPROBS
-from tokstream.server.tool_calls.openai_tools import history_arguments
+from tokstream.server.tool_calls.openai_tools import (history_arguments,
+                                                     tool_request as openai_tool_request)
 from tokstream.server.api.sampling_options import bounded_options
 from tokstream.server.tool_calls.tool_template import encode_chat
-from tokstream.server.tool_calls.tools import ToolRequest, read_function, read_tools, tool_sampling
+from tokstream.server.tool_calls.tools import ToolRequest, read_function, tool_sampling
 from tokstream.server.api.responses_output import CALL_ITEM_PREFIX, MESSAGE_ID_PREFIX, item_id
 from tokstream.server.api.conversation_store import ConversationStore, json_size
 from tokstream.server.api_errors import ApiError, bad_request
@@ -215,27 +216,9 @@ def text_format(body: dict) -> tuple[StructuredOutput | None, dict]:
 
 
 def tool_request(body: dict) -> ToolRequest | None:
-    """The request's function tools and tool_choice (None: no tools, or tool_choice none)."""
-    items, choice = body.get("tools"), body.get("tool_choice")
-    parallel = get_bool(body, "parallel_tool_calls", True)
-    if not items:
-        if choice not in (None, "none", "auto"):
-            raise bad_request("tool_choice", "needs tools to choose from")
-        return None
-    tools = tuple(read_tools(items, read_tool))
-    if choice in (None, "auto"):
-        return ToolRequest(tools, "auto", parallel=parallel)
-    if choice == "none":
-        return None
-    if choice == "required":
-        return ToolRequest(tools, "required", parallel=parallel)
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        name = choice.get("name")
-        if name not in {t.name for t in tools}:
-            raise bad_request("tool_choice.name", f"no tool is named {shown(name)}")
-        return ToolRequest(tools, "named", name, parallel)
-    raise bad_request("tool_choice", "must be 'auto', 'none', 'required' or "
-                                     "{'type': 'function', 'name': ...}, got " + shown(choice))
+    """The request's function tools and tool_choice (None: no tools, or tool_choice none):
+    chat's rules, with the Responses API's flat tool and named-choice shapes."""
+    return openai_tool_request(body, read_tool, named_at=("name",))
 
 
 def read_tool(item, path: str):
@@ -314,14 +297,14 @@ def message(item: dict, at: str) -> dict:
         parts = []
         for n, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in TEXT_PARTS[role] or not isinstance(part.get("text", part.get("refusal")),
-                                                              str):
+            text = part.get("refusal" if kind == "refusal" else "text") if kind else None
+            if kind not in TEXT_PARTS[role] or not isinstance(text, str):
                 what = "images and files are" if kind in ("input_image", "input_file") \
                     else f"{shown(kind)} is"
                 raise bad_request(f"{at}.content.{n}", f"{what} not supported in a {role} "
                                                        f"message; only "
                                                        f"{' and '.join(TEXT_PARTS[role])} parts")
-            parts.append(part.get("text", part.get("refusal")))
+            parts.append(text)
         text = "".join(parts)
     else:
         raise bad_request(f"{at}.content", f"must be a string or an array of content parts, "

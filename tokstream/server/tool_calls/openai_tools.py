@@ -15,28 +15,37 @@ from tokstream.server.validation import _kind, get_bool, shown
 CALL_ID_PREFIX = "call_"
 
 
-def tool_request(body: dict) -> ToolRequest | None:
-    """The request's tools and tool_choice (None: no tools, or tool_choice none)."""
+def tool_request(body: dict, read_one=None,
+                 named_at: tuple[str, ...] = ("function", "name")) -> ToolRequest | None:
+    """The request's tools and tool_choice (None: no tools, or tool_choice none), on both
+    OpenAI APIs. read_one reads one tool (default: chat's shape); named_at is where a named
+    choice holds the function's name (chat: function.name; the Responses API: name)."""
     items, choice = body.get("tools"), body.get("tool_choice")
     parallel = get_bool(body, "parallel_tool_calls", True)
     if not items:
-        if choice not in (None, "none"):
+        if choice not in (None, "none", "auto"):
             raise bad_request("tool_choice", "needs tools to choose from")
         return None
-    tools = read_tools(items, read_tool)
+    tools = tuple(read_tools(items, read_one or read_tool))
     if choice is None or choice == "auto":
-        return ToolRequest(tuple(tools), "auto", parallel=parallel)
+        return ToolRequest(tools, "auto", parallel=parallel)
     if choice == "none":
         return None
     if choice == "required":
-        return ToolRequest(tuple(tools), "required", parallel=parallel)
+        return ToolRequest(tools, "required", parallel=parallel)
     if isinstance(choice, dict) and choice.get("type") == "function":
-        name = (choice.get("function") or {}).get("name")
+        name = choice
+        for key in named_at:
+            name = name.get(key) if isinstance(name, dict) else None
         if name not in {t.name for t in tools}:
-            raise bad_request("tool_choice.function.name", f"no tool is named {shown(name)}")
-        return ToolRequest(tuple(tools), "named", name, parallel)
+            raise bad_request(".".join(("tool_choice", *named_at)),
+                              f"no tool is named {shown(name)}")
+        return ToolRequest(tools, "named", name, parallel)
+    named = "..."
+    for key in reversed(named_at):
+        named = f"{{'{key}': {named}}}"
     raise bad_request("tool_choice", "must be 'auto', 'none', 'required' or "
-                                     "{'type': 'function', 'function': {'name': ...}}, got "
+                                     f"{{'type': 'function', {named[1:-1]}}}, got "
                                      f"{shown(choice)}")
 
 
