@@ -318,11 +318,16 @@ def _check_fast_pace(histories: list[StreamHistory], rows: list[dict],
     for history in histories:
         if history.spec.stop_reading_after is not None or history.spec.name in preempted:
             continue
-        steps = [s for _, _, _, s in history.tokens if s is not None][1:]
-        steps = [s for i, s in enumerate(steps) if i == 0 or s != steps[i - 1]]
-        if steps and steps != list(range(steps[0], steps[0] + len(steps))):
+        if steps_skipped([s for _, _, _, s in history.tokens if s is not None][1:]):
             violations.add("stalled", f"{history.spec.name}: engine steps skipped while it "
                                       "was decoding")
+
+
+def steps_skipped(step_ids: list[int]) -> bool:
+    """Whether a stream that should get a token on every engine step missed one: its step ids
+    (several alike on a step that accepted drafts) must run on without a gap."""
+    steps = [s for i, s in enumerate(step_ids) if i == 0 or s != step_ids[i - 1]]
+    return bool(steps) and steps != list(range(steps[0], steps[0] + len(steps)))
 
 
 async def _leaked_processes(fault: dict, violations: Violations) -> None:

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from chaos.rounds import steps_skipped
 from helpers.serving import (INTEGRITY, ServerProcess, anthropic_body, arecord, dechunk, raw_request, read_all,
                      record)
 from tokstream.checker import check_streams, parse_sse
@@ -57,9 +58,9 @@ def test_slow_client_never_stalls_the_batch_and_is_cancelled(server):
             steps = [s for e in stream.events if e.event == "content_block_delta"
                      for s in e.json()["tokstream"]["step_ids"]]
             assert len(steps) == 150
-            # One token on every engine step from the first decode on: the batch never waited
-            # for the slow client.
-            assert steps[1:] == list(range(steps[1], steps[1] + 149)), steps
+            # A token on every engine step from the first decode on (several on a step that
+            # accepted drafts): the batch never waited for the slow client.
+            assert not steps_skipped(steps[1:]), steps
         # Cancelled in the engine (its blocks are free) while the gateway still holds the
         # connection for the client to read the rest.
         state = _wait_for(lambda s: s["batch"]["running"] == 0 and s["kv"]["used_blocks"] == 0
