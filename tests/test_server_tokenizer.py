@@ -1,7 +1,7 @@
-"""POST /tokenize and /detokenize against a real `tokstream serve` (SmolLM2's tokenizer on the
+"""POST /tokenize, /detokenize and GET /tokenizer_info against a real `tokstream serve` (SmolLM2's tokenizer on the
 tiny model's engine would not matter: ids come from the served model's tokenizer, which
 tests/test_tokenizer.py holds to transformers'): vLLM's shapes, the chat template, the
-round trip, and typed 400s."""
+round trip, lm-eval's remote tokenizer, and typed 400s."""
 
 import os
 
@@ -71,6 +71,26 @@ def test_a_tool_history_without_content_tokenises_with_and_without_a_generation_
     assert with_prompt[:len(without.json()["tokens"])] == without.json()["tokens"]
     assert tokenizer.decode(with_prompt, skip_special_tokens=False) == \
         text + "<|im_start|>assistant\n"
+
+
+def test_lm_evals_remote_tokenizer_reads_the_served_one(server, tokenizer):
+    """GET /tokenizer_info (vLLM's): lm-eval's `local-completions` then tokenises through the
+    server (tokenizer_backend auto picks `remote`), with the served chat template."""
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
+    info = httpx.get(server.url + "/tokenizer_info", timeout=30).json()
+    assert (info["eos_token"], info["bos_token"], info["model_max_length"]) == \
+        (tokenizer.eos_token, tokenizer.bos_token, 8192)
+    assert info["chat_template"] == tokenizer.chat_template
+    assert check_remote_tokenizer_support(server.url + "/v1/completions")
+    remote = RemoteTokenizer(server.url + "/v1/completions")
+    assert remote.eos_token_id == tokenizer.eos_token_ids[0]
+    text = "Question: How many legs does a spider have?\nAnswer: eight"
+    assert remote.encode(text) == tokenizer.encode(text)
+    assert remote.decode(tokenizer.encode(text)) == text
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    rendered = remote.apply_chat_template(messages)
+    assert remote.encode(rendered) == tokenizer.encode_chat(messages)
 
 
 @pytest.mark.parametrize("path,body,field", [

@@ -37,6 +37,9 @@ OPT_IN = {INTEGRITY_HEADER: "1"}
 
 MAX_CHOICES = 16
 """Most choices (OpenAI's `n`) one request may ask for."""
+MAX_RESPONSE_CHOICES = 256
+"""Most choices one response may hold: a completions request's prompts x n. Each is an engine
+request and a stream of its own; evaluation harnesses batch 8 to 64 prompts."""
 
 PROBLEM_KINDS = ("lost", "duplicated", "reordered", "foreign", "never_ended", "ended_twice",
                  "after_end", "count_mismatch", "digest_mismatch", "malformed")
@@ -308,7 +311,7 @@ def split_choices(stream: RecordedStream) -> list[RecordedStream]:
     response_id = stream.request_id or next(
         (_stream_id(e, d) for e, d in parsed if d and _stream_id(e, d)), None)
     choices = [RecordedStream([], choice_request_id(response_id, i) if response_id else None)
-               for i in range(min(n, MAX_CHOICES))]
+               for i in range(min(n, MAX_RESPONSE_CHOICES))]
     ended = set()
     for event, data in parsed:
         if data is None:

@@ -59,6 +59,7 @@ def routes() -> list[Route]:
         Route("/v1/models/{model_id:path}", model_routes.model, methods=["GET"]),
         Route("/tokenize", tokenizer_routes.tokenize, methods=["POST"]),
         Route("/detokenize", tokenizer_routes.detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_routes.tokenizer_info, methods=["GET"]),
         Route("/health", admin_routes.health, methods=["GET"]),
         Route("/health/live", health.live, methods=["GET"]),
         Route("/health/ready", health.ready, methods=["GET"]),

@@ -122,14 +122,14 @@ class Server:
     def submit(self, request_id: str, prompt: Prompt, tenant: Tenant | None,
                api: str) -> Stream:
         """Admit and start a request; raises ApiError (429/529/503) when refused."""
-        return self.submit_choices(request_id, prompt, tenant, api)[0]
+        return self.submit_choices(request_id, [prompt], tenant, api)[0]
 
-    def submit_choices(self, request_id: str, prompt: Prompt, tenant: Tenant | None,
+    def submit_choices(self, request_id: str, prompts: list[Prompt], tenant: Tenant | None,
                        api: str) -> list[Stream]:
-        """Admit a request once and start its prompt.n choices (see Submitter); raises
+        """Admit a request once and start each prompt's n choices (see Submitter); raises
         ApiError (429/529/503) when refused."""
         self.check_ready()
-        return self.submitter.submit_choices(request_id, prompt, tenant, api)
+        return self.submitter.submit_choices(request_id, prompts, tenant, api)
 
     def _on_status(self, status: str, reason: str | None) -> None:
         self.metrics.engine.status = status

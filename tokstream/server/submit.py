@@ -62,53 +62,57 @@ class Submitter:
         registry.on_cancel = self._on_cancel
         registry.on_first_token = self._leave_admission
 
-    def submit_choices(self, request_id: str, prompt: Prompt, tenant: Tenant | None,
+    def submit_choices(self, request_id: str, prompts: list[Prompt], tenant: Tenant | None,
                        api: str) -> list[Stream]:
-        """Admit a request once and start its prompt.n choices, one stream each (see
-        server/api/choices.py); raises ApiError (429/529/503) when refused."""
-        n = len(prompt.token_ids)
-        reserved = prompt.n * prompt.params.max_tokens
+        """Admit a request once and start each prompt's n choices, one stream each, indexed
+        prompt by prompt (see server/api/choices.py); raises ApiError (429/529/503) when
+        refused."""
+        num_tokens = sum(len(prompt.token_ids) for prompt in prompts)
+        reserved = sum(prompt.n * prompt.params.max_tokens for prompt in prompts)
         try:
-            self.admission.check(n, tenant.name if tenant else None)
+            self.admission.check(num_tokens, tenant.name if tenant else None, len(prompts))
             if tenant is not None:
-                tenant.admit(n, reserved)
+                tenant.admit(num_tokens, reserved)
         except ApiError as error:
             self.metrics.errors.labels(error.error_type).inc()
             self.events.record("refused", request_id, reason=error.message,
                                tenant=tenant.name if tenant else None)
             raise
-        params = prompt.params
-        if params.seed is None:
-            # Drawn here, not by the core, so that a request resumed on a new core after the
-            # old one died samples exactly as it would have on the old one.
-            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+        # Drawn here, not by the core, so that a request resumed on a new core after the old
+        # one died samples exactly as it would have on the old one.
+        seed = self._seeds.getrandbits(63)
         # Tenants share the engine fairly by weight, in priority tiers, and never share
         # prefix-cache blocks (a cache hit would tell one tenant about another's prompts).
         fields = ({"tenant": tenant.name, "priority": tenant.priority,
                    "weight": tenant.weight, "cache_salt": tenant.name} if tenant else {})
-        if prompt.n > 1:
-            fields["prompt_group"] = request_id
         streams: list[Stream] = []
         try:
-            for index in range(prompt.n):
-                streams.append(self.registry.open(
-                    choice_request_id(request_id, index), prompt.token_ids,
-                    choice_params(params, index), tenant.name if tenant else None, api,
-                    bounded=prompt.stream, engine_fields=fields))
+            for prompt in prompts:
+                params = prompt.params
+                if params.seed is None:
+                    params = dataclasses.replace(params, seed=seed)
+                first = choice_request_id(request_id, len(streams))
+                group = {**fields, "prompt_group": first} if prompt.n > 1 else fields
+                for index in range(prompt.n):
+                    streams.append(self.registry.open(
+                        choice_request_id(request_id, len(streams)), prompt.token_ids,
+                        choice_params(params, index), tenant.name if tenant else None, api,
+                        bounded=prompt.stream, engine_fields=group))
         except (ReplicaError, UserInputError) as error:
             for stream in streams:
                 self.registry.close(stream, "refused")
             if tenant is not None:
                 tenant.settle(reserved, 0)
             raise ApiError("overloaded_error", str(error), retry_after=5) from error
-        # The prompt waits (and is counted) once, until the first choice's first token.
-        self.admission.enter(n, tenant.name if tenant else None)
-        streams[0].in_admission = True
+        # Each prompt waits (and is counted) once, until its first choice's first token.
+        for first in streams[::prompts[0].n]:
+            self.admission.enter(first.num_prompt_tokens, tenant.name if tenant else None)
+            first.in_admission = True
+            self.metrics.on_admit(first)
         if tenant is not None:
-            share = TenantShare(tenant, reserved, prompt.n)
+            share = TenantShare(tenant, reserved, len(streams))
             for stream in streams:
                 self._tenant_of[stream.request_id] = share
-        self.metrics.on_admit(streams[0])
         self.on_change()
         return streams
 

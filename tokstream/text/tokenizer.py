@@ -207,10 +207,16 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "tokenizer.json").write_text(self.to_json(), encoding="utf-8")
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
-                  "eos_token": self.eos_token, "add_bos_token": self.add_bos_token,
-                  "chat_template": self.chat_template}
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2), "utf-8")
+        (directory / "tokenizer_config.json").write_text(json.dumps(self.config(), indent=2),
+                                                          "utf-8")
+
+    def config(self) -> dict:
+        """tokenizer_config.json's fields (what `GET /tokenizer_info` serves): the special
+        tokens as text, and the chat template the server renders."""
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
+                "eos_token": self.eos_token, "pad_token": None, "unk_token": None,
+                "add_bos_token": self.add_bos_token, "add_eos_token": False,
+                "chat_template": self.chat_template or PLAIN_CHAT_TEMPLATE}
 
 
 GIL_FREE_CHARS = 4096

@@ -38,21 +38,25 @@ class Admission:
         return (max(1, int(self.config.max_waiting_requests * fraction)),
                 max(1, int(self.config.max_waiting_tokens * fraction)))
 
-    def check(self, num_prompt_tokens: int, tenant: str | None = None) -> None:
+    def check(self, num_prompt_tokens: int, tenant: str | None = None,
+              num_requests: int = 1) -> None:
         """Raise a 429 if this tenant would pass its share of the queue, an overload ApiError
-        if admitting this prompt would pass a bound."""
+        if admitting these prompts (num_requests of them, num_prompt_tokens in all) would
+        pass a bound. Into an empty queue (the tenant's share of it) any one request goes,
+        however large, so that none is refused forever."""
         config = self.config
         if tenant is not None and tenant in self.weights:
             max_requests, max_tokens = self.share(tenant)
             requests, tokens = self.tenant_requests[tenant], self.tenant_tokens[tenant]
-            if requests + 1 > max_requests or (tokens + num_prompt_tokens > max_tokens
-                                               and requests > 0):
+            if requests > 0 and (requests + num_requests > max_requests
+                                 or tokens + num_prompt_tokens > max_tokens):
                 raise ApiError("rate_limit_error",
                                f"tenant {tenant!r} has {requests} requests ({tokens} prompt "
                                f"tokens) waiting, its share of the queue ({max_requests} "
                                f"requests, {max_tokens} tokens); retry later",
                                retry_after=self.retry_after())
-        if self.waiting_requests + 1 > config.max_waiting_requests:
+        if self.waiting_requests > 0 \
+                and self.waiting_requests + num_requests > config.max_waiting_requests:
             reason = (f"{self.waiting_requests} requests already waiting (limit "
                       f"{config.max_waiting_requests})")
         elif self.waiting_tokens + num_prompt_tokens > config.max_waiting_tokens \

@@ -8,6 +8,10 @@ i what a lone request with seed + i gives. Streamed, the choices' chunks interle
 its own `index`; the usage chunk and `[DONE]` follow the last choice's end. A failure of any
 choice, or the caller leaving, ends them all. Usage counts the prompt once and sums the
 choices' completion tokens, as OpenAI does.
+
+A completions request may hold several prompts (a batch): prompt p's n choices are indices
+p*n to p*n + n - 1, each prompt its own prompt group, sampled as that prompt alone would be;
+usage sums the prompts.
 """
 
 from __future__ import annotations
@@ -70,22 +74,27 @@ class TenantShare:
             self.tenant.settle(self.reserved, self.num_output_tokens)
 
 
-def merge_usage(usages: list[dict]) -> dict:
-    """The choices' usage as one: the prompt once (and its cache hits, as choice 0 found
-    them), completion tokens summed."""
+def merge_usage(usages: list[dict], n: int = 1) -> dict:
+    """The choices' usage as one (n choices a prompt): each prompt once (and its cache hits,
+    as its first choice found them), completion tokens summed."""
+    firsts = usages[::n]
+    prompt = sum(u["prompt_tokens"] for u in firsts)
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in firsts)
     completion = sum(u["completion_tokens"] for u in usages)
-    return {**usages[0], "completion_tokens": completion,
-            "total_tokens": usages[0]["prompt_tokens"] + completion}
+    return {**usages[0], "prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def merge_bodies(bodies: list[dict]) -> dict:
-    """Non-streamed: the choices' response bodies (each built for one choice) as one. The
-    `tokstream` key lists each choice's integrity record, with its prefix-cache hits."""
+def merge_bodies(bodies: list[dict], n: int = 1) -> dict:
+    """Non-streamed: the choices' response bodies (each built for one choice; n a prompt) as
+    one. The `tokstream` key lists each choice's integrity record, with its prefix-cache
+    hits."""
     if len(bodies) == 1:
         return bodies[0]
     choices = [{**body["choices"][0], "index": i} for i, body in enumerate(bodies)]
     return {**bodies[0], "choices": choices,
-            "usage": merge_usage([body["usage"] for body in bodies]),
+            "usage": merge_usage([body["usage"] for body in bodies], n),
             "tokstream": {"choices": [
                 {**body["tokstream"], "index": i,
                  "cached_tokens": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
@@ -209,10 +218,12 @@ class ChoicesFormatter:
     """The choices' OpenAI formatters (each writing its own `index`) as one; the usage chunk
     (if asked: the choices' usage merged) and [DONE] follow the last choice's end."""
 
-    def __init__(self, formatters: list, usage):
+    def __init__(self, formatters: list, usage, n: int = 1):
         self.formatters = formatters
         self.usage = usage
         """stream -> one choice's usage dict."""
+        self.n = n
+        """Choices a prompt (merge_usage)."""
 
     def start(self) -> bytes:
         return b"".join(formatter.start() for formatter in self.formatters)
@@ -237,7 +248,7 @@ class ChoicesFormatter:
         first = self.formatters[0]
         body = b""
         if first.include_usage:
-            usage = merge_usage([self.usage(f.stream) for f in self.formatters])
+            usage = merge_usage([self.usage(f.stream) for f in self.formatters], self.n)
             body = sse(None, {"id": first.choice.response_id, "object": first.object,
                               "created": first.created, "model": first.model, "choices": [],
                               "usage": usage})
@@ -252,11 +263,11 @@ class ChoicesFormatter:
 
 def choices_response(streams: list[Stream], formatters: list, usage,
                      registry: StreamRegistry, ping_interval_s: float,
-                     headers: dict[str, str]) -> EventStreamResponse:
-    """The SSE response of every choice (usage: see ChoicesFormatter)."""
+                     headers: dict[str, str], n: int = 1) -> EventStreamResponse:
+    """The SSE response of every choice (usage, n: see ChoicesFormatter)."""
     if len(streams) == 1:
         return EventStreamResponse(streams[0], formatters[0], registry, ping_interval_s,
                                    headers)
     choices = Choices(streams, registry)
-    return EventStreamResponse(choices, ChoicesFormatter(formatters, usage), choices,
+    return EventStreamResponse(choices, ChoicesFormatter(formatters, usage, n), choices,
                                ping_interval_s, headers)

@@ -4,6 +4,7 @@ token ids, and the sampling parameters (POST /v1/chat/completions and /v1/comple
 from __future__ import annotations
 
 from tokstream.errors import UserInputError
+from tokstream.checker import MAX_RESPONSE_CHOICES
 from tokstream.sampling_params import MAX_LOGPROBS
 from tokstream.server.api.api_request import chat_turns
 from tokstream.server.api.choices import num_choices
@@ -69,31 +70,48 @@ def chat_messages(body: dict) -> list[dict]:
     return chat
 
 
-def completion_prompt(body: dict, server: Server) -> list[int]:
+def completion_prompts(body: dict, server: Server) -> list[tuple[object, list[int]]]:
+    """(the prompt as given, its token ids) for each prompt of a completion: a string or
+    an array of token ids is one; an array of those is a batch, answered as one response
+    whose choices run prompt by prompt (at most MAX_RESPONSE_CHOICES with `n`)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("prompt", "required")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return [(prompt, _prompt_ids(prompt, "prompt", server))]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("prompt", "must be a string, an array of token ids, or a non-empty "
+                                    "array of those")
+    if len(prompt) * num_choices(body) > MAX_RESPONSE_CHOICES:
+        raise bad_request("prompt", f"{len(prompt)} prompts x n = {num_choices(body)} choices; "
+                                    f"a request holds at most {MAX_RESPONSE_CHOICES}")
+    return [(one, _prompt_ids(one, f"prompt.{i}", server)) for i, one in enumerate(prompt)]
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompt_ids(prompt, path: str, server: Server) -> list[int]:
+    """One prompt's token ids (a 400 naming path when it is neither text nor ids)."""
     if isinstance(prompt, str):
         try:
             return server.tokenizer.encode(prompt, limit=server.max_model_len)
         except UserInputError as error:
-            raise bad_request("prompt", str(error)) from None
-    if isinstance(prompt, list) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        vocab = server.engine.info.get("vocab_size") or server.tokenizer.vocab_size
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
-        return list(prompt)
-    if isinstance(prompt, list) and len(prompt) > 1:
-        raise bad_request("prompt", "only one prompt per request is supported")
-    raise bad_request("prompt", "must be a string, an array of token ids, or an array holding "
-                                "one of those")
+            raise bad_request(path, str(error)) from None
+    if not _is_token_ids(prompt):
+        raise bad_request(path, "must be a string or a non-empty array of token ids")
+    vocab = server.engine.info.get("vocab_size") or server.tokenizer.vocab_size
+    bad = next((t for t in prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(path, f"token id {bad} is outside the vocabulary [0, {vocab})")
+    return list(prompt)
 
 
-def parse(body: dict, server: Server, chat: bool) -> Prompt:
+def parse(body: dict, server: Server, chat: bool) -> list[Prompt]:
+    """The request's prompts: chat's one, or a completion's one or batch, each with its own
+    params (a default max_tokens fills its own prompt's context)."""
     server.check_model(body.get("model"))
     reject_unsupported(body, CHAT_UNSUPPORTED if chat else UNSUPPORTED)
     echo = not chat and get_bool(body, "echo")
@@ -113,18 +131,22 @@ def parse(body: dict, server: Server, chat: bool) -> Prompt:
     extras.update(tool_sampling(tools, extras["structured"]))
     prompt_logprobs = None if chat else completion_prompt_logprobs(body, echo, stream,
                                                                    extras["logprobs"])
-    token_ids = (chat_prompt(body, server, tools, limit=server.max_model_len) if chat
-                 else completion_prompt(body, server))
+    prompts = ([(None, chat_prompt(body, server, tools, limit=server.max_model_len))] if chat
+               else completion_prompts(body, server))
     # max_tokens 0 (echo only): the prompt alone, from a request that samples one token
     # nobody is shown (as vLLM does), so the prompt is scored in its one prefill.
     prompt_only = echo and max_tokens == 0
-    max_tokens = check_fits(len(token_ids), 1 if prompt_only else max_tokens,
-                            server.max_model_len, "messages" if chat else "prompt")
-    params = sampling_params({"structured": "response_format"}, max_tokens=max_tokens,
-                             stop=stop, ignore_eos=ignore_eos, prompt_logprobs=prompt_logprobs,
-                             **options, **extras)
-    shown = Echo(echoed_prompt(body, token_ids, server), prompt_only) if echo else None
-    return Prompt(token_ids, params, stream, tools=tools, n=n, echo=shown)
+    parsed = []
+    for i, (given, token_ids) in enumerate(prompts):
+        field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{i}"
+        fitted = check_fits(len(token_ids), 1 if prompt_only else max_tokens,
+                            server.max_model_len, field)
+        params = sampling_params({"structured": "response_format"}, max_tokens=fitted,
+                                 stop=stop, ignore_eos=ignore_eos,
+                                 prompt_logprobs=prompt_logprobs, **options, **extras)
+        shown = Echo(echoed_prompt(given, token_ids, server), prompt_only) if echo else None
+        parsed.append(Prompt(token_ids, params, stream, tools=tools, n=n, echo=shown))
+    return parsed
 
 
 def completion_prompt_logprobs(body: dict, echo: bool, stream: bool,
@@ -137,10 +159,7 @@ def completion_prompt_logprobs(body: dict, echo: bool, stream: bool,
     return logprobs if wanted is None and echo else wanted
 
 
-def echoed_prompt(body: dict, token_ids: list[int], server: Server) -> str:
+def echoed_prompt(given, token_ids: list[int], server: Server) -> str:
     """The prompt as echoed: the caller's string, or its token ids decoded."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else server.tokenizer.decode(
+    return given if isinstance(given, str) else server.tokenizer.decode(
         token_ids, skip_special_tokens=False)

@@ -212,27 +212,29 @@ def response_body(stream: Stream, batch: DeltaBatch, model: str, chat: bool, tok
 
 async def _complete(request, chat: bool):
     server, tenant, body = await read_request(request)
-    prompt = await parse_off_loop(request, parse, body, server, chat)
+    prompts = await parse_off_loop(request, parse, body, server, chat)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    streams = server.submit_choices(request_id, prompt, tenant, OPENAI)
+    streams = server.submit_choices(request_id, prompts, tenant, OPENAI)
+    first, n = prompts[0], prompts[0].n
     headers = {"x-request-id": request_id}
-    if prompt.stream:
+    if first.stream:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         integrity = wants_integrity(request.headers, server.config.stream_integrity)
         formatters = [OpenAIFormatter(stream, body["model"], chat, include_usage,
-                                      server.tokenizer, integrity, prompt.tools,
-                                      Choice(request_id, index, len(streams)), prompt.echo)
+                                      server.tokenizer, integrity, first.tools,
+                                      Choice(request_id, index, len(streams)),
+                                      prompts[index // n].echo)
                       for index, stream in enumerate(streams)]
         return choices_response(streams, formatters, usage, server.registry,
-                                server.config.ping_interval_s, headers)
+                                server.config.ping_interval_s, headers, n)
     batches = await collect_choices(streams, request.receive, server.registry)
     failure = next(filter(None, map(stream_failure, streams)), None)
     if failure is not None:
         raise ApiError(*failure, retry_after=5 if failure[0] == "overloaded_error" else None)
     return JSONResponse(merge_bodies([
-        response_body(stream, batch, body["model"], chat, server.tokenizer, prompt.tools,
-                      prompt.echo)
-        for stream, batch in zip(streams, batches)]), headers=headers)
+        response_body(stream, batch, body["model"], chat, server.tokenizer, first.tools,
+                      prompts[index // n].echo)
+        for index, (stream, batch) in enumerate(zip(streams, batches))], n), headers=headers)
 
 
 @api_route(OPENAI)

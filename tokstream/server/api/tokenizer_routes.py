@@ -1,6 +1,8 @@
 """vLLM's tokenizer routes: POST /tokenize (a prompt, or chat messages through the model's
-template) and POST /detokenize (ids back to text), in vLLM's request and response shapes.
-They cost tokenisation, so a tenant is charged the tokens counted, as count_tokens is."""
+template), POST /detokenize (ids back to text) and GET /tokenizer_info (tokenizer_config.json's
+fields), in vLLM's request and response shapes: with them lm-eval's `local-completions` needs no
+copy of the tokenizer (its remote tokenizer backend). Tokenising costs, so a tenant is charged
+the tokens counted, as count_tokens is."""
 
 from __future__ import annotations
 
@@ -73,3 +75,12 @@ async def detokenize(request):
     text = await parse_off_loop(request, lambda: server.tokenizer.decode(
         ids, skip_special_tokens=False))
     return JSONResponse({"prompt": text})
+
+
+@api_route(OPENAI)
+async def tokenizer_info(request):
+    """What vLLM serves behind --enable-tokenizer-info-endpoint: the tokenizer's config, with
+    the served context as model_max_length."""
+    server: Server = request.app.state.server
+    server.auth.authenticate(request.headers)
+    return JSONResponse({**server.tokenizer.config(), "model_max_length": server.max_model_len})

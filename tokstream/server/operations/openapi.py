@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 from tokstream.body_bounds import body_bounds
+from tokstream.checker import MAX_RESPONSE_CHOICES
 from tokstream.sampling_params import SamplingParams
 from tokstream.state_snapshot import RequestDetail, StateSnapshot
 from tokstream.wire import json_schema
@@ -169,9 +170,10 @@ COMPLETION_BODY = {
                                                       "prompt_logprobs; not streamed"},
                    "prompt": {"oneOf": [
         {"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}},
-        {"type": "array", "maxItems": 1, "items": {"type": "string"}},
-        {"type": "array", "maxItems": 1,
-         "items": {"type": "array", "items": {"type": "integer", "minimum": 0}}}]}},
+        {"type": "array", "minItems": 1, "maxItems": MAX_RESPONSE_CHOICES, "items": {"oneOf": [
+            {"type": "string"},
+            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]},
+         "description": "a batch: prompt p's n choices are indices p*n to p*n + n - 1"}]}},
 }
 
 TOKENIZE_BODY = {
@@ -261,6 +263,8 @@ def openapi_schema() -> dict:
                                OPENAI_ERROR, False, 503),
             "/detokenize": _post("Token ids to text (vLLM)", DETOKENIZE_BODY, OPENAI_ERROR,
                                  False, 503),
+            "/tokenizer_info": _get("The tokenizer's config: special tokens, chat template, "
+                                    "model_max_length (vLLM)"),
             "/v1/models": _get("Served models (Anthropic's shape with anthropic-version)"),
             "/v1/models/{model_id}": {**_get("The served model by any of its names"),
                                       "parameters": [{"name": "model_id", "in": "path",
