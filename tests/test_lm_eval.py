@@ -1,12 +1,15 @@
-"""lm-eval's loglikelihood (multiple-choice) tasks against a real server on SmolLM2 at float32,
-compared with transformers on the same items.
+"""lm-eval against a real server on SmolLM2 at float32, compared with transformers on the same
+items: loglikelihood (multiple-choice) tasks through `local-completions`, and generate_until
+tasks through `local-completions` and `local-chat-completions`.
 
 local-completions (lm-eval 0.4.13) sends each (context, continuation) pair as one token-id
 prompt with `echo: true, logprobs: 1, max_tokens: 1` and reads the continuation's
-log-likelihood as sum(token_logprobs[ctxlen:-1]) (the last entry is the sampled token).
-test_lm_evals_request_shape sends exactly that with httpx and checks every log-likelihood and
-the accuracy it gives against transformers; test_lm_eval_multiple_choice_task runs lm-eval
-itself (in the test extra, lm-eval[api]) on a local task, offline."""
+log-likelihood as sum(token_logprobs[ctxlen:-1]) (the last entry is the sampled token); with
+`batch_size` > 1 it sends that many prompts in one request. Without a `tokenizer` argument it
+finds the server's tokenizer routes (GET /tokenizer_info, POST /tokenize, /detokenize) and
+tokenises through them. test_lm_evals_request_shape sends exactly that with httpx and checks
+every log-likelihood and the accuracy it gives against transformers; the other tests run
+lm-eval itself (in the test extra, lm-eval[api]) on local tasks, offline."""
 
 import json
 
@@ -15,12 +18,14 @@ import pytest
 import torch
 
 from helpers.clients import offline
+from helpers.hf_reference import hf_greedy, hf_llama
 from helpers.serving import module_server
 from tokstream.model.source import resolve_model
-from tokstream.model.weights import hf_config_dict, load_state_dict
+from tokstream.model.weights import load_state_dict
 from tokstream.text.tokenizer import load_tokenizer
 
-pytestmark = [pytest.mark.startup, pytest.mark.slow]
+pytestmark = [pytest.mark.startup, pytest.mark.slow,
+              pytest.mark.filterwarnings("ignore:.*past_key_values.*:FutureWarning")]
 
 ITEMS = [
     {"question": "What is the capital of France?", "choices": ["London", "Paris", "Berlin"],
@@ -66,18 +71,7 @@ def hf_tokenizer(tokenizer_folder):
 
 @pytest.fixture(scope="module")
 def hf_model(source):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.initialization import no_init_weights
-
-    config = LlamaConfig.from_dict(hf_config_dict(source.config))
-    config._attn_implementation = "eager"
-    with no_init_weights():  # every weight is loaded below (~2 s of random init saved)
-        model = LlamaForCausalLM(config).float().eval()
-    missing, unexpected = model.load_state_dict(load_state_dict(source, torch.float32),
-                                                strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
-    model.tie_weights()
-    return model
+    return hf_llama(source, load_state_dict(source, torch.float32))
 
 
 def encode_pair(hf_tokenizer, ctx: str, continuation: str) -> tuple[list[int], list[int]]:
@@ -136,8 +130,10 @@ def test_lm_evals_request_shape(server, hf_tokenizer, reference):
     assert accuracy(got) == accuracy(reference)
 
 
-def test_lm_eval_multiple_choice_task(server, tokenizer_folder, reference, tmp_path,
-                                      monkeypatch):
+def run_lm_eval(tmp_path, monkeypatch, model: str, model_args: str, task: str,
+                **kwargs) -> dict:
+    """lm-eval's simple_evaluate of one local task (its yaml lines after `task:`) on ITEMS,
+    offline."""
     offline(monkeypatch)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the json task's dataset cache
     from lm_eval import simple_evaluate
@@ -145,27 +141,80 @@ def test_lm_eval_multiple_choice_task(server, tokenizer_folder, reference, tmp_p
 
     data = tmp_path / "items.jsonl"
     data.write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
-    (tmp_path / "tokstream_mc.yaml").write_text(
-        "task: tokstream_mc\n"
+    (tmp_path / "tokstream_task.yaml").write_text(
+        "task: tokstream_task\n"
         "dataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
         "test_split: test\n"
-        "output_type: multiple_choice\n"
-        "doc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
-        "doc_to_choice: \"{{choices}}\"\n"
-        "doc_to_target: \"{{answer}}\"\n"
-        "metric_list:\n  - metric: acc\n")
+        "doc_to_text: \"Question: {{question}}\\nAnswer:\"\n" + task)
     results = simple_evaluate(
-        model="local-completions",
-        model_args=(f"model=smollm2,base_url={server.url}/v1/completions,"
-                    f"tokenizer={tokenizer_folder},tokenizer_backend=huggingface,"
-                    "num_concurrent=1,max_retries=1"),
-        tasks=["tokstream_mc"],
+        model=model, model_args=f"model=smollm2,num_concurrent=1,max_retries=1,{model_args}",
+        tasks=["tokstream_task"],
         # only the local task: indexing lm-eval's thousands of built-in ones takes ~10 s
         task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
-        log_samples=True)
-    assert results["results"]["tokstream_mc"]["acc,none"] == pytest.approx(accuracy(reference))
+        log_samples=True, **kwargs)
+    results["samples"] = sorted(results["samples"]["tokstream_task"],
+                                key=lambda s: s["doc_id"])
+    return results
+
+
+MULTIPLE_CHOICE = ("output_type: multiple_choice\n"
+                   "doc_to_choice: \"{{choices}}\"\n"
+                   "doc_to_target: \"{{answer}}\"\n"
+                   "metric_list:\n  - metric: acc\n")
+
+
+@pytest.mark.parametrize("tokenizer_args", [
+    "tokenizer={folder},tokenizer_backend=huggingface",
+    "batch_size=4",  # no tokenizer given: lm-eval finds the server's (remote)
+])
+def test_lm_eval_multiple_choice_task(server, tokenizer_folder, reference, tmp_path,
+                                      monkeypatch, tokenizer_args):
+    results = run_lm_eval(tmp_path, monkeypatch, "local-completions",
+                          f"base_url={server.url}/v1/completions,"
+                          + tokenizer_args.format(folder=tokenizer_folder), MULTIPLE_CHOICE)
+    assert results["results"]["tokstream_task"]["acc,none"] == \
+        pytest.approx(accuracy(reference))
     # and each choice's log-likelihood is transformers'
-    samples = sorted(results["samples"]["tokstream_mc"], key=lambda s: s["doc_id"])
-    got = [resp[0][0] for sample in samples for resp in sample["resps"]]
+    got = [resp[0][0] for sample in results["samples"] for resp in sample["resps"]]
     assert got == pytest.approx(reference, abs=2e-3)
+
+
+GENERATE = ("output_type: generate_until\n"
+            "doc_to_target: \" {{choices[answer]}}\"\n"
+            "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 24\n  do_sample: false\n"
+            "metric_list:\n  - metric: exact_match\n")
+
+GENERATED_TOKENS = 24
+
+
+def greedy_answers(hf_model, tokenizer, prompts: list[list[int]]) -> list[str]:
+    """transformers' greedy text for each prompt, cut at the task's stop ("\n")."""
+    eos = set(tokenizer.eos_token_ids)
+    return [tokenizer.decode(hf_greedy(hf_model, ids, eos, GENERATED_TOKENS)).split("\n")[0]
+            for ids in prompts]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_lm_eval_generate_until_task(server, hf_model, source, tmp_path, monkeypatch, route):
+    """Greedy answers stopped at a newline, as transformers writes them: through
+    local-completions (a batch of three token-id prompts a request, the server's tokenizer),
+    and through local-chat-completions with the chat template applied on the server."""
+    tokenizer = load_tokenizer(source)
+    contexts = [context(item) for item in ITEMS]
+    if route == "completions":
+        results = run_lm_eval(tmp_path, monkeypatch, "local-completions",
+                              f"base_url={server.url}/v1/completions,batch_size=3", GENERATE)
+        prompts = [tokenizer.encode(text) for text in contexts]
+    else:
+        results = run_lm_eval(tmp_path, monkeypatch, "local-chat-completions",
+                              f"base_url={server.url}/v1/chat/completions", GENERATE,
+                              apply_chat_template=True)
+        prompts = [tokenizer.encode_chat([{"role": "user", "content": text}])
+                   for text in contexts]
+    answers = greedy_answers(hf_model, tokenizer, prompts)
+    got = [sample["resps"][0][0] for sample in results["samples"]]
+    assert got == answers
+    targets = [" " + item["choices"][item["answer"]] for item in ITEMS]
+    assert results["results"]["tokstream_task"]["exact_match,none"] == pytest.approx(
+        sum(a == t for a, t in zip(answers, targets)) / len(ITEMS))

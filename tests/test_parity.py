@@ -7,11 +7,12 @@ the first-step logits must agree to ~1e-4.
 import pytest
 import torch
 
+from helpers.hf_reference import hf_greedy, hf_llama
 from helpers.prefill import prefill_logits
 from tokstream.config import CacheConfig, EngineConfig
 from tokstream.engine.llm import LLM
 from tokstream.model.source import resolve_model
-from tokstream.model.weights import hf_config_dict, load_state_dict
+from tokstream.model.weights import load_state_dict
 from tokstream.sampling_params import SamplingParams
 from tokstream.text.tokenizer import load_tokenizer
 from tokstream.worker.model import LlamaModel
@@ -52,38 +53,13 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def hf_model(source, state_dict):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.initialization import no_init_weights
-
-    hf_config = LlamaConfig.from_dict(hf_config_dict(source.config))
-    hf_config._attn_implementation = "eager"
-    with no_init_weights():  # every weight is loaded below (~5 s of random init saved)
-        model = LlamaForCausalLM(hf_config).float().eval()
-    missing, unexpected = model.load_state_dict(state_dict, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    model.tie_weights()
-    return model
-
-
-def hf_greedy(hf_model, prompt: list[int], eos: set[int]) -> list[int]:
-    """transformers' greedy tokens for one prompt: a plain loop, no generate() config
-    surprises."""
-    ids, generated, past = torch.tensor([prompt]), [], None
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            out = hf_model(input_ids=ids, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            token = int(out.logits[0, -1].argmax())
-            generated.append(token)
-            if token in eos:
-                break
-            ids = torch.tensor([[token]])
-    return generated
+    return hf_llama(source, state_dict)
 
 
 @pytest.fixture(scope="module")
 def hf_outputs(hf_model, prompts, source):
-    return [hf_greedy(hf_model, prompt, set(source.config.eos_token_ids)) for prompt in prompts]
+    eos = set(source.config.eos_token_ids)
+    return [hf_greedy(hf_model, prompt, eos, NEW_TOKENS) for prompt in prompts]
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +82,8 @@ def test_an_explicit_float32_is_float32_throughout(source, tokenizer, prompts, h
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
     extra = [tokenizer.encode_chat([{"role": "user", "content": p}])
              for p in FLOAT16_CACHE_CHANGED]
-    expected = hf_outputs + [hf_greedy(hf_model, p, set(source.config.eos_token_ids))
-                             for p in extra]
+    eos = set(source.config.eos_token_ids)
+    expected = hf_outputs + [hf_greedy(hf_model, p, eos, NEW_TOKENS) for p in extra]
     with LLM(EngineConfig(model="smollm2", dtype="float32")) as engine:
         assert engine.core.executor.ready.kv_cache_dtype == "float32"
         for prompt, tokens in zip(prompts + extra, expected):
