@@ -138,8 +138,9 @@ ANTHROPIC = body(messages=anthropic_messages, system=text | junk,
 CHAT = body(messages=openai_messages, stop=text | junk,
             n=st.integers(0, 2) | junk, stream_options=junk, logprobs=junk,
             tools=openai_tools, tool_choice=openai_choice, **common)
-COMPLETION = body(prompt=text | st.lists(st.integers(-5, 600), max_size=8) | junk,
-                  stop=text | junk, echo=junk, **common)
+token_ids = st.lists(st.integers(-5, 600), max_size=8)
+COMPLETION = body(prompt=text | token_ids | st.lists(text | token_ids | junk, max_size=4) | junk,
+                  n=st.integers(0, 3) | junk, stop=text | junk, echo=junk, **common)
 COUNT = body(model=common["model"], messages=anthropic_messages, system=junk,
              tools=anthropic_tools)
 TOKENIZE = body(model=common["model"], messages=openai_messages, prompt=text | junk,
