@@ -61,6 +61,24 @@ def _text_blocks(value, path: str, allow_empty: bool = False) -> str:
     return text
 
 
+THINKING_BLOCKS = {"thinking": "thinking", "redacted_thinking": "data"}
+"""An earlier assistant turn's reasoning (block type -> its required string field), as a
+reasoning model's transcript replays it."""
+
+
+def _without_thinking(blocks: list, at: str) -> list:
+    """An assistant turn's blocks less its thinking blocks, which the Messages API drops from
+    earlier turns (a model that does not reason has none to continue)."""
+    kept = []
+    for n, block in enumerate(blocks):
+        field = THINKING_BLOCKS.get(block.get("type")) if isinstance(block, dict) else None
+        if field is None:
+            kept.append(block)
+        elif not isinstance(block.get(field), str):
+            raise bad_request(f"{at}.{n}.{field}", "must be a string")
+    return kept
+
+
 def chat_messages(body: dict) -> list[dict]:
     messages = get_messages(body)
     chat = []
@@ -73,11 +91,16 @@ def chat_messages(body: dict) -> list[dict]:
         if "content" not in message:
             raise bad_request(f"{at}.content", "required")
         content = message["content"]
+        thought = role == "assistant" and isinstance(content, list) and any(
+            isinstance(b, dict) and b.get("type") in THINKING_BLOCKS for b in content)
+        if thought:
+            content = _without_thinking(content, f"{at}.content")
         if isinstance(content, list) and any(isinstance(b, dict) and b.get("type") in (
                 "tool_use", "tool_result") for b in content):
             chat += history_messages(role, content, f"{at}.content")
         else:
-            chat.append({"role": role, "content": _text_blocks(content, f"{at}.content")})
+            chat.append({"role": role, "content": _text_blocks(content, f"{at}.content",
+                                                               allow_empty=thought)})
     if chat[-1]["role"] == "assistant" and len(chat) == 1:
         raise bad_request("messages.0.role", "the first message must be from the user")
     return chat
