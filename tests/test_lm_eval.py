@@ -12,6 +12,7 @@ every log-likelihood and the accuracy it gives against transformers; the other t
 lm-eval itself (in the test extra, lm-eval[api]) on local tasks, offline."""
 
 import json
+import math
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ import torch
 
 from helpers.clients import offline
 from helpers.hf_reference import hf_greedy, hf_llama
+from helpers.reference_text import TEXT
 from helpers.serving import module_server
 from tokstream.model.source import resolve_model
 from tokstream.model.weights import load_state_dict
@@ -131,8 +133,8 @@ def test_lm_evals_request_shape(server, hf_tokenizer, reference):
 
 
 def run_lm_eval(tmp_path, monkeypatch, model: str, model_args: str, task: str,
-                **kwargs) -> dict:
-    """lm-eval's simple_evaluate of one local task (its yaml lines after `task:`) on ITEMS,
+                docs: list[dict] = ITEMS, **kwargs) -> dict:
+    """lm-eval's simple_evaluate of one local task (its yaml lines after `task:`) on docs,
     offline."""
     offline(monkeypatch)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # the json task's dataset cache
@@ -140,13 +142,12 @@ def run_lm_eval(tmp_path, monkeypatch, model: str, model_args: str, task: str,
     from lm_eval.tasks import TaskManager
 
     data = tmp_path / "items.jsonl"
-    data.write_text("".join(json.dumps(item) + "\n" for item in ITEMS))
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
     (tmp_path / "tokstream_task.yaml").write_text(
         "task: tokstream_task\n"
         "dataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\n"
-        "doc_to_text: \"Question: {{question}}\\nAnswer:\"\n" + task)
+        "test_split: test\n" + task)
     results = simple_evaluate(
         model=model, model_args=f"model=smollm2,num_concurrent=1,max_retries=1,{model_args}",
         tasks=["tokstream_task"],
@@ -158,7 +159,9 @@ def run_lm_eval(tmp_path, monkeypatch, model: str, model_args: str, task: str,
     return results
 
 
-MULTIPLE_CHOICE = ("output_type: multiple_choice\n"
+QUESTION = "doc_to_text: \"Question: {{question}}\\nAnswer:\"\n"
+
+MULTIPLE_CHOICE = (QUESTION + "output_type: multiple_choice\n"
                    "doc_to_choice: \"{{choices}}\"\n"
                    "doc_to_target: \"{{answer}}\"\n"
                    "metric_list:\n  - metric: acc\n")
@@ -180,7 +183,7 @@ def test_lm_eval_multiple_choice_task(server, tokenizer_folder, reference, tmp_p
     assert got == pytest.approx(reference, abs=2e-3)
 
 
-GENERATE = ("output_type: generate_until\n"
+GENERATE = (QUESTION + "output_type: generate_until\n"
             "doc_to_target: \" {{choices[answer]}}\"\n"
             "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 24\n  do_sample: false\n"
             "metric_list:\n  - metric: exact_match\n")
@@ -218,3 +221,37 @@ def test_lm_eval_generate_until_task(server, hf_model, source, tmp_path, monkeyp
     targets = [" " + item["choices"][item["answer"]] for item in ITEMS]
     assert results["results"]["tokstream_task"]["exact_match,none"] == pytest.approx(
         sum(a == t for a, t in zip(answers, targets)) / len(ITEMS))
+
+
+ROLLING = ("output_type: loglikelihood_rolling\n"
+           "doc_to_text: \"\"\n"
+           "doc_to_target: \"{{text}}\"\n"
+           "metric_list:\n  - metric: word_perplexity\n  - metric: bits_per_byte\n")
+
+
+def test_lm_eval_perplexity_task_over_rolling_windows(server, hf_model, source, tmp_path,
+                                                      monkeypatch):
+    """A loglikelihood_rolling task (what wikitext's perplexity is): with max_length 64 each
+    paragraph is scored in several windows, two a request; each paragraph's log-likelihood
+    is transformers' over the same windows."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    docs = [{"text": text} for text in TEXT.split("\n\n")[:3]]
+    results = run_lm_eval(tmp_path, monkeypatch, "local-completions",
+                          f"base_url={server.url}/v1/completions,batch_size=2,max_length=64",
+                          ROLLING, docs)
+    tokenizer = load_tokenizer(source)
+    # lm-eval's prefix for the first window, as its remote tokenizer finds it
+    prefix = tokenizer.bos_token_id or tokenizer.eos_token_ids[0]
+    expected = []
+    for doc in docs:
+        windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+            tokenizer.encode(doc["text"]), prefix, max_seq_len=62, context_len=1)]
+        assert len(windows) >= 2
+        expected.append(sum(transformers_loglikelihood(hf_model, ctx, cont)
+                            for ctx, cont in windows))
+    got = [sample["resps"][0][0] for sample in results["samples"]]
+    assert got == pytest.approx(expected, abs=1e-2)
+    words = sum(len(doc["text"].split()) for doc in docs)
+    assert results["results"]["tokstream_task"]["word_perplexity,none"] == pytest.approx(
+        math.exp(-sum(expected) / words), rel=1e-3)
