@@ -31,13 +31,8 @@ def server(tmp_path_factory):
     from tokstream.server.access.tenants import hash_key
 
     tenants = tmp_path_factory.mktemp("tenants") / "tenants.toml"
-    tenants.write_text(f"""
-admin_key_sha256 = "{hash_key(ADMIN)}"
-
-[[tenant]]
-name = "main"
-key_sha256 = "{hash_key(MAIN)}"
-""")
+    tenants.write_text(f'admin_key_sha256 = "{hash_key(ADMIN)}"\n'
+                       f'[[tenant]]\nname = "main"\nkey_sha256 = "{hash_key(MAIN)}"\n')
     # A request bound of 2, below the batches sent here.
     with ServerProcess("--profile", "ci", "--tenants", str(tenants),
                        "--max-waiting-requests", "2") as server:
