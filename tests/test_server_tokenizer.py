@@ -73,6 +73,44 @@ def test_a_tool_history_without_content_tokenises_with_and_without_a_generation_
         text + "<|im_start|>assistant\n"
 
 
+def test_continue_final_message_leaves_the_assistant_turn_open(server, tokenizer):
+    """vLLM's chat extension (a prefill on the OpenAI route): the last assistant message is
+    continued, not closed and answered; the chat route samples from exactly those ids."""
+    messages = [{"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"}]
+    body = {"messages": messages, "continue_final_message": True,
+            "add_generation_prompt": False}
+    ids = post(server, "/tokenize", body).json()["tokens"]
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\nThe capital of France is")
+    assert ids[:len(tokenizer.encode_chat(messages[:1]))] == tokenizer.encode_chat(messages[:1])
+    sampling = {"model": "smollm2", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    chat = post(server, "/v1/chat/completions", {**body, **sampling}).json()
+    plain = post(server, "/v1/completions", {"prompt": ids, **sampling}).json()
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+    assert chat["tokstream"]["token_ids"] == plain["tokstream"]["token_ids"]
+    closed = post(server, "/tokenize", {"messages": messages})
+    assert closed.json()["tokens"] != ids  # by default the turn is closed and answered
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"continue_final_message": True}, "add_generation_prompt: false"),
+    ({"continue_final_message": True, "add_generation_prompt": False,
+      "messages": [{"role": "user", "content": "hi"}]}, "from the assistant"),
+    ({"continue_final_message": True, "add_generation_prompt": False,
+      "response_format": {"type": "json_object"}}, "structured output"),
+    ({"continue_final_message": "yes", "add_generation_prompt": False}, "boolean"),
+])
+def test_continue_final_message_refusals_name_it(server, extra, words):
+    body = {"model": "smollm2", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "Hello"}], **extra}
+    reply = post(server, "/v1/chat/completions", body)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "continue_final_message" and words in error["message"], error
+
+
 def test_lm_evals_remote_tokenizer_reads_the_served_one(server, tokenizer):
     """GET /tokenizer_info (vLLM's): lm-eval's `local-completions` then tokenises through the
     server (tokenizer_backend auto picks `remote`), with the served chat template."""

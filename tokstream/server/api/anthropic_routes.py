@@ -24,7 +24,7 @@ from tokstream.server.streaming.sse import (EventStreamResponse, final_integrity
                                             stream_failure, wants_integrity)
 from tokstream.server.server import Prompt, Server
 from tokstream.server.streaming.streams import Stream
-from tokstream.server.tool_calls.tool_template import encode_chat, message_text
+from tokstream.server.tool_calls.tool_template import encode_chat, encode_continuation
 from tokstream.server.tool_calls.tools import Tool, ToolRequest, tool_sampling
 from tokstream.server.validation import (_kind, check_fits, get_bool, get_int, get_messages,
                                          get_object, get_strings, parse_off_loop,
@@ -113,8 +113,7 @@ def encode_messages(server: Server, chat: list[dict], tools: tuple[Tool, ...] = 
     tokenizer = server.tokenizer
     try:
         if chat[-1]["role"] == "assistant":
-            prefix = encode_chat(tokenizer, chat[:-1], tools, limit=limit)
-            return prefix + tokenizer.encode_text(message_text(chat[-1]))
+            return encode_continuation(tokenizer, chat, tools, limit=limit)
         return encode_chat(tokenizer, chat, tools, limit=limit)
     except UserInputError as error:
         raise bad_request("messages", str(error)) from None

@@ -3,8 +3,8 @@ token ids, and the sampling parameters (POST /v1/chat/completions and /v1/comple
 
 from __future__ import annotations
 
-from tokstream.errors import UserInputError
 from tokstream.checker import MAX_RESPONSE_CHOICES
+from tokstream.errors import UserInputError
 from tokstream.sampling_params import MAX_LOGPROBS
 from tokstream.server.api.api_request import chat_turns
 from tokstream.server.api.choices import num_choices
@@ -13,7 +13,7 @@ from tokstream.server.api_errors import bad_request
 from tokstream.server.tool_calls.openai_tools import tool_fields, tool_request
 from tokstream.server.api.sampling_options import bounded_options, sampling_extras
 from tokstream.server.server import Prompt, Server
-from tokstream.server.tool_calls.tool_template import encode_chat
+from tokstream.server.tool_calls.tool_template import encode_chat, encode_continuation
 from tokstream.server.tool_calls.tools import ToolRequest, tool_sampling
 from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int,
                                          get_object, get_strings,
@@ -45,12 +45,26 @@ def _content(value, path: str) -> str:
 
 
 def chat_prompt(body: dict, server: Server, tools: ToolRequest | None = None,
-                add_generation_prompt: bool = True, limit: int | None = None) -> list[int]:
+                limit: int | None = None) -> list[int]:
     """Prompt ids for the messages, with the tools shown to the model (read from the body
-    unless given). limit: tool_template.encode_chat's."""
+    unless given), and vLLM's template options: `add_generation_prompt` (default true) and
+    `continue_final_message` (a final assistant message left open for the model to go on:
+    a prefill). limit: tool_template.encode_chat's."""
     tools = tools or tool_request(body)
+    add_generation_prompt = get_bool(body, "add_generation_prompt", True)
+    continue_final = get_bool(body, "continue_final_message")
+    messages = chat_messages(body)
+    if continue_final and add_generation_prompt:
+        raise bad_request("continue_final_message", "needs add_generation_prompt: false (the "
+                                                    "final message is continued, not answered)")
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message", "the final message must be from the "
+                                                    "assistant")
     try:
-        return encode_chat(server.tokenizer, chat_messages(body), tools.tools if tools else (),
+        if continue_final:
+            return encode_continuation(server.tokenizer, messages,
+                                       tools.tools if tools else (), limit)
+        return encode_chat(server.tokenizer, messages, tools.tools if tools else (),
                            add_generation_prompt, limit)
     except UserInputError as error:
         raise bad_request("messages", str(error)) from None
@@ -129,6 +143,10 @@ def parse(body: dict, server: Server, chat: bool) -> list[Prompt]:
     extras = sampling_extras(body, chat, server.tokenizer.vocab_size)
     tools = tool_request(body) if chat else None
     extras.update(tool_sampling(tools, extras["structured"]))
+    if chat and extras.get("structured") and get_bool(body, "continue_final_message"):
+        # The grammar holds the whole output to its schema, and a prefill is its start.
+        raise bad_request("continue_final_message", "cannot be combined with structured "
+                                                    "output or a forced tool call")
     prompt_logprobs = None if chat else completion_prompt_logprobs(body, echo, stream,
                                                                    extras["logprobs"])
     prompts = ([(None, chat_prompt(body, server, tools, limit=server.max_model_len))] if chat

@@ -21,8 +21,7 @@ def _tokenize(server: Server, body: dict) -> list[int]:
     if "messages" in body:
         if "prompt" in body:
             raise bad_request("prompt", "give prompt or messages, not both")
-        ids = chat_prompt(body, server, add_generation_prompt=get_bool(
-            body, "add_generation_prompt", True))
+        ids = chat_prompt(body, server)
         if get_bool(body, "add_special_tokens", False):
             ids = _with_bos(server, ids)
         return ids

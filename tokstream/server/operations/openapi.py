@@ -114,6 +114,12 @@ CHAT_BODY = {
                                       "type": {"const": "function"},
                                       "function": {"type": "object"}}}]},
         "parallel_tool_calls": {"type": "boolean"},
+        "add_generation_prompt": {"type": "boolean", "default": True,
+                                  "description": "vLLM extension: open the assistant's turn"},
+        "continue_final_message": {"type": "boolean", "default": False,
+                                   "description": "vLLM extension: continue the final "
+                                                  "(assistant) message, a prefill; needs "
+                                                  "add_generation_prompt false"},
     },
 }
 

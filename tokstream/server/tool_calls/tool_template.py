@@ -57,6 +57,14 @@ def encode_chat(tokenizer, messages: list[dict], tools: tuple[Tool, ...] = (),
                                  limit=limit)
 
 
+def encode_continuation(tokenizer, messages: list[dict], tools: tuple[Tool, ...] = (),
+                        limit: int | None = None) -> list[int]:
+    """Prompt ids that continue the final (assistant) message, a prefill: the turns before it
+    as encode_chat renders them with a generation prompt, then its text, left open."""
+    prefix = encode_chat(tokenizer, messages[:-1], tools, limit=limit)
+    return prefix + tokenizer.encode_text(message_text(messages[-1]))
+
+
 def fallback_messages(messages: list[dict], tools: tuple[Tool, ...]) -> list[dict]:
     """messages as plain {"role", "content": str} turns, the tools in the system turn."""
     out: list[dict] = []
