@@ -111,6 +111,28 @@ def test_continue_final_message_refusals_name_it(server, extra, words):
     assert error["param"] == "continue_final_message" and words in error["message"], error
 
 
+def test_chat_template_kwargs_go_to_the_template(server, tokenizer):
+    """SmolLM2's template reads no further variables: kwargs it does not know change nothing
+    (as with transformers); what the render sets itself, or a template of the caller's own,
+    is refused (tests/test_tokenizer.py shows kwargs reaching a template that reads them)."""
+    messages = [{"role": "user", "content": "hi"}]
+    plain = post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    given = post(server, "/tokenize", {"messages": messages,
+                                       "chat_template_kwargs": {"enable_thinking": False}})
+    assert given.json()["tokens"] == plain
+    reply = post(server, "/v1/chat/completions", {
+        "model": "smollm2", "messages": messages, "max_tokens": 2,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(plain)
+    for extra, field in (({"chat_template_kwargs": {"messages": []}},
+                          "chat_template_kwargs.messages"),
+                         ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+                         ({"chat_template": "{{ messages }}"}, "chat_template")):
+        refused = post(server, "/v1/chat/completions", {
+            "model": "smollm2", "messages": messages, "max_tokens": 2, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+
+
 def test_lm_evals_remote_tokenizer_reads_the_served_one(server, tokenizer):
     """GET /tokenizer_info (vLLM's): lm-eval's `local-completions` then tokenises through the
     server (tokenizer_backend auto picks `remote`), with the served chat template."""

@@ -10,7 +10,8 @@ import pytest
 from tokstream.errors import UserInputError
 from tokstream.model.presets import PRESETS, dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
-from tokstream.text.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer, dummy_tokenizer, load_tokenizer
+from tokstream.text.tokenizer import (PLAIN_CHAT_TEMPLATE, TEMPLATE_NAMES, Tokenizer,
+                                      dummy_tokenizer, load_tokenizer)
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 CHATML_FRANCE = (
@@ -118,6 +119,21 @@ def test_template_errors_and_fallback():
         strict.apply_chat_template([{"role": "assistant", "content": "x"}])
     assert "User:" in Tokenizer(tok.backend, chat_template=PLAIN_CHAT_TEMPLATE).apply_chat_template(
         [{"role": "user", "content": ""}])
+
+
+def test_template_kwargs_reach_the_template_and_cannot_replace_its_own_names():
+    tok = dummy_tokenizer(512, 1, (2,))
+    thinking = Tokenizer(tok.backend, chat_template=(
+        "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"))
+    assert thinking.apply_chat_template(FRANCE) == "What is the capital of France?|"
+    off = thinking.encode_chat(FRANCE, template_kwargs={"enable_thinking": False})
+    assert tok.decode(off) == "What is the capital of France?|<no-think>"
+    # with special-token text in a message the render takes the other path: the same kwargs
+    special = [{"role": "user", "content": "<|eos|>"}]
+    assert tok.decode(thinking.encode_chat(special, template_kwargs={"enable_thinking": False}),
+                      skip_special_tokens=False) == "<|eos|>|<no-think>"
+    assert {"messages", "add_generation_prompt", "tools", "bos_token"} <= TEMPLATE_NAMES
 
 
 def test_saved_folder_loads_back_everywhere(smollm2, tmp_path):

@@ -141,14 +141,17 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> str:
         """tools: function definitions for a template that renders them (only passed when
-        given, so a template that tests `tools is defined` sees none otherwise)."""
+        given, so a template that tests `tools is defined` sees none otherwise);
+        template_kwargs: the caller's further template variables (`enable_thinking`, ...),
+        none of them a name the render sets itself (TEMPLATE_NAMES)."""
         import jinja2  # only chat rendering needs it (keeps GPU-box imports small)
 
         if self._template is None:
             self._template = _compile_template(self.chat_template or PLAIN_CHAT_TEMPLATE)
-        extra = {"tools": tools} if tools else {}
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
@@ -158,15 +161,18 @@ class Tokenizer:
             raise UserInputError(f"chat template failed on these messages: {error}") from error
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, limit: int | None = None) -> list[int]:
+                    tools: list[dict] | None = None, limit: int | None = None,
+                    template_kwargs: dict | None = None) -> list[int]:
         """Messages through the chat template to ids: the template's markers are control tokens,
         special-token strings inside message content are plain text. limit: refuse_past's, on
-        the rendered text (a template may leave content out)."""
+        the rendered text (a template may leave content out); template_kwargs:
+        apply_chat_template's."""
         # The template writes any BOS itself, so none is added here (as transformers does).
         specials = self.special_strings
         if not any(isinstance(m.get("content"), str) and any(s in m["content"] for s in specials)
                    for m in messages):
-            text = self.apply_chat_template(messages, add_generation_prompt, tools)
+            text = self.apply_chat_template(messages, add_generation_prompt, tools,
+                                            template_kwargs)
             self.refuse_past(len(text), limit)
             return _ids(self.backend, text)
         # Render with a placeholder per message, then tokenise the template's text with special
@@ -175,7 +181,8 @@ class Tokenizer:
                  if isinstance(m.get("content"), str)}
         masked = [{**m, "content": marks[n]} if n in marks else m
                   for n, m in enumerate(messages)]
-        text = self.apply_chat_template(masked, add_generation_prompt, tools)
+        text = self.apply_chat_template(masked, add_generation_prompt, tools,
+                                        template_kwargs)
         # One pass over the text finds every placeholder (a search per message was quadratic:
         # 6,000 such messages held the gateway's GIL for seconds).
         found = [(m.start(), m.end(), int(m[1])) for m in _PLACEHOLDER.finditer(text)
@@ -245,6 +252,12 @@ BATCH_TEXTS = 256
 _PLACEHOLDER = re.compile("\ue000([0-9]+)\ue001")
 """A message's content while the template renders (encode_chat): its index between two
 private-use characters."""
+
+
+TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token",
+                            "eos_token", "raise_exception", "strftime_now"})
+"""Names a chat template render sets itself: a caller's template variable may not replace
+them."""
 
 
 def _raise_exception(message: str):

@@ -18,6 +18,7 @@ from tokstream.server.tool_calls.tools import ToolRequest, tool_sampling
 from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int,
                                          get_object, get_strings,
                                          reject_unsupported, sampling_params)
+from tokstream.text.tokenizer import TEMPLATE_NAMES
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -53,6 +54,7 @@ def chat_prompt(body: dict, server: Server, tools: ToolRequest | None = None,
     tools = tools or tool_request(body)
     add_generation_prompt = get_bool(body, "add_generation_prompt", True)
     continue_final = get_bool(body, "continue_final_message")
+    template_kwargs = chat_template_kwargs(body)
     messages = chat_messages(body)
     if continue_final and add_generation_prompt:
         raise bad_request("continue_final_message", "needs add_generation_prompt: false (the "
@@ -63,11 +65,25 @@ def chat_prompt(body: dict, server: Server, tools: ToolRequest | None = None,
     try:
         if continue_final:
             return encode_continuation(server.tokenizer, messages,
-                                       tools.tools if tools else (), limit)
+                                       tools.tools if tools else (), limit, template_kwargs)
         return encode_chat(server.tokenizer, messages, tools.tools if tools else (),
-                           add_generation_prompt, limit)
+                           add_generation_prompt, limit, template_kwargs)
     except UserInputError as error:
         raise bad_request("messages", str(error)) from None
+
+
+def chat_template_kwargs(body: dict) -> dict:
+    """vLLM's `chat_template_kwargs`: further variables for the model's chat template (Qwen3's
+    `enable_thinking`, ...); a template that does not read one ignores it. The template
+    itself is the model's: a request's own `chat_template` is refused."""
+    if body.get("chat_template") is not None:
+        raise bad_request("chat_template", "not accepted: the server renders its model's own "
+                                           "chat template")
+    kwargs = get_object(body, "chat_template_kwargs") or {}
+    taken = sorted(TEMPLATE_NAMES & set(kwargs))
+    if taken:
+        raise bad_request(f"chat_template_kwargs.{taken[0]}", "is set by the server")
+    return kwargs
 
 
 def chat_messages(body: dict) -> list[dict]:

@@ -120,6 +120,9 @@ CHAT_BODY = {
                                    "description": "vLLM extension: continue the final "
                                                   "(assistant) message, a prefill; needs "
                                                   "add_generation_prompt false"},
+        "chat_template_kwargs": {"type": "object",
+                                 "description": "vLLM extension: further variables for the "
+                                                "model's chat template"},
     },
 }
 

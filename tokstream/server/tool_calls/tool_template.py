@@ -44,24 +44,27 @@ def takes_tools(chat_template: str | None) -> bool:
 
 
 def encode_chat(tokenizer, messages: list[dict], tools: tuple[Tool, ...] = (),
-                add_generation_prompt: bool = True, limit: int | None = None) -> list[int]:
+                add_generation_prompt: bool = True, limit: int | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
     """Prompt ids for messages and the tools the model is shown. limit: the most tokens the
     prompt may have; a rendered prompt that must pass it is refused before it is tokenised
-    (Tokenizer.refuse_past)."""
+    (Tokenizer.refuse_past); template_kwargs: the caller's template variables."""
     if takes_tools(tokenizer.chat_template):
         own = [{**m, "content": m.get("content") or ""} for m in messages]
         return tokenizer.encode_chat(own, add_generation_prompt,
                                      tools=[t.template_entry() for t in tools] or None,
-                                     limit=limit)
+                                     limit=limit, template_kwargs=template_kwargs)
     return tokenizer.encode_chat(fallback_messages(messages, tools), add_generation_prompt,
-                                 limit=limit)
+                                 limit=limit, template_kwargs=template_kwargs)
 
 
 def encode_continuation(tokenizer, messages: list[dict], tools: tuple[Tool, ...] = (),
-                        limit: int | None = None) -> list[int]:
+                        limit: int | None = None,
+                        template_kwargs: dict | None = None) -> list[int]:
     """Prompt ids that continue the final (assistant) message, a prefill: the turns before it
     as encode_chat renders them with a generation prompt, then its text, left open."""
-    prefix = encode_chat(tokenizer, messages[:-1], tools, limit=limit)
+    prefix = encode_chat(tokenizer, messages[:-1], tools, limit=limit,
+                         template_kwargs=template_kwargs)
     return prefix + tokenizer.encode_text(message_text(messages[-1]))
 
 
