@@ -42,6 +42,8 @@ class SamplingParams:
     """Keep going past end-of-sequence tokens (benchmarks)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the text."""
+    include_stop_str_in_output: bool = False
+    """End the text with the stop string that ended it (by default it is left out)."""
     min_p: float = field(default=0.0, metadata={"body": on_apis(
         openai=Bound(0, 1, description="vLLM extension"))})
     """Drop tokens whose probability is below min_p times the most likely one's (after

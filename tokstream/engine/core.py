@@ -137,7 +137,8 @@ class EngineCore:
                           prompt_group=submitted.prompt_group)
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
-            prompt_ids=prompt, delivered_ids=list(outputs))
+            prompt_ids=prompt, delivered_ids=list(outputs),
+            include_stop=params.include_stop_str_in_output)
         self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> RequestDelta | None:

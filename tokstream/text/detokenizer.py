@@ -6,7 +6,8 @@ Two layers, each holding back what it cannot yet vouch for:
   token does not grow with the output. Lossy UTF-8 decoding only ever rewrites its last
   replacement character when more bytes arrive, so all text but a trailing U+FFFD is final.
 - Stop strings: text that could be the start of a stop string is held until it cannot be, so
-  no partial stop string is ever streamed; the stop string itself is never emitted.
+  no partial stop string is ever streamed; the stop string itself is emitted only when the
+  request asks (include_stop_str_in_output).
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
                  skip_special_tokens: bool = True, prompt_ids: Sequence[int] | None = None,
-                 delivered_ids: Sequence[int] | None = None):
+                 delivered_ids: Sequence[int] | None = None, include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop_strings = [s for s in stop if s]
+        self.include_stop = include_stop
+        """Release the stop string that ends the output as its last text."""
         self.skip_special_tokens = skip_special_tokens
         self.finished = False
         self.stop: str | None = None
@@ -95,7 +98,8 @@ class IncrementalDetokenizer:
             start, self.stop = hit
             self.finished = True
             self.pending = ""
-            return DetokenizerStep(text[:start], self.stop)
+            end = start + len(self.stop) if self.include_stop else start
+            return DetokenizerStep(text[:end], self.stop)
         held = _stop_prefix_len(text, self.stop_strings)
         self.pending = text[len(text) - held:]
         return DetokenizerStep(text[:len(text) - held])

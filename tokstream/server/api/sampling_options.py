@@ -1,8 +1,10 @@
 """The OpenAI and vLLM sampling options beyond temperature/top_p/top_k/stop/seed, read from a
 request body into SamplingParams arguments: presence/frequency/repetition penalties, min_p,
 logit_bias, logprobs (chat: `logprobs` + `top_logprobs`; completions: an integer), and
-structured outputs (`response_format`, vLLM's `structured_outputs`). Each bad value is a 400
-naming its field."""
+structured outputs (`response_format`, vLLM's `structured_outputs` and its older `guided_*`
+fields), and vLLM's `stop_token_ids`, `skip_special_tokens` and `include_stop_str_in_output`.
+Each bad value is a 400 naming its field; a vLLM extension tokstream does not do is a 400 too
+(VLLM_UNSUPPORTED)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,12 @@ from tokstream.body_bounds import body_bounds
 from tokstream.errors import UserInputError
 from tokstream.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokstream.server.api_errors import bad_request
-from tokstream.server.validation import _kind, get_bool, get_int, get_number, get_object
+from tokstream.server.validation import (_kind, get_bool, get_int, get_number, get_object,
+                                         reject_unsupported)
 from tokstream.structured import StructuredOutput
+
+MAX_STOP_TOKEN_IDS = 256
+"""More stop ids than any request needs is a cost on every step, not a stop."""
 
 
 def bounded_options(body: dict, api: str) -> dict:
@@ -33,20 +39,48 @@ def bounded_options(body: dict, api: str) -> dict:
     return out
 
 
+VLLM_UNSUPPORTED = {
+    "min_tokens": lambda v: v != 0,
+    "use_beam_search": bool,
+    "length_penalty": lambda v: v != 1,
+    "bad_words": bool,
+    "allowed_token_ids": bool,
+    "truncate_prompt_tokens": lambda v: True,
+    "return_tokens_as_token_ids": bool,
+    "prompt_embeds": bool,
+    "mm_processor_kwargs": bool,
+    "documents": bool,
+    "structural_tag": bool,
+    "kv_transfer_params": bool,
+    "vllm_xargs": bool,
+    "priority": lambda v: v != 0,  # tenants' priority tiers order requests here
+    "cache_salt": bool,  # each tenant's prefix cache is salted with its name here
+}
+"""vLLM's sampling and request extensions tokstream does not do: asking for one is a 400
+naming it (reject_unsupported), never silently ignored."""
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+"""vLLM's older structured-output fields, read as the structured_outputs key they became."""
+
+
 def sampling_extras(body: dict, chat: bool, vocab_size: int) -> dict:
+    reject_unsupported(body, VLLM_UNSUPPORTED)
     extras = {
         "logit_bias": logit_bias(body, vocab_size),
         "logprobs": chat_logprobs(body) if chat else get_int(body, "logprobs", None, minimum=0,
                                                              maximum=MAX_LOGPROBS),
+        "stop_token_ids": stop_token_ids(body, vocab_size),
+        "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
+        "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output"),
     }
     structured = response_format(body)
-    vllm = structured_outputs(body)
+    vllm, vllm_field = structured_outputs(body)
     if structured is not None and vllm is not None:
-        raise bad_request("structured_outputs", "give response_format or structured_outputs, "
-                                                "not both")
+        raise bad_request(vllm_field, "give response_format or structured_outputs, not both")
     structured = structured or vllm
     if structured is not None:
-        field = "response_format" if vllm is None else "structured_outputs"
+        field = "response_format" if vllm is None else vllm_field
         try:  # compiled once here, so a bad schema is a 400 on its own field
             extras["grammar"] = structured.grammar()
         except UserInputError as error:
@@ -61,6 +95,20 @@ def chat_logprobs(body: dict) -> int | None:
     if top is not None and not wanted:
         raise bad_request("top_logprobs", "needs logprobs: true")
     return (top or 0) if wanted else None
+
+
+def stop_token_ids(body: dict, vocab_size: int) -> list[int]:
+    """vLLM's `stop_token_ids`: token ids that end the output, beside the model's own."""
+    value = body.get("stop_token_ids")
+    if value is None:
+        return []
+    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
+        raise bad_request("stop_token_ids", f"must be an array of at most "
+                                            f"{MAX_STOP_TOKEN_IDS} token ids")
+    for n, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise bad_request(f"stop_token_ids.{n}", f"must be a token id in [0, {vocab_size})")
+    return list(value)
 
 
 def logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
@@ -99,23 +147,34 @@ def response_format(body: dict) -> StructuredOutput | None:
                       "must be 'text', 'json_object' or 'json_schema', not " + _kind(kind))
 
 
-def structured_outputs(body: dict) -> StructuredOutput | None:
+def structured_outputs(body: dict) -> tuple[StructuredOutput | None, str]:
+    """vLLM's structured_outputs (or its older guided_* fields), and the field a bad one is
+    named by."""
     spec = get_object(body, "structured_outputs")
+    guided = [name for name in GUIDED_FIELDS if body.get(name) is not None]
+    if guided and spec is not None:
+        raise bad_request(guided[0], "give structured_outputs or the guided_ fields, not both")
+    if guided:
+        spec = {GUIDED_FIELDS[name]: body[name] for name in guided}
+        names = {GUIDED_FIELDS[name]: name for name in guided}
+        field = guided[0]
+    else:
+        names = {key: f"structured_outputs.{key}" for key in GUIDED_FIELDS.values()}
+        field = "structured_outputs"
     if spec is None:
-        return None
+        return None, field
     given = [k for k in ("json", "regex", "choice", "grammar") if spec.get(k) is not None]
     if len(given) != 1:
-        raise bad_request("structured_outputs", "give exactly one of json, regex, choice or "
-                                                "grammar")
+        raise bad_request(field, "give exactly one of json, regex, choice or grammar")
     key = given[0]
     value = spec[key]
     if key == "json":
         return StructuredOutput("json_schema", value if isinstance(value, str)
-                                else json.dumps(value))
+                                else json.dumps(value)), field
     if key == "choice":
         if not isinstance(value, list):
-            raise bad_request("structured_outputs.choice", "must be an array of strings")
-        return StructuredOutput("choice", json.dumps(value))
+            raise bad_request(names[key], "must be an array of strings")
+        return StructuredOutput("choice", json.dumps(value)), field
     if not isinstance(value, str):
-        raise bad_request(f"structured_outputs.{key}", "must be a string")
-    return StructuredOutput(key, value)
+        raise bad_request(names[key], "must be a string")
+    return StructuredOutput(key, value), field

@@ -1,0 +1,132 @@
+"""vLLM's request extensions on the OpenAI routes, on a real server: `stop_token_ids`,
+`skip_special_tokens`, `include_stop_str_in_output` and the older `guided_*` structured-output
+fields do what vLLM does, streamed and not; the extensions tokstream does not do
+(VLLM_UNSUPPORTED) are a 400 naming the field instead of being silently ignored."""
+
+import json
+
+import httpx
+import pytest
+
+from helpers.serving import module_server, record
+from tokstream.checker import check_streams
+from tokstream.server.api.sampling_options import VLLM_UNSUPPORTED
+
+pytestmark = pytest.mark.startup
+
+MODEL = "dummy:tiny"
+BOS = 1
+"""dummy:tiny's <|bos|>, a special token."""
+
+server = module_server("--profile", "ci")
+
+
+def complete(server, route="/v1/completions", **body) -> dict:
+    reply = httpx.post(server.url + route, json={"model": MODEL, **body}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def streamed(server, route="/v1/completions", **body) -> tuple[str, dict]:
+    """(the text, the last chunk's choice) of a streamed request; its stream passes the
+    checker."""
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        _, stream = record(http, route, {"model": MODEL, "stream": True, **body})
+    assert check_streams([stream]).ok
+    chunks = [json.loads(e.data) for e in stream.events if e.data.startswith("{")]
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    text = "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for c in choices)
+    return text, choices[-1]
+
+
+def seeded(**body) -> dict:
+    """A sampled completion that repeats under its seed (greedy, dummy:tiny repeats one
+    token)."""
+    return {"prompt": "the quick brown fox", "max_tokens": 12, "temperature": 1.0, "seed": 7,
+            "ignore_eos": True, **body}
+
+
+def test_a_stop_token_id_ends_the_output_at_it(server):
+    tokens = complete(server, **seeded())["tokstream"]["token_ids"]
+    at = next(k for k in range(1, len(tokens)) if tokens[k] not in tokens[:k])
+    reply = complete(server, **seeded(stop_token_ids=[tokens[at]]))
+    (choice,) = reply["choices"]
+    assert reply["tokstream"]["token_ids"] == tokens[:at + 1]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", tokens[at])
+    text, last = streamed(server, **seeded(stop_token_ids=[tokens[at]]))
+    assert text == choice["text"] and last["stop_reason"] == tokens[at]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_the_stop_string_is_kept_when_asked(server, route):
+    body = seeded() if route == "/v1/completions" else dict(
+        messages=[{"role": "user", "content": "the quick brown fox"}], max_tokens=12,
+        temperature=1.0, seed=7, ignore_eos=True)
+    whole = complete(server, route, **body)["choices"][0]
+    whole = whole.get("text", (whole.get("message") or {}).get("content"))
+    stop = whole[4:6]
+    cut = whole[:whole.index(stop)]
+    assert cut and stop.strip()
+    for include, want in ((False, cut), (True, cut + stop)):
+        extra = {"stop": [stop], "include_stop_str_in_output": include}
+        choice = complete(server, route, **body, **extra)["choices"][0]
+        assert choice.get("text", (choice.get("message") or {}).get("content")) == want
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+        assert streamed(server, route, **body, **extra)[0] == want
+
+
+def test_special_tokens_show_when_not_skipped(server):
+    body = seeded(logit_bias={str(BOS): 100}, max_tokens=3)
+    assert complete(server, **body)["choices"][0]["text"] == ""
+    shown = complete(server, **body, skip_special_tokens=False)["choices"][0]["text"]
+    assert shown == "<|bos|>" * 3
+    assert streamed(server, **body, skip_special_tokens=False)[0] == shown
+
+
+@pytest.mark.parametrize("guided, new", [
+    ({"guided_choice": ["alpha", "beta", "gamma"]}, {"choice": ["alpha", "beta", "gamma"]}),
+    ({"guided_regex": "[a-c]{4}"}, {"regex": "[a-c]{4}"}),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "integer"}},
+                      "required": ["a"], "additionalProperties": False}},
+     {"json": {"type": "object", "properties": {"a": {"type": "integer"}},
+               "required": ["a"], "additionalProperties": False}}),
+])
+def test_guided_fields_are_structured_outputs(server, guided, new):
+    body = dict(messages=[{"role": "user", "content": "pick"}], max_tokens=24,
+                temperature=1.0, seed=3)
+    old = complete(server, "/v1/chat/completions", **body, **guided)
+    now = complete(server, "/v1/chat/completions", **body, structured_outputs=new)
+    assert old["tokstream"]["token_ids"] == now["tokstream"]["token_ids"]
+    free = complete(server, "/v1/chat/completions", **body)
+    assert free["tokstream"]["token_ids"] != now["tokstream"]["token_ids"]
+
+
+@pytest.mark.parametrize("extra, field", [
+    *[({name: value}, name) for name, value in {
+        "min_tokens": 4, "use_beam_search": True, "length_penalty": 0.5, "bad_words": ["x"],
+        "allowed_token_ids": [5], "truncate_prompt_tokens": 8,
+        "return_tokens_as_token_ids": True, "prompt_embeds": "AAAA",
+        "mm_processor_kwargs": {"a": 1}, "documents": [{"text": "x"}],
+        "structural_tag": "{}", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
+        "priority": 2, "cache_salt": "s"}.items()],
+    ({"stop_token_ids": [10 ** 6]}, "stop_token_ids.0"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"guided_choice": "alpha"}, "guided_choice"),
+    ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
+])
+def test_what_tokstream_does_not_do_is_a_400_naming_it(server, extra, field):
+    reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 2, **extra})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == field, reply.text
+
+
+def test_every_unsupported_extension_is_tested():
+    assert set(VLLM_UNSUPPORTED) == {
+        "min_tokens", "use_beam_search", "length_penalty", "bad_words", "allowed_token_ids",
+        "truncate_prompt_tokens", "return_tokens_as_token_ids", "prompt_embeds",
+        "mm_processor_kwargs", "documents", "structural_tag", "kv_transfer_params",
+        "vllm_xargs", "priority", "cache_salt"}
