@@ -91,8 +91,9 @@ class Submitter:
                 params = prompt.params
                 if params.seed is None:
                     params = dataclasses.replace(params, seed=seed)
-                first = choice_request_id(request_id, len(streams))
-                group = {**fields, "prompt_group": first} if prompt.n > 1 else fields
+                # The prompt's choices share its blocks (a group named by its first choice).
+                group_id = choice_request_id(request_id, len(streams))
+                group = {**fields, "prompt_group": group_id} if prompt.n > 1 else fields
                 for index in range(prompt.n):
                     streams.append(self.registry.open(
                         choice_request_id(request_id, len(streams)), prompt.token_ids,
