@@ -228,3 +228,30 @@ def test_random_resumes(tok):
         for i in ids[k:]:
             assert original.step([i]) == resumed.step([i])
         assert original.finish() == resumed.finish()
+
+
+def test_stop_strings_wait_for_min_tokens(tok):
+    ids = tok.encode(TEXTS[0])  # "The capital of France is Paris. It is ..."
+    assert tok.decode(ids[:1]) == "The"
+    deltas, stop, _ = stream(IncrementalDetokenizer(tok, stop=[" is"]), ids)
+    assert "".join(deltas) == "The capital of France" and stop == " is"
+    # " is" completes at token 5: with 5 tokens unchecked the second " is" ends the text
+    deltas, stop, _ = stream(IncrementalDetokenizer(tok, stop=[" is"], min_tokens=5), ids)
+    assert "".join(deltas) == "The capital of France is Paris. It" and stop == " is"
+
+
+@pytest.mark.parametrize("min_tokens", [1, 4, 9])
+def test_resume_with_min_tokens_continues_exactly(tok, min_tokens):
+    ids = tok.encode(" ".join(TEXTS))
+    stops = ["France", "is P", "Tower."]
+    for k in range(0, 30):
+        original = IncrementalDetokenizer(tok, stop=stops, min_tokens=min_tokens)
+        for i in ids[:k]:
+            original.step([i])
+        if original.finished:
+            break
+        resumed = IncrementalDetokenizer(tok, stop=stops, delivered_ids=ids[:k],
+                                         min_tokens=min_tokens)
+        for i in ids[k:]:
+            assert original.step([i]) == resumed.step([i]), (k, i)
+        assert original.finish() == resumed.finish()

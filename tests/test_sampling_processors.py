@@ -61,6 +61,20 @@ def test_logit_bias_adds_to_the_named_tokens():
     assert sample(scores[None], [row(temperature=0.0, logit_bias={4: 100.0})]) == [4]
 
 
+def test_min_tokens_bans_ending_until_reached():
+    scores = logits(3)
+    scores[2] = scores[7] = 50.0  # the model's end (2) and the row's stop id (7) lead
+    settings = dict(temperature=0.0, min_tokens=2, stop_token_ids=[7])
+    banned = scores.clone()
+    banned[[2, 7]] = -math.inf
+    for position in (0, 1):  # output tokens 1 and 2: the best of the others
+        assert sample(scores[None], [row(position, **settings)], eos_token_ids=(2,)) == \
+            [int(banned.argmax())]
+    assert sample(scores[None], [row(2, **settings)], eos_token_ids=(2,)) in ([2], [7])
+    with pytest.raises(UserInputError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+
+
 @pytest.mark.parametrize("min_p", [0.05, 0.3])
 @pytest.mark.parametrize("temperature", [0.7, 1.5])
 def test_min_p_after_temperature_is_hugging_faces(min_p, temperature):

@@ -103,6 +103,22 @@ def test_eos_and_stop_token_finish():
     assert c.status == RequestStatus.RUNNING
 
 
+def test_no_end_before_min_tokens():
+    """The sampler bans ending tokens before min_tokens; the scheduler, which decides, does
+    not end a request on one either (token 3 of min_tokens 3 is the last that cannot)."""
+    s = make_scheduler()
+    a = make_request("a", stop_token_ids=[9], min_tokens=3)
+    b = make_request("b", min_tokens=3)
+    for r in (a, b):
+        s.add_request(r)
+    for token in (9, 9, 9):
+        s.update(s.schedule(), [token, 2])
+        assert a.status == b.status == RequestStatus.RUNNING
+    s.update(s.schedule(), [9, 2])
+    assert a.status == RequestStatus.FINISHED_STOPPED and a.stop_reason == 9
+    assert b.status == RequestStatus.FINISHED_STOPPED and b.num_output_tokens == 4
+
+
 def test_preemption_picks_latest_arrival_and_recomputes():
     # 6 blocks of 4 tokens; two requests of 8-token prompts take 2 blocks each, then grow.
     s = make_scheduler(num_blocks=6, block_size=4)

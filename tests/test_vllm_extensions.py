@@ -1,6 +1,6 @@
 """vLLM's request extensions on the OpenAI routes, on a real server: `stop_token_ids`,
-`skip_special_tokens`, `include_stop_str_in_output` and the older `guided_*` structured-output
-fields do what vLLM does, streamed and not; the extensions tokstream does not do
+`min_tokens`, `skip_special_tokens`, `include_stop_str_in_output` and the older `guided_*`
+structured-output fields do what vLLM does, streamed and not; the extensions tokstream does not do
 (VLLM_UNSUPPORTED) are a 400 naming the field instead of being silently ignored."""
 
 import json
@@ -18,7 +18,9 @@ MODEL = "dummy:tiny"
 BOS = 1
 """dummy:tiny's <|bos|>, a special token."""
 
-server = module_server("--profile", "ci")
+# Every prompt computed afresh: dummy:tiny's near-uniform draws can flip between a cached and
+# a computed prefix (float rounding), and these tests compare requests token for token.
+server = module_server("--profile", "ci", "--no-prefix-caching")
 
 
 def complete(server, route="/v1/completions", **body) -> dict:
@@ -76,6 +78,39 @@ def test_the_stop_string_is_kept_when_asked(server, route):
         assert streamed(server, route, **body, **extra)[0] == want
 
 
+EOS = 2
+"""dummy:tiny's end-of-sequence id."""
+
+
+def test_min_tokens_holds_the_end_back(server):
+    # The end, made likeliest by a bias, ends the output at once; with min_tokens 5 it comes
+    # sixth (the sampler bans it before), through the stop-id path too.
+    body = {"prompt": "the quick brown fox", "max_tokens": 12, "temperature": 0}
+    alone = complete(server, **body, logit_bias={str(EOS): 100})
+    assert alone["usage"]["completion_tokens"] == 1
+    held = complete(server, **body, logit_bias={str(EOS): 100}, min_tokens=5)
+    assert held["usage"]["completion_tokens"] == 6
+    assert held["choices"][0]["finish_reason"] == "stop"
+    assert EOS not in held["tokstream"]["token_ids"][:5]
+    stop_id = 100
+    ids = complete(server, **body, logit_bias={str(stop_id): 100}, stop_token_ids=[stop_id],
+                   min_tokens=3)
+    assert stop_id not in ids["tokstream"]["token_ids"][:3]
+    assert ids["tokstream"]["token_ids"][3:] == [stop_id]
+    assert ids["choices"][0]["stop_reason"] == stop_id
+    # Stop strings are looked for only in the text after the first min_tokens tokens
+    # (greedy: dummy:tiny repeats one token, whose text is the stop string).
+    body = {**body, "ignore_eos": True}
+    word = complete(server, **{**body, "max_tokens": 1})["choices"][0]["text"]
+    cut = complete(server, **body, stop=[word])["choices"][0]
+    assert cut["text"] == "" and cut["stop_reason"] == word
+    for route_streamed in (False, True):
+        extra = {**body, "stop": [word], "min_tokens": 3}
+        later = (streamed(server, **extra)[0] if route_streamed
+                 else complete(server, **extra)["choices"][0]["text"])
+        assert later == word * 3
+
+
 def test_special_tokens_show_when_not_skipped(server):
     body = seeded(logit_bias={str(BOS): 100}, max_tokens=3)
     assert complete(server, **body)["choices"][0]["text"] == ""
@@ -104,7 +139,7 @@ def test_guided_fields_are_structured_outputs(server, guided, new):
 
 @pytest.mark.parametrize("extra, field", [
     *[({name: value}, name) for name, value in {
-        "min_tokens": 4, "use_beam_search": True, "length_penalty": 0.5, "bad_words": ["x"],
+        "use_beam_search": True, "length_penalty": 0.5, "bad_words": ["x"],
         "allowed_token_ids": [5], "truncate_prompt_tokens": 8,
         "return_tokens_as_token_ids": True, "prompt_embeds": "AAAA",
         "mm_processor_kwargs": {"a": 1}, "documents": [{"text": "x"}],
@@ -114,6 +149,9 @@ def test_guided_fields_are_structured_outputs(server, guided, new):
     ({"stop_token_ids": 5}, "stop_token_ids"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"guided_choice": "alpha"}, "guided_choice"),
+    ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1, "guided_regex": "a+"}, "min_tokens"),
     ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
 ])
@@ -126,7 +164,7 @@ def test_what_tokstream_does_not_do_is_a_400_naming_it(server, extra, field):
 
 def test_every_unsupported_extension_is_tested():
     assert set(VLLM_UNSUPPORTED) == {
-        "min_tokens", "use_beam_search", "length_penalty", "bad_words", "allowed_token_ids",
+        "use_beam_search", "length_penalty", "bad_words", "allowed_token_ids",
         "truncate_prompt_tokens", "return_tokens_as_token_ids", "prompt_embeds",
         "mm_processor_kwargs", "documents", "structural_tag", "kv_transfer_params",
         "vllm_xargs", "priority", "cache_salt"}

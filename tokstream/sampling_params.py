@@ -44,6 +44,9 @@ class SamplingParams:
     """Leave special tokens out of the text."""
     include_stop_str_in_output: bool = False
     """End the text with the stop string that ended it (by default it is left out)."""
+    min_tokens: int = 0
+    """Output tokens before the request may end: until then no end-of-sequence or stop
+    token id is sampled and stop strings are not looked for (vLLM's meaning)."""
     min_p: float = field(default=0.0, metadata={"body": on_apis(
         openai=Bound(0, 1, description="vLLM extension"))})
     """Drop tokens whose probability is below min_p times the most likely one's (after
@@ -82,6 +85,10 @@ class SamplingParams:
             raise UserInputError("max_tokens must be an integer")
         if self.max_tokens < 1:
             raise UserInputError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise UserInputError(f"min_tokens must be an integer in [0, max_tokens = "
+                                 f"{self.max_tokens}], got {self.min_tokens!r}")
         out_of_bounds = check_bounds(self)
         if out_of_bounds:
             raise UserInputError(out_of_bounds)
@@ -122,4 +129,4 @@ class SamplingParams:
         then processes the row by itself)."""
         return (bool(self.logit_bias) or bool(self.grammar) or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or (self.min_p > 0.0 and not self.greedy))
+                or (self.min_p > 0.0 and not self.greedy) or self.min_tokens > 0)

@@ -138,7 +138,7 @@ class EngineCore:
         self.detokenizers[request.request_id] = IncrementalDetokenizer(
             self.tokenizer, stop=params.stop, skip_special_tokens=params.skip_special_tokens,
             prompt_ids=prompt, delivered_ids=list(outputs),
-            include_stop=params.include_stop_str_in_output)
+            include_stop=params.include_stop_str_in_output, min_tokens=params.min_tokens)
         self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> RequestDelta | None:

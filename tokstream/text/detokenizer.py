@@ -7,7 +7,8 @@ Two layers, each holding back what it cannot yet vouch for:
   replacement character when more bytes arrive, so all text but a trailing U+FFFD is final.
 - Stop strings: text that could be the start of a stop string is held until it cannot be, so
   no partial stop string is ever streamed; the stop string itself is emitted only when the
-  request asks (include_stop_str_in_output).
+  request asks (include_stop_str_in_output). A request's first min_tokens tokens are not
+  looked at: their text goes out as it comes.
 """
 
 from __future__ import annotations
@@ -41,11 +42,16 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
                  skip_special_tokens: bool = True, prompt_ids: Sequence[int] | None = None,
-                 delivered_ids: Sequence[int] | None = None, include_stop: bool = False):
+                 delivered_ids: Sequence[int] | None = None, include_stop: bool = False,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop_strings = [s for s in stop if s]
         self.include_stop = include_stop
         """Release the stop string that ends the output as its last text."""
+        self.min_tokens = min_tokens
+        """Output tokens whose text is released unchecked: stop strings are looked for in
+        the text of later tokens only (vLLM's min_tokens)."""
+        self.num_output = len(delivered_ids or ())
         self.skip_special_tokens = skip_special_tokens
         self.finished = False
         self.stop: str | None = None
@@ -65,6 +71,9 @@ class IncrementalDetokenizer:
         if self.finished:  # a stop is reported once; later tokens are not shown
             return DetokenizerStep("")
         self.ids.extend(new_token_ids)
+        self.num_output += len(new_token_ids)
+        if self.num_output <= self.min_tokens:  # nothing is held yet: pending is empty
+            return DetokenizerStep(self._utf8_delta())
         return self._release(self._utf8_delta())
 
     def finish(self) -> str:
@@ -113,10 +122,11 @@ class IncrementalDetokenizer:
         # enough that the longest possible hold stays clear of them.
         needed = max(len(s) for s in self.stop_strings) + 3
         context = CONTEXT_TOKENS
+        checked_from = min(self.min_tokens, len(delivered))  # the text held back starts here
         while True:
-            start = max(len(delivered) - context, 0)
+            start = max(len(delivered) - context, checked_from)
             tail = _stable(self._decode(delivered[start:]))
-            if start == 0 or len(tail) >= needed:
+            if start == checked_from or len(tail) >= needed:
                 break
             context *= 2
         held = _stop_prefix_len(tail, self.stop_strings)

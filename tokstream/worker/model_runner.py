@@ -125,7 +125,7 @@ class ModelRunner:
             held = set(pending) | {failure.request_id for failure in failures}
             kept = [i for i, row in enumerate(rows) if row.settings.request_id not in held]
             logits, rows = logits[kept], [rows[i] for i in kept]  # (S', vocab)
-        tokens = sample(logits, rows)
+        tokens = sample(logits, rows, self.model.config.eos_token_ids)
         return StepResult(plan.step_id, tokens, time.perf_counter() - started,
                           token_logprobs(logits, rows, tokens), prompt_logprobs,
                           grammar_pending=pending, grammar_failures=failures)

@@ -3,7 +3,7 @@ request that is preempted, or resumed on a restarted replica, continues exactly 
 never been interrupted, whatever else shares its batch.
 
 Logits are processed in vLLM's order: the grammar's mask (structured outputs), logit_bias,
-then the penalties (repetition over prompt
+min_tokens' ban on ending, then the penalties (repetition over prompt
 and output; frequency and presence over the output), then temperature, min_p, top_k and top_p.
 Log-probabilities are the model's own (float32 log-softmax of the raw logits), whatever the
 processing, as vLLM and OpenAI report them.
@@ -56,7 +56,8 @@ class SamplingRow:
         return self.settings.params
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+def sample(logits: torch.Tensor, rows: list[SamplingRow],
+           eos_token_ids: tuple[int, ...] = ()) -> list[int]:
     """logits (S, vocab) float32 -> one token id per row (logits are left unchanged).
 
     Sampled rows draw together by inverse CDF: one uniform per row from (seed, position), the
@@ -76,7 +77,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     for i, row in enumerate(rows):
         if row.params.greedy and not row.params.processed:
             continue
-        base = process(logits[i], row) if row.params.processed else logits[i]
+        base = process(logits[i], row, eos_token_ids) if row.params.processed else logits[i]
         if row.params.greedy:
             tokens[i] = int(base.numpy().argmax())  # numpy: one thread, as in process
         else:
@@ -144,9 +145,11 @@ def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor,
     return out
 
 
-def process(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
-    """One row's logits (vocab,) float32 after the grammar's mask, logit_bias and the
-    penalties (a new tensor).
+def process(logits: torch.Tensor, row: SamplingRow,
+            eos_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
+    """One row's logits (vocab,) float32 after the grammar's mask, logit_bias, min_tokens'
+    ban on ending (the model's eos_token_ids and the row's stop ids) and the penalties (a new
+    tensor).
 
     In numpy, on one thread, from the copy on: torch splits each vocabulary-sized op (the copy
     itself, the mask, the bias) over the rank's intra-op threads, and on a loaded 2-core
@@ -162,6 +165,9 @@ def process(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     if s.logit_bias:
         ids = np.array([t for t in s.logit_bias if t < out.shape[0]], dtype=np.int64)
         out[ids] += np.array([s.logit_bias[t] for t in ids.tolist()], dtype=np.float32)
+    if row.position < s.min_tokens:
+        ending = [t for t in (*eos_token_ids, *s.stop_token_ids) if t < out.shape[0]]
+        out[np.array(ending, dtype=np.int64)] = -np.inf
     if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
         penalise(out, row)
     return torch.from_numpy(out)

@@ -374,10 +374,11 @@ class Scheduler:
         """How request ends if token is its output token num_output_tokens (counted from 1),
         as (status, stop reason); None if it goes on."""
         params = request.params
-        if token in params.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED, token
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED, None
+        if num_output_tokens > params.min_tokens:  # before, the sampler bans them
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
         if num_output_tokens >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH, None
         if len(request.prompt_token_ids) + num_output_tokens >= self.max_model_len:

@@ -163,6 +163,10 @@ def parse(body: dict, server: Server, chat: bool) -> list[Prompt]:
         # The grammar holds the whole output to its schema, and a prefill is its start.
         raise bad_request("continue_final_message", "cannot be combined with structured "
                                                     "output or a forced tool call")
+    if extras.get("structured") and extras["min_tokens"]:
+        # The grammar may allow nothing but the end before min_tokens is reached.
+        raise bad_request("min_tokens", "cannot be combined with structured output or a "
+                                        "forced tool call")
     prompt_logprobs = None if chat else completion_prompt_logprobs(body, echo, stream,
                                                                    extras["logprobs"])
     prompts = ([(None, chat_prompt(body, server, tools, limit=server.max_model_len))] if chat

@@ -2,7 +2,8 @@
 request body into SamplingParams arguments: presence/frequency/repetition penalties, min_p,
 logit_bias, logprobs (chat: `logprobs` + `top_logprobs`; completions: an integer), and
 structured outputs (`response_format`, vLLM's `structured_outputs` and its older `guided_*`
-fields), and vLLM's `stop_token_ids`, `skip_special_tokens` and `include_stop_str_in_output`.
+fields), and vLLM's `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output` and
+`min_tokens`.
 Each bad value is a 400 naming its field; a vLLM extension tokstream does not do is a 400 too
 (VLLM_UNSUPPORTED)."""
 
@@ -40,7 +41,6 @@ def bounded_options(body: dict, api: str) -> dict:
 
 
 VLLM_UNSUPPORTED = {
-    "min_tokens": lambda v: v != 0,
     "use_beam_search": bool,
     "length_penalty": lambda v: v != 1,
     "bad_words": bool,
@@ -73,6 +73,7 @@ def sampling_extras(body: dict, chat: bool, vocab_size: int) -> dict:
         "stop_token_ids": stop_token_ids(body, vocab_size),
         "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
         "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output"),
+        "min_tokens": get_int(body, "min_tokens", 0, minimum=0),
     }
     structured = response_format(body)
     vllm, vllm_field = structured_outputs(body)
