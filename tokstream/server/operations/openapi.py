@@ -7,6 +7,7 @@ import functools
 from tokstream.body_bounds import body_bounds
 from tokstream.checker import MAX_RESPONSE_CHOICES
 from tokstream.sampling_params import SamplingParams
+from tokstream.server.api.sampling_options import MAX_STOP_TOKEN_IDS
 from tokstream.state_snapshot import RequestDetail, StateSnapshot
 from tokstream.wire import json_schema
 
@@ -89,7 +90,15 @@ OPENAI_COMMON = {
                                                          "schema": {"type": "object"},
                                                          "strict": {"type": "boolean"}}}}},
     "structured_outputs": {"type": "object", "description": "vLLM extension: one of json, "
-                           "regex, choice, grammar (Lark)"},
+                           "regex, choice, grammar (Lark); the older guided_json, "
+                           "guided_regex, guided_choice and guided_grammar are read as these"},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                       "maxItems": MAX_STOP_TOKEN_IDS, "description": "vLLM extension"},
+    "min_tokens": {"type": "integer", "minimum": 0,
+                   "description": "vLLM extension: no end before this many output tokens"},
+    "include_stop_str_in_output": {"type": "boolean", "description": "vLLM extension"},
+    "skip_special_tokens": {"type": "boolean", "default": True,
+                            "description": "vLLM extension"},
     **SAMPLING,
 }
 
