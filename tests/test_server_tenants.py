@@ -12,6 +12,7 @@ import pytest
 from helpers.serving import ROOT, ServerProcess, anthropic_body, arecord, openai_body
 from tokstream.checker import check_streams
 from tokstream.server.access.tenants import hash_key, load_tenants
+from tokstream.server.submit import cache_salt
 
 pytestmark = [pytest.mark.startup, pytest.mark.timeout(300)]
 
@@ -203,3 +204,33 @@ def test_stored_responses_are_their_tenants_own(server):
     assert call("GET", f"/v1/responses/{response_id}", "sk-nobody").status_code == 401
     assert call("DELETE", f"/v1/responses/{response_id}", ALICE).json()["deleted"] is True
     assert call("GET", f"/v1/responses/{response_id}", ALICE).status_code == 404
+
+
+def test_a_callers_cache_salt_narrows_sharing_within_its_tenant(server):
+    """vLLM's cache_salt: the same prompt is served from the cache only to requests of the
+    same tenant with the same salt (full blocks of 4 of a 40-token prompt: 36 cached)."""
+    prompt = [(17 + i * 29) % 500 for i in range(40)]
+
+    def cached(key: str, **salt) -> int:
+        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "dummy:tiny", "prompt": prompt, "max_tokens": 1, **salt},
+            headers={"authorization": f"Bearer {key}"})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(ALICE, cache_salt="user-1") == 0
+    assert cached(ALICE, cache_salt="user-1") == 36
+    assert cached(ALICE, cache_salt="user-2") == 0
+    assert cached(ALICE) == 0  # the tenant's salt alone is another
+    assert cached(ALICE) == 36
+    for bad in ("", 5, "x" * 257):
+        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": "dummy:tiny", "prompt": prompt, "max_tokens": 1, "cache_salt": bad},
+            headers={"authorization": f"Bearer {ALICE}"})
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "cache_salt"
+
+
+def test_salts_stay_apart_however_the_names_read():
+    assert cache_salt("alice", "") == "alice"
+    assert cache_salt("a:b", "c") != cache_salt("a", "b:c")
+    assert cache_salt("alice", "u") not in ("alice", "u")

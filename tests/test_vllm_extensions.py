@@ -144,7 +144,7 @@ def test_guided_fields_are_structured_outputs(server, guided, new):
         "return_tokens_as_token_ids": True, "prompt_embeds": "AAAA",
         "mm_processor_kwargs": {"a": 1}, "documents": [{"text": "x"}],
         "structural_tag": "{}", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
-        "priority": 2, "cache_salt": "s"}.items()],
+        "priority": 2}.items()],
     ({"stop_token_ids": [10 ** 6]}, "stop_token_ids.0"),
     ({"stop_token_ids": 5}, "stop_token_ids"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
@@ -167,4 +167,4 @@ def test_every_unsupported_extension_is_tested():
         "use_beam_search", "length_penalty", "bad_words", "allowed_token_ids",
         "truncate_prompt_tokens", "return_tokens_as_token_ids", "prompt_embeds",
         "mm_processor_kwargs", "documents", "structural_tag", "kv_transfer_params",
-        "vllm_xargs", "priority", "cache_salt"}
+        "vllm_xargs", "priority"}

@@ -4,6 +4,7 @@ an unseeded request, one stream per choice, and settling the reservations once e
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import time
 from dataclasses import dataclass
@@ -37,6 +38,9 @@ class Prompt:
     """Choices to generate from the prompt (OpenAI's `n`)."""
     echo: Echo | None = None
     """How a completion shows its prompt before the output (`echo`); None: it does not."""
+    cache_salt: str = ""
+    """The caller's own prefix-cache salt (vLLM's `cache_salt`): only requests with the same
+    salt, of the same tenant, share cached blocks; "": the tenant's salt alone."""
 
 
 class Submitter:
@@ -84,16 +88,18 @@ class Submitter:
         # Tenants share the engine fairly by weight, in priority tiers, and never share
         # prefix-cache blocks (a cache hit would tell one tenant about another's prompts).
         fields = ({"tenant": tenant.name, "priority": tenant.priority,
-                   "weight": tenant.weight, "cache_salt": tenant.name} if tenant else {})
+                   "weight": tenant.weight} if tenant else {})
         streams: list[Stream] = []
         try:
             for prompt in prompts:
                 params = prompt.params
                 if params.seed is None:
                     params = dataclasses.replace(params, seed=seed)
+                salt = cache_salt(tenant.name if tenant else "", prompt.cache_salt)
                 # The prompt's choices share its blocks (a group named by its first choice).
                 group_id = choice_request_id(request_id, len(streams))
-                group = {**fields, "prompt_group": group_id} if prompt.n > 1 else fields
+                group = {**fields, **({"cache_salt": salt} if salt else {}),
+                         **({"prompt_group": group_id} if prompt.n > 1 else {})}
                 for index in range(prompt.n):
                     streams.append(self.registry.open(
                         choice_request_id(request_id, len(streams)), prompt.token_ids,
@@ -142,3 +148,11 @@ class Submitter:
         share = self._tenant_of.pop(stream.request_id, None)
         if share is not None:
             share.settle(num_output_tokens)
+
+
+def cache_salt(tenant: str, caller: str) -> str:
+    """The engine's salt for a tenant's request with the caller's own salt: the two kept
+    apart (a plain join would let tenant "a:b" with salt "c" meet tenant "a" with "b:c")."""
+    if not caller:
+        return tenant
+    return json.dumps([tenant, caller])

@@ -174,6 +174,7 @@ def parse(body: dict, server: Server, chat: bool) -> list[Prompt]:
     # max_tokens 0 (echo only): the prompt alone, from a request that samples one token
     # nobody is shown (as vLLM does), so the prompt is scored in its one prefill.
     prompt_only = echo and max_tokens == 0
+    salt = request_cache_salt(body)
     parsed = []
     for i, (given, token_ids) in enumerate(prompts):
         field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{i}"
@@ -183,8 +184,23 @@ def parse(body: dict, server: Server, chat: bool) -> list[Prompt]:
                                  stop=stop, ignore_eos=ignore_eos,
                                  prompt_logprobs=prompt_logprobs, **options, **extras)
         shown = Echo(echoed_prompt(given, token_ids, server), prompt_only) if echo else None
-        parsed.append(Prompt(token_ids, params, stream, tools=tools, n=n, echo=shown))
+        parsed.append(Prompt(token_ids, params, stream, tools=tools, n=n, echo=shown,
+                             cache_salt=salt))
     return parsed
+
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def request_cache_salt(body: dict) -> str:
+    """vLLM's `cache_salt`: a non-empty string ("" when not given)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise bad_request("cache_salt", f"must be a non-empty string of at most "
+                                        f"{MAX_CACHE_SALT_CHARS} characters")
+    return salt
 
 
 def completion_prompt_logprobs(body: dict, echo: bool, stream: bool,

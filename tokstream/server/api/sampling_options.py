@@ -54,7 +54,6 @@ VLLM_UNSUPPORTED = {
     "kv_transfer_params": bool,
     "vllm_xargs": bool,
     "priority": lambda v: v != 0,  # tenants' priority tiers order requests here
-    "cache_salt": bool,  # each tenant's prefix cache is salted with its name here
 }
 """vLLM's sampling and request extensions tokstream does not do: asking for one is a 400
 naming it (reject_unsupported), never silently ignored."""

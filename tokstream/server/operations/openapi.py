@@ -99,6 +99,9 @@ OPENAI_COMMON = {
     "include_stop_str_in_output": {"type": "boolean", "description": "vLLM extension"},
     "skip_special_tokens": {"type": "boolean", "default": True,
                             "description": "vLLM extension"},
+    "cache_salt": {"type": "string", "minLength": 1, "maxLength": 256,
+                   "description": "vLLM extension: cached prefix blocks are shared only with "
+                                  "the same tenant's requests of the same salt"},
     **SAMPLING,
 }
 
