@@ -71,6 +71,11 @@ def test_min_tokens_bans_ending_until_reached():
         assert sample(scores[None], [row(position, **settings)], eos_token_ids=(2,)) == \
             [int(banned.argmax())]
     assert sample(scores[None], [row(2, **settings)], eos_token_ids=(2,)) in ([2], [7])
+    # Only ending ids allowed: min_tokens cannot hold them back (nothing else is left).
+    only_end = dict(temperature=1.0, min_tokens=2, allowed_token_ids=[2])
+    assert sample(scores[None], [row(0, **only_end)], eos_token_ids=(2,)) == [2]
+    allowed = dict(temperature=1.0, allowed_token_ids=[5, 9])
+    assert {sample(scores[None], [row(p, seed=p, **allowed)])[0] for p in range(40)} == {5, 9}
     with pytest.raises(UserInputError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
 

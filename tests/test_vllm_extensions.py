@@ -1,5 +1,5 @@
 """vLLM's request extensions on the OpenAI routes, on a real server: `stop_token_ids`,
-`min_tokens`, `skip_special_tokens`, `include_stop_str_in_output` and the older `guided_*`
+`min_tokens`, `allowed_token_ids`, `truncate_prompt_tokens`, `skip_special_tokens`, `include_stop_str_in_output` and the older `guided_*`
 structured-output fields do what vLLM does, streamed and not; the extensions tokstream does not do
 (VLLM_UNSUPPORTED) are a 400 naming the field instead of being silently ignored."""
 
@@ -111,6 +111,35 @@ def test_min_tokens_holds_the_end_back(server):
         assert later == word * 3
 
 
+def test_only_allowed_token_ids_are_sampled(server):
+    for temperature in (0, 1.0):
+        reply = complete(server, **seeded(temperature=temperature,
+                                          allowed_token_ids=[100, 101, 102]))
+        assert set(reply["tokstream"]["token_ids"]) <= {100, 101, 102}
+        assert len(reply["tokstream"]["token_ids"]) == 12
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_truncated_prompt_is_its_last_tokens(server, route):
+    sampling = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    if route == "/v1/completions":
+        given = {"prompt": [(7 + 13 * i) % 500 for i in range(30)]}
+        ids = given["prompt"]
+    else:
+        given = {"messages": [{"role": "user", "content": "a long question " * 4}]}
+        ids = httpx.post(server.url + "/tokenize", json=given, timeout=60).json()["tokens"]
+    cut = complete(server, route, **given, **sampling, truncate_prompt_tokens=5)
+    assert cut["usage"]["prompt_tokens"] == 5
+    tail = complete(server, "/v1/completions", prompt=ids[-5:], **sampling)
+    assert cut["tokstream"]["token_ids"] == tail["tokstream"]["token_ids"]
+    # -1: as much of it as the context holds beside max_tokens (2048 in the ci profile)
+    long = ({"prompt": "x" * 3000} if route == "/v1/completions"
+            else {"messages": [{"role": "user", "content": "x" * 3000}]})
+    whole = complete(server, route, **long, **{**sampling, "max_tokens": 8},
+                     truncate_prompt_tokens=-1)
+    assert whole["usage"]["prompt_tokens"] == 2048 - 8
+
+
 def test_special_tokens_show_when_not_skipped(server):
     body = seeded(logit_bias={str(BOS): 100}, max_tokens=3)
     assert complete(server, **body)["choices"][0]["text"] == ""
@@ -140,7 +169,6 @@ def test_guided_fields_are_structured_outputs(server, guided, new):
 @pytest.mark.parametrize("extra, field", [
     *[({name: value}, name) for name, value in {
         "use_beam_search": True, "length_penalty": 0.5, "bad_words": ["x"],
-        "allowed_token_ids": [5], "truncate_prompt_tokens": 8,
         "return_tokens_as_token_ids": True, "prompt_embeds": "AAAA",
         "mm_processor_kwargs": {"a": 1}, "documents": [{"text": "x"}],
         "structural_tag": "{}", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
@@ -152,6 +180,10 @@ def test_guided_fields_are_structured_outputs(server, guided, new):
     ({"min_tokens": 3, "max_tokens": 2}, "min_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 1, "guided_regex": "a+"}, "min_tokens"),
+    ({"allowed_token_ids": [5], "guided_regex": "a+"}, "allowed_token_ids"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids.0"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
 ])
@@ -164,7 +196,7 @@ def test_what_tokstream_does_not_do_is_a_400_naming_it(server, extra, field):
 
 def test_every_unsupported_extension_is_tested():
     assert set(VLLM_UNSUPPORTED) == {
-        "use_beam_search", "length_penalty", "bad_words", "allowed_token_ids",
-        "truncate_prompt_tokens", "return_tokens_as_token_ids", "prompt_embeds",
+        "use_beam_search", "length_penalty", "bad_words", "return_tokens_as_token_ids",
+        "prompt_embeds",
         "mm_processor_kwargs", "documents", "structural_tag", "kv_transfer_params",
         "vllm_xargs", "priority"}

@@ -66,6 +66,8 @@ class SamplingParams:
         openai=Bound(0, 10, exclusive_minimum=True, description="vLLM extension"))})
     """Divides positive logits and multiplies negative ones of every token in the prompt or
     the output (Hugging Face, vLLM); 1 is off."""
+    allowed_token_ids: list[int] = field(default_factory=list)
+    """The only token ids that may be sampled (vLLM's); empty: any."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Token id -> added to its logit before sampling (OpenAI, -100 to 100)."""
     structured: StructuredOutput | None = None
@@ -129,4 +131,5 @@ class SamplingParams:
         then processes the row by itself)."""
         return (bool(self.logit_bias) or bool(self.grammar) or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or (self.min_p > 0.0 and not self.greedy) or self.min_tokens > 0)
+                or (self.min_p > 0.0 and not self.greedy) or self.min_tokens > 0
+                or bool(self.allowed_token_ids))

@@ -2,8 +2,8 @@
 request that is preempted, or resumed on a restarted replica, continues exactly as if it had
 never been interrupted, whatever else shares its batch.
 
-Logits are processed in vLLM's order: the grammar's mask (structured outputs), logit_bias,
-min_tokens' ban on ending, then the penalties (repetition over prompt
+Logits are processed in vLLM's order: the grammar's mask (structured outputs), the allowed
+token ids, logit_bias, min_tokens' ban on ending, then the penalties (repetition over prompt
 and output; frequency and presence over the output), then temperature, min_p, top_k and top_p.
 Log-probabilities are the model's own (float32 log-softmax of the raw logits), whatever the
 processing, as vLLM and OpenAI report them.
@@ -147,8 +147,8 @@ def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor,
 
 def process(logits: torch.Tensor, row: SamplingRow,
             eos_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
-    """One row's logits (vocab,) float32 after the grammar's mask, logit_bias, min_tokens'
-    ban on ending (the model's eos_token_ids and the row's stop ids) and the penalties (a new
+    """One row's logits (vocab,) float32 after the grammar's mask, the allowed token ids,
+    logit_bias, min_tokens' ban on ending (the model's eos_token_ids and the row's stop ids) and the penalties (a new
     tensor).
 
     In numpy, on one thread, from the copy on: torch splits each vocabulary-sized op (the copy
@@ -162,12 +162,20 @@ def process(logits: torch.Tensor, row: SamplingRow,
         allowed = row.constraint.allowed(row.output_ids, row.num_drafts)
         if allowed is not None:
             out[~allowed.numpy()[:out.shape[0]]] = -np.inf
+    if s.allowed_token_ids:
+        allowed = np.zeros(out.shape[0], dtype=bool)
+        allowed[[t for t in s.allowed_token_ids if t < out.shape[0]]] = True
+        out[~allowed] = -np.inf
     if s.logit_bias:
         ids = np.array([t for t in s.logit_bias if t < out.shape[0]], dtype=np.int64)
         out[ids] += np.array([s.logit_bias[t] for t in ids.tolist()], dtype=np.float32)
     if row.position < s.min_tokens:
-        ending = [t for t in (*eos_token_ids, *s.stop_token_ids) if t < out.shape[0]]
-        out[np.array(ending, dtype=np.int64)] = -np.inf
+        ending = np.array([t for t in (*eos_token_ids, *s.stop_token_ids)
+                           if t < out.shape[0]], dtype=np.int64)
+        kept = out[ending]
+        out[ending] = -np.inf
+        if not np.isfinite(out).any():  # allowed_token_ids left nothing else: end it may
+            out[ending] = kept
     if s.repetition_penalty != 1.0 or s.frequency_penalty or s.presence_penalty:
         penalise(out, row)
     return torch.from_numpy(out)

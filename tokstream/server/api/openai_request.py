@@ -100,22 +100,34 @@ def chat_messages(body: dict) -> list[dict]:
     return chat
 
 
-def completion_prompts(body: dict, server: Server) -> list[tuple[object, list[int]]]:
+def truncate_prompt_tokens(body: dict, max_model_len: int, max_tokens: int | None) -> int | None:
+    """vLLM's `truncate_prompt_tokens`: how many of the prompt's last tokens to keep (-1: as
+    many as the context holds beside max_tokens), None to keep it whole."""
+    keep = get_int(body, "truncate_prompt_tokens", None, minimum=-1)
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens", "must be >= 1, or -1 for the context")
+    return max(1, max_model_len - (max_tokens or 1)) if keep == -1 else keep
+
+
+def completion_prompts(body: dict, server: Server,
+                       limit: int | None = None) -> list[tuple[object, list[int]]]:
     """(the prompt as given, its token ids) for each prompt of a completion: a string or
     an array of token ids is one; an array of those is a batch, answered as one response
-    whose choices run prompt by prompt (at most MAX_RESPONSE_CHOICES with `n`)."""
+    whose choices run prompt by prompt (at most MAX_RESPONSE_CHOICES with `n`). limit: a
+    text that must tokenise past it is refused first (Tokenizer.refuse_past)."""
     prompt = body.get("prompt")
     if prompt is None:
         raise bad_request("prompt", "required")
     if isinstance(prompt, str) or _is_token_ids(prompt):
-        return [(prompt, _prompt_ids(prompt, "prompt", server))]
+        return [(prompt, _prompt_ids(prompt, "prompt", server, limit))]
     if not isinstance(prompt, list) or not prompt:
         raise bad_request("prompt", "must be a string, an array of token ids, or a non-empty "
                                     "array of those")
     if len(prompt) * num_choices(body) > MAX_RESPONSE_CHOICES:
         raise bad_request("prompt", f"{len(prompt)} prompts x n = {num_choices(body)} choices; "
                                     f"a request holds at most {MAX_RESPONSE_CHOICES}")
-    return [(one, _prompt_ids(one, f"prompt.{i}", server)) for i, one in enumerate(prompt)]
+    return [(one, _prompt_ids(one, f"prompt.{i}", server, limit))
+            for i, one in enumerate(prompt)]
 
 
 def _is_token_ids(value) -> bool:
@@ -123,11 +135,11 @@ def _is_token_ids(value) -> bool:
         isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def _prompt_ids(prompt, path: str, server: Server) -> list[int]:
+def _prompt_ids(prompt, path: str, server: Server, limit: int | None) -> list[int]:
     """One prompt's token ids (a 400 naming path when it is neither text nor ids)."""
     if isinstance(prompt, str):
         try:
-            return server.tokenizer.encode(prompt, limit=server.max_model_len)
+            return server.tokenizer.encode(prompt, limit=limit)
         except UserInputError as error:
             raise bad_request(path, str(error)) from None
     if not _is_token_ids(prompt):
@@ -163,14 +175,19 @@ def parse(body: dict, server: Server, chat: bool) -> list[Prompt]:
         # The grammar holds the whole output to its schema, and a prefill is its start.
         raise bad_request("continue_final_message", "cannot be combined with structured "
                                                     "output or a forced tool call")
-    if extras.get("structured") and extras["min_tokens"]:
-        # The grammar may allow nothing but the end before min_tokens is reached.
-        raise bad_request("min_tokens", "cannot be combined with structured output or a "
-                                        "forced tool call")
+    for name in ("min_tokens", "allowed_token_ids"):
+        if extras.get("structured") and extras[name]:
+            # The grammar may allow nothing that these leave (the end before min_tokens).
+            raise bad_request(name, "cannot be combined with structured output or a forced "
+                                    "tool call")
     prompt_logprobs = None if chat else completion_prompt_logprobs(body, echo, stream,
                                                                    extras["logprobs"])
-    prompts = ([(None, chat_prompt(body, server, tools, limit=server.max_model_len))] if chat
-               else completion_prompts(body, server))
+    keep = truncate_prompt_tokens(body, server.max_model_len, max_tokens)
+    limit = None if keep else server.max_model_len  # a longer prompt is cut below
+    prompts = ([(None, chat_prompt(body, server, tools, limit=limit))] if chat
+               else completion_prompts(body, server, limit))
+    if keep:  # vLLM's: the prompt's last `keep` tokens (echoed as those tokens)
+        prompts = [(given if len(ids) <= keep else None, ids[-keep:]) for given, ids in prompts]
     # max_tokens 0 (echo only): the prompt alone, from a request that samples one token
     # nobody is shown (as vLLM does), so the prompt is scored in its one prefill.
     prompt_only = echo and max_tokens == 0

@@ -2,8 +2,8 @@
 request body into SamplingParams arguments: presence/frequency/repetition penalties, min_p,
 logit_bias, logprobs (chat: `logprobs` + `top_logprobs`; completions: an integer), and
 structured outputs (`response_format`, vLLM's `structured_outputs` and its older `guided_*`
-fields), and vLLM's `stop_token_ids`, `skip_special_tokens`, `include_stop_str_in_output` and
-`min_tokens`.
+fields), and vLLM's `stop_token_ids`, `allowed_token_ids`, `skip_special_tokens`,
+`include_stop_str_in_output` and `min_tokens`.
 Each bad value is a 400 naming its field; a vLLM extension tokstream does not do is a 400 too
 (VLLM_UNSUPPORTED)."""
 
@@ -20,8 +20,9 @@ from tokstream.server.validation import (_kind, get_bool, get_int, get_number, g
                                          reject_unsupported)
 from tokstream.structured import StructuredOutput
 
-MAX_STOP_TOKEN_IDS = 256
-"""More stop ids than any request needs is a cost on every step, not a stop."""
+MAX_TOKEN_IDS = 4096
+"""Most stop or allowed token ids a request lists: more is a cost on every step, not a
+choice."""
 
 
 def bounded_options(body: dict, api: str) -> dict:
@@ -44,8 +45,6 @@ VLLM_UNSUPPORTED = {
     "use_beam_search": bool,
     "length_penalty": lambda v: v != 1,
     "bad_words": bool,
-    "allowed_token_ids": bool,
-    "truncate_prompt_tokens": lambda v: True,
     "return_tokens_as_token_ids": bool,
     "prompt_embeds": bool,
     "mm_processor_kwargs": bool,
@@ -69,7 +68,8 @@ def sampling_extras(body: dict, chat: bool, vocab_size: int) -> dict:
         "logit_bias": logit_bias(body, vocab_size),
         "logprobs": chat_logprobs(body) if chat else get_int(body, "logprobs", None, minimum=0,
                                                              maximum=MAX_LOGPROBS),
-        "stop_token_ids": stop_token_ids(body, vocab_size),
+        "stop_token_ids": token_ids(body, "stop_token_ids", vocab_size),
+        "allowed_token_ids": token_ids(body, "allowed_token_ids", vocab_size),
         "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
         "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output"),
         "min_tokens": get_int(body, "min_tokens", 0, minimum=0),
@@ -97,17 +97,17 @@ def chat_logprobs(body: dict) -> int | None:
     return (top or 0) if wanted else None
 
 
-def stop_token_ids(body: dict, vocab_size: int) -> list[int]:
-    """vLLM's `stop_token_ids`: token ids that end the output, beside the model's own."""
-    value = body.get("stop_token_ids")
+def token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
+    """vLLM's `stop_token_ids` (token ids that end the output, beside the model's own) or
+    `allowed_token_ids` (the only ones that may be sampled): at most MAX_TOKEN_IDS ids."""
+    value = body.get(name)
     if value is None:
         return []
-    if not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS:
-        raise bad_request("stop_token_ids", f"must be an array of at most "
-                                            f"{MAX_STOP_TOKEN_IDS} token ids")
+    if not isinstance(value, list) or len(value) > MAX_TOKEN_IDS:
+        raise bad_request(name, f"must be an array of at most {MAX_TOKEN_IDS} token ids")
     for n, token in enumerate(value):
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise bad_request(f"stop_token_ids.{n}", f"must be a token id in [0, {vocab_size})")
+            raise bad_request(f"{name}.{n}", f"must be a token id in [0, {vocab_size})")
     return list(value)
 
 

@@ -7,7 +7,7 @@ import functools
 from tokstream.body_bounds import body_bounds
 from tokstream.checker import MAX_RESPONSE_CHOICES
 from tokstream.sampling_params import SamplingParams
-from tokstream.server.api.sampling_options import MAX_STOP_TOKEN_IDS
+from tokstream.server.api.sampling_options import MAX_TOKEN_IDS
 from tokstream.state_snapshot import RequestDetail, StateSnapshot
 from tokstream.wire import json_schema
 
@@ -93,7 +93,13 @@ OPENAI_COMMON = {
                            "regex, choice, grammar (Lark); the older guided_json, "
                            "guided_regex, guided_choice and guided_grammar are read as these"},
     "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
-                       "maxItems": MAX_STOP_TOKEN_IDS, "description": "vLLM extension"},
+                       "maxItems": MAX_TOKEN_IDS, "description": "vLLM extension"},
+    "allowed_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                          "maxItems": MAX_TOKEN_IDS,
+                          "description": "vLLM extension: the only ids that may be sampled"},
+    "truncate_prompt_tokens": {"type": "integer", "minimum": -1,
+                               "description": "vLLM extension: keep the prompt's last N tokens "
+                                              "(-1: as many as the context holds)"},
     "min_tokens": {"type": "integer", "minimum": 0,
                    "description": "vLLM extension: no end before this many output tokens"},
     "include_stop_str_in_output": {"type": "boolean", "description": "vLLM extension"},
