@@ -80,6 +80,20 @@ def test_min_tokens_bans_ending_until_reached():
         SamplingParams(max_tokens=4, min_tokens=5)
 
 
+def test_a_bad_words_last_token_is_banned_only_after_the_rest():
+    scores = logits(4)
+    scores[9] = 50.0  # the leader, the last token of both bad sequences
+    settings = dict(temperature=0.0, bad_words_token_ids=[[3, 9], [5, 6, 9]])
+    assert sample(scores[None], [row(0, output_ids=[1], **settings)]) == [9]
+    assert sample(scores[None], [row(1, output_ids=[1, 3], **settings)]) != [9]
+    assert sample(scores[None], [row(2, output_ids=[5, 6], **settings)]) != [9]
+    assert sample(scores[None], [row(2, output_ids=[6, 6], **settings)]) == [9]
+    alone = dict(temperature=0.0, bad_words_token_ids=[[9]])
+    assert sample(scores[None], [row(0, **alone)]) != [9]
+    assert SamplingParams(**settings).needs_history
+    assert not SamplingParams(**alone).needs_history
+
+
 @pytest.mark.parametrize("min_p", [0.05, 0.3])
 @pytest.mark.parametrize("temperature", [0.7, 1.5])
 def test_min_p_after_temperature_is_hugging_faces(min_p, temperature):

@@ -1,5 +1,5 @@
 """vLLM's request extensions on the OpenAI routes, on a real server: `stop_token_ids`,
-`min_tokens`, `allowed_token_ids`, `truncate_prompt_tokens`, `skip_special_tokens`, `include_stop_str_in_output` and the older `guided_*`
+`min_tokens`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`, `skip_special_tokens`, `include_stop_str_in_output` and the older `guided_*`
 structured-output fields do what vLLM does, streamed and not; the extensions tokstream does not do
 (VLLM_UNSUPPORTED) are a 400 naming the field instead of being silently ignored."""
 
@@ -10,7 +10,10 @@ import pytest
 
 from helpers.serving import module_server, record
 from tokstream.checker import check_streams
-from tokstream.server.api.sampling_options import VLLM_UNSUPPORTED
+from tokstream.model.presets import dummy_config
+from tokstream.model.source import ModelSource, embedded_gguf_path
+from tokstream.server.api.sampling_options import VLLM_UNSUPPORTED, bad_words_token_ids
+from tokstream.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.startup
 
@@ -119,6 +122,25 @@ def test_only_allowed_token_ids_are_sampled(server):
         assert len(reply["tokstream"]["token_ids"]) == 12
 
 
+def test_bad_words_never_appear(server):
+    # dummy:tiny's greedy output repeats one word: banned, the output is other words.
+    body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    word = complete(server, **{**body, "max_tokens": 1})["choices"][0]["text"]
+    text = complete(server, **body, bad_words=[word.strip()])["choices"][0]["text"]
+    assert word.strip() not in text.split() and len(text.split()) >= 4
+    assert streamed(server, **body, bad_words=[word.strip()])[0] == text
+
+
+def test_a_bad_word_is_banned_as_it_starts_the_text_and_after_a_space():
+    tok = load_tokenizer(ModelSource("gguf", embedded_gguf_path(),
+                                     dummy_config("smollm2-135m")))
+    assert tok.encode_text("Paris") != tok.encode_text(" Paris")  # SmolLM2 marks the space
+    assert bad_words_token_ids({"bad_words": ["Paris", " Paris", "Eiffel Tower"]}, tok) == [
+        tok.encode_text("Paris"), tok.encode_text(" Paris"), tok.encode_text("Eiffel Tower"),
+        tok.encode_text(" Eiffel Tower")]
+
+
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_a_truncated_prompt_is_its_last_tokens(server, route):
     sampling = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -168,8 +190,7 @@ def test_guided_fields_are_structured_outputs(server, guided, new):
 
 @pytest.mark.parametrize("extra, field", [
     *[({name: value}, name) for name, value in {
-        "use_beam_search": True, "length_penalty": 0.5, "bad_words": ["x"],
-        "return_tokens_as_token_ids": True, "prompt_embeds": "AAAA",
+        "use_beam_search": True, "length_penalty": 0.5, "return_tokens_as_token_ids": True, "prompt_embeds": "AAAA",
         "mm_processor_kwargs": {"a": 1}, "documents": [{"text": "x"}],
         "structural_tag": "{}", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
         "priority": 2}.items()],
@@ -183,6 +204,8 @@ def test_guided_fields_are_structured_outputs(server, guided, new):
     ({"allowed_token_ids": [5], "guided_regex": "a+"}, "allowed_token_ids"),
     ({"allowed_token_ids": [-1]}, "allowed_token_ids.0"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"bad_words": "x"}, "bad_words"),
+    ({"bad_words": [""]}, "bad_words.0"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ({"guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_regex"),
@@ -196,7 +219,7 @@ def test_what_tokstream_does_not_do_is_a_400_naming_it(server, extra, field):
 
 def test_every_unsupported_extension_is_tested():
     assert set(VLLM_UNSUPPORTED) == {
-        "use_beam_search", "length_penalty", "bad_words", "return_tokens_as_token_ids",
+        "use_beam_search", "length_penalty", "return_tokens_as_token_ids",
         "prompt_embeds",
         "mm_processor_kwargs", "documents", "structural_tag", "kv_transfer_params",
         "vllm_xargs", "priority"}

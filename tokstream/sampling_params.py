@@ -68,6 +68,9 @@ class SamplingParams:
     the output (Hugging Face, vLLM); 1 is off."""
     allowed_token_ids: list[int] = field(default_factory=list)
     """The only token ids that may be sampled (vLLM's); empty: any."""
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    """Token sequences the output may not contain (vLLM's bad_words, tokenised): a sequence's
+    last token is banned wherever the output ends with the ones before it."""
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Token id -> added to its logit before sampling (OpenAI, -100 to 100)."""
     structured: StructuredOutput | None = None
@@ -96,6 +99,10 @@ class SamplingParams:
             raise UserInputError(out_of_bounds)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise UserInputError("stop sequences must be non-empty strings")
+        if any(not words or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                for t in words) for words in self.bad_words_token_ids):
+            raise UserInputError("bad_words_token_ids: each must be a non-empty list of token "
+                                 "ids")
         for token, bias in self.logit_bias.items():
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
                 raise UserInputError(f"logit_bias: token ids must be integers >= 0, got {token!r}")
@@ -119,7 +126,8 @@ class SamplingParams:
         """Whether the token history changes the logits (penalties, a grammar's state): the
         worker then keeps it."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or bool(self.grammar))
+                or self.repetition_penalty != 1.0 or bool(self.grammar)
+                or any(len(words) > 1 for words in self.bad_words_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -132,4 +140,4 @@ class SamplingParams:
         return (bool(self.logit_bias) or bool(self.grammar) or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or (self.min_p > 0.0 and not self.greedy) or self.min_tokens > 0
-                or bool(self.allowed_token_ids))
+                or bool(self.allowed_token_ids) or bool(self.bad_words_token_ids))

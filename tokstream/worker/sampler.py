@@ -3,7 +3,7 @@ request that is preempted, or resumed on a restarted replica, continues exactly 
 never been interrupted, whatever else shares its batch.
 
 Logits are processed in vLLM's order: the grammar's mask (structured outputs), the allowed
-token ids, logit_bias, min_tokens' ban on ending, then the penalties (repetition over prompt
+token ids, the bad words, logit_bias, min_tokens' ban on ending, then the penalties (repetition over prompt
 and output; frequency and presence over the output), then temperature, min_p, top_k and top_p.
 Log-probabilities are the model's own (float32 log-softmax of the raw logits), whatever the
 processing, as vLLM and OpenAI report them.
@@ -147,8 +147,8 @@ def scored_logprobs(logits: torch.Tensor, targets: torch.Tensor,
 
 def process(logits: torch.Tensor, row: SamplingRow,
             eos_token_ids: tuple[int, ...] = ()) -> torch.Tensor:
-    """One row's logits (vocab,) float32 after the grammar's mask, the allowed token ids,
-    logit_bias, min_tokens' ban on ending (the model's eos_token_ids and the row's stop ids) and the penalties (a new
+    """One row's logits (vocab,) float32 after the grammar's mask, the allowed token ids, the
+    bad words, logit_bias, min_tokens' ban on ending (the model's eos_token_ids and the row's stop ids) and the penalties (a new
     tensor).
 
     In numpy, on one thread, from the copy on: torch splits each vocabulary-sized op (the copy
@@ -166,6 +166,10 @@ def process(logits: torch.Tensor, row: SamplingRow,
         allowed = np.zeros(out.shape[0], dtype=bool)
         allowed[[t for t in s.allowed_token_ids if t < out.shape[0]]] = True
         out[~allowed] = -np.inf
+    if s.bad_words_token_ids:
+        banned = [words[-1] for words in s.bad_words_token_ids if words[-1] < out.shape[0]
+                  and (len(words) == 1 or row.output_ids[-(len(words) - 1):] == words[:-1])]
+        out[np.array(banned, dtype=np.int64)] = -np.inf
     if s.logit_bias:
         ids = np.array([t for t in s.logit_bias if t < out.shape[0]], dtype=np.int64)
         out[ids] += np.array([s.logit_bias[t] for t in ids.tolist()], dtype=np.float32)

@@ -11,7 +11,8 @@ from tokstream.server.api.choices import num_choices
 from tokstream.server.api.echo import Echo
 from tokstream.server.api_errors import bad_request
 from tokstream.server.tool_calls.openai_tools import tool_fields, tool_request
-from tokstream.server.api.sampling_options import bounded_options, sampling_extras
+from tokstream.server.api.sampling_options import (bad_words_token_ids, bounded_options,
+                                                   sampling_extras)
 from tokstream.server.server import Prompt, Server
 from tokstream.server.tool_calls.tool_template import encode_chat, encode_continuation
 from tokstream.server.tool_calls.tools import ToolRequest, tool_sampling
@@ -169,6 +170,7 @@ def parse(body: dict, server: Server, chat: bool) -> list[Prompt]:
     stream = get_bool(body, "stream")
     get_bool(get_object(body, "stream_options") or {}, "include_usage")
     extras = sampling_extras(body, chat, server.tokenizer.vocab_size)
+    extras["bad_words_token_ids"] = bad_words_token_ids(body, server.tokenizer)
     tools = tool_request(body) if chat else None
     extras.update(tool_sampling(tools, extras["structured"]))
     if chat and extras.get("structured") and get_bool(body, "continue_final_message"):

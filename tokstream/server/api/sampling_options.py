@@ -2,7 +2,7 @@
 request body into SamplingParams arguments: presence/frequency/repetition penalties, min_p,
 logit_bias, logprobs (chat: `logprobs` + `top_logprobs`; completions: an integer), and
 structured outputs (`response_format`, vLLM's `structured_outputs` and its older `guided_*`
-fields), and vLLM's `stop_token_ids`, `allowed_token_ids`, `skip_special_tokens`,
+fields), and vLLM's `stop_token_ids`, `allowed_token_ids`, `bad_words`, `skip_special_tokens`,
 `include_stop_str_in_output` and `min_tokens`.
 Each bad value is a 400 naming its field; a vLLM extension tokstream does not do is a 400 too
 (VLLM_UNSUPPORTED)."""
@@ -17,7 +17,7 @@ from tokstream.errors import UserInputError
 from tokstream.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokstream.server.api_errors import bad_request
 from tokstream.server.validation import (_kind, get_bool, get_int, get_number, get_object,
-                                         reject_unsupported)
+                                         get_strings, reject_unsupported)
 from tokstream.structured import StructuredOutput
 
 MAX_TOKEN_IDS = 4096
@@ -44,7 +44,6 @@ def bounded_options(body: dict, api: str) -> dict:
 VLLM_UNSUPPORTED = {
     "use_beam_search": bool,
     "length_penalty": lambda v: v != 1,
-    "bad_words": bool,
     "return_tokens_as_token_ids": bool,
     "prompt_embeds": bool,
     "mm_processor_kwargs": bool,
@@ -109,6 +108,23 @@ def token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
             raise bad_request(f"{name}.{n}", f"must be a token id in [0, {vocab_size})")
     return list(value)
+
+
+MAX_BAD_WORDS = 64
+
+
+def bad_words_token_ids(body: dict, tokenizer) -> list[list[int]]:
+    """vLLM's `bad_words`, as the token sequences the output may not contain: each word
+    tokenised as it would start the text and after a space (the usual way it appears inside
+    one)."""
+    words = get_strings(body, "bad_words", allow_single=False, max_items=MAX_BAD_WORDS)
+    sequences: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode_text(text) if text.strip() else []
+            if ids and ids not in sequences:
+                sequences.append(ids)
+    return sequences
 
 
 def logit_bias(body: dict, vocab_size: int) -> dict[int, float]:

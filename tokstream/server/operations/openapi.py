@@ -7,7 +7,7 @@ import functools
 from tokstream.body_bounds import body_bounds
 from tokstream.checker import MAX_RESPONSE_CHOICES
 from tokstream.sampling_params import SamplingParams
-from tokstream.server.api.sampling_options import MAX_TOKEN_IDS
+from tokstream.server.api.sampling_options import MAX_BAD_WORDS, MAX_TOKEN_IDS
 from tokstream.state_snapshot import RequestDetail, StateSnapshot
 from tokstream.wire import json_schema
 
@@ -97,6 +97,9 @@ OPENAI_COMMON = {
     "allowed_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
                           "maxItems": MAX_TOKEN_IDS,
                           "description": "vLLM extension: the only ids that may be sampled"},
+    "bad_words": {"type": "array", "items": {"type": "string", "minLength": 1},
+                  "maxItems": MAX_BAD_WORDS,
+                  "description": "vLLM extension: words the output may not contain"},
     "truncate_prompt_tokens": {"type": "integer", "minimum": -1,
                                "description": "vLLM extension: keep the prompt's last N tokens "
                                               "(-1: as many as the context holds)"},
