@@ -1,5 +1,5 @@
 """vLLM's request extensions on the OpenAI routes, on a real server: `stop_token_ids`,
-`min_tokens`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`, `skip_special_tokens`, `include_stop_str_in_output` and the older `guided_*`
+`min_tokens`, `allowed_token_ids`, `bad_words`, `truncate_prompt_tokens`, `skip_special_tokens`, `include_stop_str_in_output`, `stream_options.continuous_usage_stats` and the older `guided_*`
 structured-output fields do what vLLM does, streamed and not; the extensions tokstream does not do
 (VLLM_UNSUPPORTED) are a 400 naming the field instead of being silently ignored."""
 
@@ -160,6 +160,31 @@ def test_a_truncated_prompt_is_its_last_tokens(server, route):
     whole = complete(server, route, **long, **{**sampling, "max_tokens": 8},
                      truncate_prompt_tokens=-1)
     assert whole["usage"]["prompt_tokens"] == 2048 - 8
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_count_every_chunk(server, route):
+    body = (seeded() if route == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 1.0,
+        "seed": 7, "ignore_eos": True})
+    def chunks_of(**options) -> list[dict]:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            _, stream = record(http, route, {"model": MODEL, "stream": True, **body,
+                                             "stream_options": options})
+        return [json.loads(e.data) for e in stream.events if e.data.startswith("{")]
+
+    chunks = chunks_of(include_usage=True, continuous_usage_stats=True)
+    counted, seen = [], 0
+    for chunk in chunks[:-1]:
+        seen += len((chunk.get("tokstream") or {}).get("token_ids") or ())
+        counted.append(chunk["usage"]["completion_tokens"])
+        assert chunk["usage"]["completion_tokens"] == seen
+        assert chunk["usage"]["total_tokens"] == chunk["usage"]["prompt_tokens"] + seen
+    assert counted[-1] == 12 and counted == sorted(counted)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    plain = chunks_of(include_usage=True)  # usage on the last chunk only, as before
+    assert all(chunk["usage"] is None for chunk in plain[:-1])
+    assert plain[-1]["usage"] == chunks[-1]["usage"]
 
 
 def test_special_tokens_show_when_not_skipped(server):

@@ -168,7 +168,9 @@ def parse(body: dict, server: Server, chat: bool) -> list[Prompt]:
     n = num_choices(body)
     ignore_eos = get_bool(body, "ignore_eos")
     stream = get_bool(body, "stream")
-    get_bool(get_object(body, "stream_options") or {}, "include_usage")
+    stream_options = get_object(body, "stream_options") or {}
+    get_bool(stream_options, "include_usage")
+    get_bool(stream_options, "continuous_usage_stats")
     extras = sampling_extras(body, chat, server.tokenizer.vocab_size)
     extras["bad_words_token_ids"] = bad_words_token_ids(body, server.tokenizer)
     tools = tool_request(body) if chat else None

@@ -54,8 +54,13 @@ def batch_logprobs(stream: Stream, batch: DeltaBatch, chat: bool, tokenizer, tex
 class OpenAIFormatter:
     def __init__(self, stream: Stream, model: str, chat: bool, include_usage: bool,
                  tokenizer=None, integrity: bool = True, tools: ToolRequest | None = None,
-                 choice: Choice | None = None, echo: Echo | None = None):
+                 choice: Choice | None = None, echo: Echo | None = None,
+                 continuous_usage: bool = False):
         self.stream = stream
+        self.continuous_usage = continuous_usage
+        """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+        self.completion_tokens = 0
+        """Output tokens streamed so far."""
         self.echo = echo
         """Completions: the prompt to show before the output, in the first chunk with tokens
         (set to None once shown)."""
@@ -90,7 +95,11 @@ class OpenAIFormatter:
             choice = {"index": self.choice.index, "text": text or "", "logprobs": None, "finish_reason": finish}
         chunk = {"id": self.choice.response_id, "object": self.object,
                  "created": self.created, "model": self.model, "choices": [choice]}
-        if self.include_usage:
+        if self.continuous_usage:
+            prompt, output = self.stream.num_prompt_tokens, self.completion_tokens
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": output,
+                              "total_tokens": prompt + output}
+        elif self.include_usage:
             chunk["usage"] = None
         return chunk
 
@@ -98,6 +107,7 @@ class OpenAIFormatter:
         return sse(None, self._chunk("", role=True)) if self.chat else b""
 
     def tokens(self, batch: DeltaBatch) -> bytes:
+        self.completion_tokens += len(batch.token_ids)
         if self.tool_deltas is not None:
             return self._tool_chunks(self.tool_deltas.feed(batch.text), batch)
         if self.echo is not None and batch.token_ids:
@@ -144,6 +154,7 @@ class OpenAIFormatter:
         if failure is not None:
             return self.error(*failure)
         reason, body = finish_reason(self.stream), b""
+        self.completion_tokens = self.stream.final.num_output_tokens
         if self.tool_deltas is not None:
             body = self._tool_chunks(self.tool_deltas.finish(), None)
             reason = tool_finish_reason(reason, self.tool_deltas.made_calls)
@@ -218,12 +229,14 @@ async def _complete(request, chat: bool):
     first, n = prompts[0], prompts[0].n
     headers = {"x-request-id": request_id}
     if first.stream:
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        options = body.get("stream_options") or {}
         integrity = wants_integrity(request.headers, server.config.stream_integrity)
-        formatters = [OpenAIFormatter(stream, body["model"], chat, include_usage,
-                                      server.tokenizer, integrity, first.tools,
+        formatters = [OpenAIFormatter(stream, body["model"], chat,
+                                      bool(options.get("include_usage")), server.tokenizer,
+                                      integrity, first.tools,
                                       Choice(request_id, index, len(streams)),
-                                      prompts[index // n].echo)
+                                      prompts[index // n].echo,
+                                      bool(options.get("continuous_usage_stats")))
                       for index, stream in enumerate(streams)]
         return choices_response(streams, formatters, usage, server.registry,
                                 server.config.ping_interval_s, headers, n)

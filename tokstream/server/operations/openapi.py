@@ -81,7 +81,10 @@ OPENAI_COMMON = {
     "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
     "n": {"type": "integer", "minimum": 1, "maximum": 16,
           "description": "choices, each seeded seed + index"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "stream_options": {"type": "object", "properties": {
+        "include_usage": {"type": "boolean"},
+        "continuous_usage_stats": {"type": "boolean",
+                                   "description": "vLLM extension: usage on every chunk"}}},
     "logit_bias": {"type": "object", "additionalProperties": {
         "type": "number", "minimum": -100, "maximum": 100}},
     "response_format": {"type": "object", "properties": {
