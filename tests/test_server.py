@@ -160,6 +160,10 @@ BAD_MESSAGES = [
     (anthropic_body(stream="yes"), "stream"),
     (anthropic_body(system=5), "system"),
     (anthropic_body(metadata="x"), "metadata"),
+    (anthropic_body(thinking={"type": "enabled", "budget_tokens": 1024}), "thinking"),
+    (anthropic_body(mcp_servers=[{"type": "url", "url": "https://mcp.example",
+                                  "name": "x"}]), "mcp_servers"),
+    (anthropic_body(container="container_1"), "container"),
 ]
 
 

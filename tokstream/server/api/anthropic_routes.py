@@ -122,8 +122,11 @@ def encode_messages(server: Server, chat: list[dict], tools: tuple[Tool, ...] = 
 def parse(body: dict, server: Server) -> Prompt:
     server.check_model(body.get("model"))
     max_tokens = get_int(body, "max_tokens", required=True, minimum=1)
+    # What the API would do on the caller's behalf (extended thinking, tools from remote MCP
+    # servers, a code-execution container): answering without it would be another answer.
     reject_unsupported(body, {"thinking": lambda v: not (isinstance(v, dict)
-                                                         and v.get("type") == "disabled")})
+                                                         and v.get("type") == "disabled"),
+                              "mcp_servers": bool, "container": lambda v: True})
     get_object(body, "metadata")
     options = bounded_options(body, "anthropic")
     stop = get_strings(body, "stop_sequences", allow_single=False)
