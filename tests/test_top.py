@@ -9,6 +9,7 @@ import functools
 import subprocess
 import sys
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -19,7 +20,7 @@ from tokstream.state_snapshot import StateSnapshot
 from tokstream.top.detail import DetailScreen
 from tokstream.top.help import HelpScreen
 from tokstream.top.kv_map import CACHED, FREE, SHARED, blocks, cells
-from tokstream.top.source import parse_counters
+from tokstream.top.source import HttpSource, SourceError, parse_counters
 from tokstream.top.tables import RequestsTable
 from tokstream.top.view import History, tenant_rows
 from tokstream.top.source import Frame
@@ -340,3 +341,20 @@ def test_top_imports_neither_torch_nor_the_engine_nor_the_server():
             "'tokstream.server', 'tokstream.worker'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_without_the_admin_key_top_names_the_state_route_whichever_fails_first():
+    """/v1/state and /metrics are asked at once; both 401 without the key, /metrics here
+    first: the message still names /v1/state (it named whichever failed first)."""
+    async def refuse(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/state":
+            await asyncio.sleep(0.05)
+        return httpx.Response(401, json={"error": {"message": "admin key required"}})
+
+    async def main() -> str:
+        source = HttpSource("http://tokstream.test", transport=httpx.MockTransport(refuse))
+        with pytest.raises(SourceError) as error:
+            await source.poll()
+        return str(error.value)
+
+    assert asyncio.run(main()).startswith("/v1/state: 401")

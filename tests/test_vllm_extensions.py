@@ -218,7 +218,7 @@ def test_guided_fields_are_structured_outputs(server, guided, new):
         "use_beam_search": True, "length_penalty": 0.5, "return_tokens_as_token_ids": True, "prompt_embeds": "AAAA",
         "mm_processor_kwargs": {"a": 1}, "documents": [{"text": "x"}],
         "structural_tag": "{}", "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1},
-        "priority": 2}.items()],
+        "priority": 2, "typical_p": 0.5, "top_a": 0.2}.items()],
     ({"stop_token_ids": [10 ** 6]}, "stop_token_ids.0"),
     ({"stop_token_ids": 5}, "stop_token_ids"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens"),
@@ -247,4 +247,4 @@ def test_every_unsupported_extension_is_tested():
         "use_beam_search", "length_penalty", "return_tokens_as_token_ids",
         "prompt_embeds",
         "mm_processor_kwargs", "documents", "structural_tag", "kv_transfer_params",
-        "vllm_xargs", "priority"}
+        "vllm_xargs", "priority", "typical_p", "top_a"}

@@ -36,7 +36,13 @@ class HttpSource:
                                          transport=transport)
 
     async def poll(self) -> Frame:
-        state, metrics = await asyncio.gather(self._get("/v1/state"), self._get("/metrics"))
+        replies = await asyncio.gather(self._get("/v1/state"), self._get("/metrics"),
+                                       return_exceptions=True)
+        # Both may fail alike (a missing admin key): name /v1/state's, whichever came first.
+        for reply in replies:
+            if isinstance(reply, BaseException):
+                raise reply
+        state, metrics = replies
         try:
             return Frame(StateSnapshot.from_wire(printable_reply(state.json())),
                          parse_counters(metrics.text))

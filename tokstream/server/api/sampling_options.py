@@ -52,6 +52,10 @@ VLLM_UNSUPPORTED = {
     "kv_transfer_params": bool,
     "vllm_xargs": bool,
     "priority": lambda v: v != 0,  # tenants' priority tiers order requests here
+    # Other servers' samplers (TGI's typical_p, once vLLM's too; koboldcpp's top_a): another
+    # distribution than the one asked for.
+    "typical_p": lambda v: v != 1,
+    "top_a": lambda v: v != 0,
 }
 """vLLM's sampling and request extensions tokstream does not do: asking for one is a 400
 naming it (reject_unsupported), never silently ignored."""
