@@ -10,8 +10,8 @@ import pytest
 from tokstream.errors import UserInputError
 from tokstream.model.presets import PRESETS, dummy_config
 from tokstream.model.source import ModelSource, embedded_gguf_path
-from tokstream.text.tokenizer import (PLAIN_CHAT_TEMPLATE, TEMPLATE_NAMES, Tokenizer,
-                                      dummy_tokenizer, load_tokenizer)
+from tokstream.text.chat_template import PLAIN_CHAT_TEMPLATE, TEMPLATE_NAMES
+from tokstream.text.tokenizer import Tokenizer, dummy_tokenizer, load_tokenizer
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 CHATML_FRANCE = (

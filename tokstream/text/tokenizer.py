@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
@@ -15,17 +14,10 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from tokstream.errors import CorruptModelError, UserInputError
 from tokstream.text import token_bound
+from tokstream.text.chat_template import PLAIN_CHAT_TEMPLATE, compile_template
 
 if TYPE_CHECKING:
     from tokstream.model.source import ModelSource
-
-# For models that ship no chat template: plain role-labelled turns, no special tokens.
-PLAIN_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
 
 # llama.cpp's GGUF token types.
 TOKEN_TYPE_CONTROL = 3
@@ -146,11 +138,11 @@ class Tokenizer:
         """tools: function definitions for a template that renders them (only passed when
         given, so a template that tests `tools is defined` sees none otherwise);
         template_kwargs: the caller's further template variables (`enable_thinking`, ...),
-        none of them a name the render sets itself (TEMPLATE_NAMES)."""
+        none of them a name the render sets itself (chat_template.TEMPLATE_NAMES)."""
         import jinja2  # only chat rendering needs it (keeps GPU-box imports small)
 
         if self._template is None:
-            self._template = _compile_template(self.chat_template or PLAIN_CHAT_TEMPLATE)
+            self._template = compile_template(self.chat_template or PLAIN_CHAT_TEMPLATE)
         extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         try:
             return self._template.render(
@@ -252,33 +244,6 @@ BATCH_TEXTS = 256
 _PLACEHOLDER = re.compile("\ue000([0-9]+)\ue001")
 """A message's content while the template renders (encode_chat): its index between two
 private-use characters."""
-
-
-TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "tools", "bos_token",
-                            "eos_token", "raise_exception", "strftime_now"})
-"""Names a chat template render sets itself: a caller's template variable may not replace
-them."""
-
-
-def _raise_exception(message: str):
-    raise UserInputError(f"chat template: {message}")
-
-
-def _compile_template(source: str) -> "jinja2.Template":
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    # The same environment transformers renders with, so templates behave as their authors saw.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False,
-                                                                  indent=indent)
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as error:
-        raise CorruptModelError(f"chat template does not parse: {error}") from error
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:

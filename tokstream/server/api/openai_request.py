@@ -11,15 +11,14 @@ from tokstream.server.api.choices import num_choices
 from tokstream.server.api.echo import Echo
 from tokstream.server.api_errors import bad_request
 from tokstream.server.tool_calls.openai_tools import tool_fields, tool_request
-from tokstream.server.api.sampling_options import (bad_words_token_ids, bounded_options,
-                                                   sampling_extras)
+from tokstream.server.api.sampling_options import bounded_options, sampling_extras
 from tokstream.server.server import Prompt, Server
 from tokstream.server.tool_calls.tool_template import encode_chat, encode_continuation
 from tokstream.server.tool_calls.tools import ToolRequest, tool_sampling
 from tokstream.server.validation import (get_messages, _kind, check_fits, get_bool, get_int,
                                          get_object, get_strings,
                                          reject_unsupported, sampling_params)
-from tokstream.text.tokenizer import TEMPLATE_NAMES
+from tokstream.text.chat_template import TEMPLATE_NAMES
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -171,8 +170,7 @@ def parse(body: dict, server: Server, chat: bool) -> list[Prompt]:
     stream_options = get_object(body, "stream_options") or {}
     get_bool(stream_options, "include_usage")
     get_bool(stream_options, "continuous_usage_stats")
-    extras = sampling_extras(body, chat, server.tokenizer.vocab_size)
-    extras["bad_words_token_ids"] = bad_words_token_ids(body, server.tokenizer)
+    extras = sampling_extras(body, chat, server.tokenizer)
     tools = tool_request(body) if chat else None
     extras.update(tool_sampling(tools, extras["structured"]))
     if chat and extras.get("structured") and get_bool(body, "continue_final_message"):

@@ -65,14 +65,16 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
 """vLLM's older structured-output fields, read as the structured_outputs key they became."""
 
 
-def sampling_extras(body: dict, chat: bool, vocab_size: int) -> dict:
+def sampling_extras(body: dict, chat: bool, tokenizer) -> dict:
     reject_unsupported(body, VLLM_UNSUPPORTED)
+    vocab_size = tokenizer.vocab_size
     extras = {
         "logit_bias": logit_bias(body, vocab_size),
         "logprobs": chat_logprobs(body) if chat else get_int(body, "logprobs", None, minimum=0,
                                                              maximum=MAX_LOGPROBS),
         "stop_token_ids": token_ids(body, "stop_token_ids", vocab_size),
         "allowed_token_ids": token_ids(body, "allowed_token_ids", vocab_size),
+        "bad_words_token_ids": bad_words_token_ids(body, tokenizer),
         "skip_special_tokens": get_bool(body, "skip_special_tokens", True),
         "include_stop_str_in_output": get_bool(body, "include_stop_str_in_output"),
         "min_tokens": get_int(body, "min_tokens", 0, minimum=0),
