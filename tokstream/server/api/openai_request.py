@@ -173,15 +173,16 @@ def parse(body: dict, server: Server, chat: bool) -> list[Prompt]:
     extras = sampling_extras(body, chat, server.tokenizer)
     tools = tool_request(body) if chat else None
     extras.update(tool_sampling(tools, extras["structured"]))
-    if chat and extras.get("structured") and get_bool(body, "continue_final_message"):
-        # The grammar holds the whole output to its schema, and a prefill is its start.
-        raise bad_request("continue_final_message", "cannot be combined with structured "
-                                                    "output or a forced tool call")
-    for name in ("min_tokens", "allowed_token_ids"):
-        if extras.get("structured") and extras[name]:
-            # The grammar may allow nothing that these leave (the end before min_tokens).
-            raise bad_request(name, "cannot be combined with structured output or a forced "
-                                    "tool call")
+    if extras.get("structured"):
+        # A grammar holds the whole output: a prefill would be its start, and min_tokens or
+        # allowed ids may leave it nothing it allows (only the end, before min_tokens).
+        clashing = {"continue_final_message": chat and get_bool(body, "continue_final_message"),
+                    "min_tokens": extras["min_tokens"],
+                    "allowed_token_ids": extras["allowed_token_ids"]}
+        for name, value in clashing.items():
+            if value:
+                raise bad_request(name, "cannot be combined with structured output or a "
+                                        "forced tool call")
     prompt_logprobs = None if chat else completion_prompt_logprobs(body, echo, stream,
                                                                    extras["logprobs"])
     keep = truncate_prompt_tokens(body, server.max_model_len, max_tokens)
