@@ -143,6 +143,8 @@ class CoreRequestRow(Wire):
     """Speculative decoding: tokens drafted for it, accepted_tokens of them accepted (absent
     with speculation off)."""
     accepted_tokens: int | None = ABSENT
+    priority: int = 0
+    """Its tier, lower first (the scheduler's order)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -67,6 +67,10 @@ class ServerConfig:
     previous_response_id and GET /v1/responses/{id} and the Messages API's threads: past it
     the tenant holding the most loses its oldest first. 0 keeps none (`store` is answered
     false, a `thread` refused)."""
+    batch_concurrency: int = 8
+    """Message Batches' requests in flight at once, over every batch: each runs below every
+    interactive request (a lower priority tier) and its ended batch's results are kept
+    within conversation_store_bytes. 0 refuses batches."""
     down_retry_s: float = 10.0
     """While the replica is down because engine cores keep failing to start, seconds between
     further tries."""
@@ -110,6 +114,8 @@ class ServerConfig:
         at_least_one(self, "max_pending_tokens")
         if not self.ping_interval_s > 0:
             raise UserInputError("ping_interval_s must be > 0")
+        if self.batch_concurrency < 0:
+            raise UserInputError("batch_concurrency must be >= 0 (0 = refuse batches)")
         if self.conversation_store_bytes < 0:
             raise UserInputError("conversation_store_bytes must be >= 0 (0 = keep none)")
         if self.max_body_bytes < 1024:

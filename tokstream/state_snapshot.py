@@ -209,6 +209,9 @@ class RequestRow(StreamRow):
     """Speculative decoding: tokens drafted for it, accepted_tokens of them accepted (the
     core's; absent with speculation off)."""
     accepted_tokens: int | None = ABSENT
+    priority: int | None = None
+    """Its tier in the engine, lower first (its tenant's; a Message Batch's requests run
+    submit.BACKGROUND_TIER below every interactive one); None while it is not in the core."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

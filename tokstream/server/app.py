@@ -27,6 +27,8 @@ from tokstream.gateway_config import ServerConfig
 from tokstream.model.source import ModelSource
 from tokstream.server.api import (anthropic_routes, model_routes, openai_routes,
                                   responses_routes, tokenizer_routes)
+from tokstream.server.batches import batch_routes
+from tokstream.server.batches.batch_runner import BatchRunner
 from tokstream.server.operations import admin_routes
 from tokstream.server.access.connection_limits import (ConnectionLimits, connection_cap,
                                                        guarded_protocol, raise_descriptor_limit)
@@ -47,6 +49,16 @@ def routes() -> list[Route]:
     return [
         Route("/v1/messages", anthropic_routes.create_message, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic_routes.count_tokens, methods=["POST"]),
+        Route("/v1/messages/batches", batch_routes.create_batch, methods=["POST"]),
+        Route("/v1/messages/batches", batch_routes.list_batches, methods=["GET"]),
+        Route("/v1/messages/batches/{message_batch_id}", batch_routes.retrieve_batch,
+              methods=["GET"]),
+        Route("/v1/messages/batches/{message_batch_id}", batch_routes.delete_batch,
+              methods=["DELETE"]),
+        Route("/v1/messages/batches/{message_batch_id}/cancel", batch_routes.cancel_batch,
+              methods=["POST"]),
+        Route("/v1/messages/batches/{message_batch_id}/results", batch_routes.batch_results,
+              methods=["GET"], name="message_batch_results"),
         Route("/v1/chat/completions", openai_routes.chat_completions, methods=["POST"]),
         Route("/v1/completions", openai_routes.completions, methods=["POST"]),
         Route("/v1/responses", responses_routes.create_response, methods=["POST"]),
@@ -90,11 +102,12 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, model_id: str,
     @contextlib.asynccontextmanager
     async def lifespan(app):
         await engine.start()
-        server = None
+        server = batches = None
         try:
             await hand_over(engine)
             server = app.state.server = Server(server_config, engine, tokenizer, model_id,
                                                aliases)
+            batches = app.state.batches = BatchRunner(server)
             gc_policy.settle_after_start()  # before the first request's stream
             if url is not None:
                 print(f"tokstream serve: ready on {url} (model {model_id}, "
@@ -104,6 +117,8 @@ def build_app(engine: AsyncEngine, server_config: ServerConfig, model_id: str,
                       file=sys.stderr, flush=True)
             yield
         finally:
+            if batches is not None:
+                await batches.close()
             # The server's engine may be a later one than this (after an engine core restart).
             await (server.close() if server is not None else engine.shutdown())
 

@@ -120,16 +120,17 @@ class Server:
     # --- submit -----------------------------------------------------------------------------
 
     def submit(self, request_id: str, prompt: Prompt, tenant: Tenant | None,
-               api: str) -> Stream:
-        """Admit and start a request; raises ApiError (429/529/503) when refused."""
-        return self.submit_choices(request_id, [prompt], tenant, api)[0]
+               api: str, background: bool = False) -> Stream:
+        """Admit and start a request; raises ApiError (429/529/503) when refused.
+        background: below every interactive request (a Message Batch's)."""
+        return self.submit_choices(request_id, [prompt], tenant, api, background)[0]
 
     def submit_choices(self, request_id: str, prompts: list[Prompt], tenant: Tenant | None,
-                       api: str) -> list[Stream]:
+                       api: str, background: bool = False) -> list[Stream]:
         """Admit a request once and start each prompt's n choices (see Submitter); raises
         ApiError (429/529/503) when refused."""
         self.check_ready()
-        return self.submitter.submit_choices(request_id, prompts, tenant, api)
+        return self.submitter.submit_choices(request_id, prompts, tenant, api, background)
 
     def _on_status(self, status: str, reason: str | None) -> None:
         self.metrics.engine.status = status

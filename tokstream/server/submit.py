@@ -24,6 +24,11 @@ from tokstream.server.access.tenants import Tenant
 from tokstream.server.api.echo import Echo
 from tokstream.server.tool_calls.tools import ToolRequest
 
+BACKGROUND_TIER = 1_000_000
+"""Added to a background request's priority (a Message Batch's): in the engine's (priority,
+arrival) order it comes after every interactive request, whatever their tenants' tiers, and is
+preempted first."""
+
 
 @dataclass
 class Prompt:
@@ -67,10 +72,10 @@ class Submitter:
         registry.on_first_token = self._leave_admission
 
     def submit_choices(self, request_id: str, prompts: list[Prompt], tenant: Tenant | None,
-                       api: str) -> list[Stream]:
+                       api: str, background: bool = False) -> list[Stream]:
         """Admit a request once and start each prompt's n choices, one stream each, indexed
         prompt by prompt (see server/api/choices.py); raises ApiError (429/529/503) when
-        refused."""
+        refused. background: below every interactive request (BACKGROUND_TIER)."""
         num_tokens = sum(len(prompt.token_ids) for prompt in prompts)
         reserved = sum(prompt.n * prompt.params.max_tokens for prompt in prompts)
         try:
@@ -89,6 +94,8 @@ class Submitter:
         # prefix-cache blocks (a cache hit would tell one tenant about another's prompts).
         fields = ({"tenant": tenant.name, "priority": tenant.priority,
                    "weight": tenant.weight} if tenant else {})
+        if background:
+            fields["priority"] = fields.get("priority", 0) + BACKGROUND_TIER
         streams: list[Stream] = []
         try:
             for prompt in prompts:

@@ -75,6 +75,11 @@ class ConversationStore:
             self._remove(owner, key)
             return True
 
+    def records(self, owner: str) -> list[dict]:
+        """The owner's records, oldest first."""
+        with self._lock:
+            return [kept.record for kept in self._by_owner.get(owner, {}).values()]
+
     def count(self) -> int:
         with self._lock:
             return sum(len(records) for records in self._by_owner.values())

@@ -221,6 +221,16 @@ DETOKENIZE_BODY = {
     "properties": {"model": {"type": "string"},
                    "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}
 
+BATCH_BODY = {
+    "type": "object", "required": ["requests"],
+    "properties": {"requests": {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["custom_id", "params"],
+        "properties": {"custom_id": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                       "params": {**MESSAGES_BODY, "description": "a /v1/messages body, "
+                                  "checked when it runs (a bad one is an errored result)"}}}}}}
+BATCH_ID = {"name": "message_batch_id", "in": "path", "required": True,
+            "schema": {"type": "string"}}
+
 SCORE_BODY = {
     "type": "object",
     "properties": {
@@ -276,6 +286,23 @@ def openapi_schema() -> dict:
                                   True, 529),
             "/v1/messages/count_tokens": _post("Count prompt tokens", COUNT_BODY,
                                                ANTHROPIC_ERROR, False, 529),
+            "/v1/messages/batches": {
+                **_post("Create a Message Batch: run below interactive requests, results "
+                        "later", BATCH_BODY, ANTHROPIC_ERROR, False, 529),
+                **_get("The caller's Message Batches, newest first (limit, after_id, "
+                       "before_id)")},
+            "/v1/messages/batches/{message_batch_id}": {
+                **_get("A Message Batch (the caller's own)"),
+                "delete": {"summary": "Delete an ended Message Batch",
+                           "responses": {"200": {"description": "deleted"}}},
+                "parameters": [BATCH_ID]},
+            "/v1/messages/batches/{message_batch_id}/cancel": {
+                "post": {"summary": "Cancel a Message Batch: requests not yet done end as "
+                                    "canceled", "responses": {"200": {"description": "OK"}}},
+                "parameters": [BATCH_ID]},
+            "/v1/messages/batches/{message_batch_id}/results": {
+                **_get("An ended Message Batch's results, one JSON line per request"),
+                "parameters": [BATCH_ID]},
             "/v1/chat/completions": _post("OpenAI chat completions", CHAT_BODY, OPENAI_ERROR,
                                           True, 503),
             "/v1/completions": _post("OpenAI completions", COMPLETION_BODY, OPENAI_ERROR,
