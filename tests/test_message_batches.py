@@ -16,6 +16,7 @@ from tokstream.server.batches.message_batch import BatchItem, MessageBatch, batc
 from tokstream.server.submit import BACKGROUND_TIER
 
 ALICE, BOB, ADMIN = "sk-alice-batches-0123", "sk-bob-batches-4567", "sk-admin-batches"
+CAROL = "sk-carol-batches-89ab"
 MODEL = "dummy:tiny"
 
 
@@ -29,7 +30,9 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     path.write_text(f'admin_key_sha256 = "{hash_key(ADMIN)}"\n'
                     f'[[tenant]]\nname = "alice"\nkey_sha256 = "{hash_key(ALICE)}"\n'
-                    f'[[tenant]]\nname = "bob"\nkey_sha256 = "{hash_key(BOB)}"\n')
+                    f'[[tenant]]\nname = "bob"\nkey_sha256 = "{hash_key(BOB)}"\n'
+                    f'[[tenant]]\nname = "carol"\nkey_sha256 = "{hash_key(CAROL)}"\n'
+                    'max_concurrent = 1\ntokens_per_minute = 600\n')
     with ServerProcess("--profile", "ci", "--tenants", str(path),
                        "--batch-concurrency", "2") as server:
         yield server
@@ -131,6 +134,28 @@ def test_a_batch_runs_below_interactive_requests_and_cancels(server):
     assert sorted(r.custom_id for r in results) == [f"long-{i}" for i in range(6)]
     assert sum(r.result.type == "canceled" for r in results) == counts.canceled
     server.wait_idle(**{"x-api-key": ADMIN})
+
+
+@pytest.mark.startup
+def test_a_tenants_batch_takes_none_of_its_interactive_limits(server):
+    """carol may have one request in flight and 600 tokens a minute: her batch of three
+    300-token requests runs outside both, and her own chat beside it is served."""
+    client = sdk(server, CAROL)
+    batch = client.messages.batches.create(requests=[
+        {"custom_id": f"c{i}", "params": params(f"carol {i}", max_tokens=300, ignore_eos=True)}
+        for i in range(3)])
+    deadline = time.monotonic() + 60
+    while not background_rows(server):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    chat = httpx.post(server.url + "/v1/messages", headers={"x-api-key": CAROL},
+                      json=params("and a question", max_tokens=8, ignore_eos=True), timeout=60)
+    assert chat.status_code == 200, chat.text
+    batch = ended(client, batch.id)
+    assert batch.request_counts.succeeded == 3, batch.request_counts
+    tenant = next(t for t in server.state(**{"x-api-key": ADMIN})["tenants"]
+                  if t["name"] == "carol")
+    assert tenant["output_tokens"] == 3 * 300 + 8 and tenant["live"] == 0  # still counted
 
 
 @pytest.mark.startup

@@ -227,8 +227,17 @@ class SchedulerConfig:
     6.3 ms and reached the core over 67 ms, 0.3-7 ms apart (the gateway parses and tokenises
     each); without gathering the core began a step with the first alone (0.17-0.23 s) while
     the other 31 waited, median TTFT 2.97-3.07 s."""
+    background_rows_when_busy: int = 0
+    """Background requests (a Message Batch's) that may run in a step beside interactive
+    ones. 0: none, so they run only in the steps no interactive request needs. Chat then
+    keeps its pace, and batches get the idle time (on a server that is never idle of chat,
+    they wait, and expire after 24 hours). Each row added to a decode step costs the
+    interactive streams in it: ~1.6 ms a row on SmolLM2, 2 Zen 3 cores
+    (bench/batch_cost.py)."""
 
     def __post_init__(self):
+        if self.background_rows_when_busy < 0:
+            raise UserInputError("background_rows_when_busy must be >= 0")
         if self.arrival_gather_ms < 0:
             raise UserInputError("arrival_gather_ms must be >= 0 (0 = off)")
         at_least_one(self, "max_num_seqs", "max_num_batched_tokens")

@@ -133,6 +133,7 @@ class EngineCore:
                           submitted.submitted_at, output_token_ids=list(outputs),
                           cache_salt=submitted.cache_salt,
                           tenant=submitted.tenant, priority=submitted.priority,
+                          background=submitted.background,
                           weight=submitted.weight, num_failures=submitted.num_failures,
                           prompt_group=submitted.prompt_group)
         self.detokenizers[request.request_id] = IncrementalDetokenizer(

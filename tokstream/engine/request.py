@@ -55,6 +55,9 @@ class Request:
     tenant: str = "default"
     priority: int = 0
     """Tier: lower is served first and preempted last (e.g. 0 interactive, 1 batch)."""
+    background: bool = False
+    """Runs only in steps no interactive request needs, beyond
+    SchedulerConfig.background_rows_when_busy (EngineRequest.background)."""
     weight: float = 1.0
     """The tenant's share weight in fair scheduling."""
     cache_salt: str = ""

@@ -81,7 +81,7 @@ class Submitter:
         try:
             self.admission.check(num_tokens, tenant.name if tenant else None, len(prompts))
             if tenant is not None:
-                tenant.admit(num_tokens, reserved)
+                tenant.admit(num_tokens, reserved, background)
         except ApiError as error:
             self.metrics.errors.labels(error.error_type).inc()
             self.events.record("refused", request_id, reason=error.message,
@@ -95,7 +95,7 @@ class Submitter:
         fields = ({"tenant": tenant.name, "priority": tenant.priority,
                    "weight": tenant.weight} if tenant else {})
         if background:
-            fields["priority"] = fields.get("priority", 0) + BACKGROUND_TIER
+            fields.update(priority=fields.get("priority", 0) + BACKGROUND_TIER, background=True)
         streams: list[Stream] = []
         try:
             for prompt in prompts:
@@ -116,7 +116,7 @@ class Submitter:
             for stream in streams:
                 self.registry.close(stream, "refused")
             if tenant is not None:
-                tenant.settle(reserved, 0)
+                tenant.settle(reserved, 0, background)
             raise ApiError("overloaded_error", str(error), retry_after=5) from error
         # Each prompt waits (and is counted) once, until its first choice's first token.
         for first in streams[::prompts[0].n]:
@@ -124,7 +124,7 @@ class Submitter:
             first.in_admission = True
             self.metrics.on_admit(first)
         if tenant is not None:
-            share = TenantShare(tenant, reserved, len(streams))
+            share = TenantShare(tenant, reserved, len(streams), background)
             for stream in streams:
                 self._tenant_of[stream.request_id] = share
         self.on_change()

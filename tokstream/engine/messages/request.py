@@ -115,6 +115,9 @@ class EngineRequest:
     """Who asked: fair scheduling shares the engine between tenants."""
     priority: int = 0
     """Tier: lower is admitted first and preempted last."""
+    background: bool = False
+    """A Message Batch's: it runs in steps no interactive request needs (and at most
+    SchedulerConfig.background_rows_when_busy of them beside interactive ones)."""
     weight: float = 1.0
     """The tenant's weight in fair scheduling (twice the weight, twice the share)."""
     prompt_group: str = ""

@@ -131,6 +131,8 @@ class Scheduler:
         left, and what the workers should forget."""
         policy = self.prefill_policy
         step = policy.open_step(self.running, self.waiting, self.suspect_after_failures)
+        if any(not r.background for r in self.running):  # chat first: batches use idle steps
+            step.background_room = self.config.background_rows_when_busy
         long = policy.is_long
 
         def short(request: Request) -> bool:

@@ -66,6 +66,9 @@ class StepDraft:
     """Running requests given work: preemption takes its victims from the others."""
     suspect_taken: bool = False
     """The step carries a suspect: it takes no other."""
+    background_room: int | None = None
+    """Background requests the step may still take (SchedulerConfig.background_rows_when_busy,
+    while an interactive request runs); None: any."""
     alone_limit_s: float | None = None
     """A prefill step between decode steps (SchedulerConfig.long_prefill_alone): no decodes,
     and its prefill held to this many predicted seconds in all; None: an ordinary step."""
@@ -77,11 +80,17 @@ class StepDraft:
         return 0 < self.suspect_after_failures <= request.num_failures
 
     def may_take(self, request: Request) -> bool:
-        """False when request is a suspect and the step carries one already."""
-        return not (self.suspect_taken and self.is_suspect(request))
+        """False when request is a suspect and the step carries one already, or a background
+        request past the step's room for them."""
+        return not (self.suspect_taken and self.is_suspect(request)) \
+            and not (request.background and self.background_room == 0)
 
     def takes(self, request: Request) -> bool:
-        """may_take, and a suspect taken is counted: the step carries no other."""
+        """may_take, and a suspect or a background request taken is counted."""
+        if not self.may_take(request):
+            return False
+        if request.background and self.background_room is not None:
+            self.background_room -= 1
         if not self.is_suspect(request):
             return True
         if self.suspect_taken:

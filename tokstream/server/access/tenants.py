@@ -82,10 +82,17 @@ class Tenant:
                               self.tokens + (now - self.refilled_at) * rate)
         self.refilled_at = now
 
-    def admit(self, num_prompt_tokens: int, max_tokens: int = 0) -> None:
+    def admit(self, num_prompt_tokens: int, max_tokens: int = 0,
+              background: bool = False) -> None:
         """Raise 429 past a limit; otherwise count the request in and reserve its prompt and
         all the output it may produce (max_tokens), so concurrent requests cannot overrun
-        the budget between admission and their end."""
+        the budget between admission and their end. background (a Message Batch's request):
+        counted in the totals only. Its limits are --batch-concurrency's, server-wide, as
+        the API keeps batches' limits apart from its interactive ones: a tenant's batch never
+        takes the slots or the tokens its interactive requests need."""
+        if background:
+            self.prompt_tokens_total += num_prompt_tokens
+            return
         if self.max_concurrent and self.live >= self.max_concurrent:
             self.refusals += 1
             raise ApiError("rate_limit_error",
@@ -115,10 +122,12 @@ class Tenant:
                            retry_after=math.ceil(wait))
         self.tokens -= num_tokens
 
-    def settle(self, max_tokens: int, num_output_tokens: int) -> None:
+    def settle(self, max_tokens: int, num_output_tokens: int, background: bool = False) -> None:
         """The request ended after num_output_tokens: refund the unused reservation."""
-        self.live -= 1
         self.output_tokens_total += num_output_tokens
+        if background:
+            return
+        self.live -= 1
         if self.tokens_per_minute:
             self._refill(time.monotonic())
             self.tokens = min(float(self.tokens_per_minute),

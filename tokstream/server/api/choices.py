@@ -65,13 +65,15 @@ class TenantShare:
     reserved: int
     """Output tokens reserved: n x max_tokens."""
     choices_left: int
+    background: bool = False
+    """A Message Batch's request: outside the tenant's limits (Tenant.admit)."""
     num_output_tokens: int = 0
 
     def settle(self, num_output_tokens: int) -> None:
         self.num_output_tokens += num_output_tokens
         self.choices_left -= 1
         if self.choices_left == 0:
-            self.tenant.settle(self.reserved, self.num_output_tokens)
+            self.tenant.settle(self.reserved, self.num_output_tokens, self.background)
 
 
 def merge_usage(usages: list[dict], n: int = 1) -> dict:

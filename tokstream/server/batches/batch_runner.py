@@ -23,8 +23,8 @@ from tokstream.server.streaming.sse import stream_failure
 log = logging.getLogger("tokstream.server")
 
 RETRIED = ("overloaded_error", "rate_limit_error")
-"""Refusals a batch request waits out (a full queue, a tenant's rate, a replica down or
-recovering): a batch has until it expires, and nobody is waiting on the line."""
+"""Refusals a batch request waits out (a full admission queue, a replica down or recovering):
+a batch has until it expires, and nobody is waiting on the line."""
 MAX_RETRY_WAIT_S = 5.0
 
 
@@ -128,6 +128,8 @@ class BatchRunner:
             raise bad_request("thread", "a server-held thread cannot continue in a batch; send "
                                         "the whole conversation")
         server = self.server
+        if server.draining:  # what is left would only be tokenised to be refused
+            raise ApiError("overloaded_error", "server is shutting down")
         prompt = await asyncio.to_thread(parse, params, server)  # tokenising: off the loop
         cancelled = self._cancelled[batch.id]
         while True:
