@@ -123,6 +123,11 @@ def test_a_batch_runs_below_interactive_requests_and_cancels(server):
         assert len([row for row in live if (row.get("priority") or 0) >= BACKGROUND_TIER]) <= 2
         assert any(row.get("priority") == 0 for row in live), live  # the interactive one
         assert all(row["tenant"] == "alice" for row in rows)
+        metrics = httpx.get(server.url + "/metrics", headers={"x-api-key": ADMIN}).text
+        assert "tokstream_message_batches_running 1.0" in metrics
+        processing = next(line for line in metrics.splitlines() if line.startswith(
+            'tokstream_message_batch_requests{state="processing"}'))
+        assert float(processing.split()[-1]) >= 4, processing  # six, of which <= 2 ended
         canceling = client.messages.batches.cancel(batch.id)
         assert canceling.processing_status in ("canceling", "ended")
         assert canceling.cancel_initiated_at is not None
@@ -212,8 +217,8 @@ def test_bad_batches_and_early_calls_are_400s(server):
 
 def test_counts_always_sum_to_the_batch_and_results_come_once_ended():
     batch = MessageBatch("msgbatch_x", "alice", [BatchItem(f"r{i}", {}) for i in range(4)])
-    batch.items[0].result = {"type": "succeeded", "message": {}}
-    batch.items[1].result = {"type": "errored", "error": {}}
+    batch.record(batch.items[0], {"type": "succeeded", "message": {}})
+    batch.record(batch.items[1], {"type": "errored", "error": {}})
     assert batch.request_counts() == {"processing": 2, "succeeded": 1, "errored": 1,
                                       "canceled": 0, "expired": 0}
     assert batch.body("URL")["results_url"] is None

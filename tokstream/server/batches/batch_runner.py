@@ -100,7 +100,7 @@ class BatchRunner:
     async def _work(self, batch: MessageBatch, tenant: Tenant | None, pending) -> None:
         for item in pending:
             async with self._slots:
-                item.result = await self._result(batch, tenant, item.params)
+                batch.record(item, await self._result(batch, tenant, item.params))
 
     async def _result(self, batch: MessageBatch, tenant: Tenant | None, params: dict) -> dict:
         if self._cancelled[batch.id].is_set():

@@ -51,6 +51,20 @@ class MessageBatch:
     created_at: float = field(default_factory=time.time)
     cancel_initiated_at: float | None = None
     ended_at: float | None = None
+    counts: dict[str, int] = field(default_factory=dict, init=False)
+    """Requests by state, kept as results come in (/metrics reads them often)."""
+
+    def __post_init__(self):
+        self.counts = dict.fromkeys(("processing",) + RESULT_TYPES, 0)
+        for item in self.items:
+            self.counts[item.result["type"] if item.result is not None else "processing"] += 1
+
+    def record(self, item: BatchItem, result: dict) -> None:
+        """item's result, once."""
+        assert item.result is None, item.custom_id
+        item.result = result
+        self.counts["processing"] -= 1
+        self.counts[result["type"]] += 1
 
     @property
     def processing_status(self) -> str:
@@ -66,17 +80,14 @@ class MessageBatch:
         """Live counts (the API moves requests out of `processing` only at the end; here
         each moves when its own result is in, so progress shows), always summing to the
         batch's size."""
-        counts = dict.fromkeys(("processing",) + RESULT_TYPES, 0)
-        for item in self.items:
-            counts[item.result["type"] if item.result is not None else "processing"] += 1
-        return counts
+        return dict(self.counts)
 
     def settle_the_rest(self, result_type: str) -> None:
         """Every request still without a result gets {"type": result_type}, and the batch
         ends."""
         for item in self.items:
             if item.result is None:
-                item.result = {"type": result_type}
+                self.record(item, {"type": result_type})
         self.ended_at = time.time()
 
     def body(self, results_url: str) -> dict:

@@ -42,6 +42,11 @@ async def metrics(request):
     server.metrics.live.set(len(server.registry))
     server.metrics.stored.set(server.conversations.count())
     server.metrics.stored_bytes.set(server.conversations.bytes)
+    running = list(request.app.state.batches.running.values())
+    server.metrics.batches.set(len(running))
+    counts = [batch.request_counts() for batch in running]
+    for name in ("processing", "succeeded", "errored", "canceled", "expired"):
+        server.metrics.batch_requests.labels(name).set(sum(c[name] for c in counts))
     return Response(server.metrics.render(tenants=tenants),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 

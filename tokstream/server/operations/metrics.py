@@ -160,6 +160,12 @@ class Metrics:
         self.stored_bytes = Gauge("tokstream_stored_conversation_bytes",
                                   "Bytes they take (--conversation-store-bytes bounds it).",
                                   registry=r)
+        self.batches = Gauge("tokstream_message_batches_running",
+                             "Message Batches not yet ended.", registry=r)
+        self.batch_requests = Gauge("tokstream_message_batch_requests",
+                                    "The running Message Batches' requests, by state "
+                                    "(processing, succeeded, errored, canceled, expired).",
+                                    ["state"], registry=r)
         # kind: rank (the core replaced its rank group) or core (the gateway replaced the
         # engine core process).
         self.restarts = Counter("tokstream_restarts", "Replica restarts, by kind.", ["kind"],
