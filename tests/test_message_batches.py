@@ -113,7 +113,7 @@ def test_a_batch_runs_below_interactive_requests_and_cancels(server):
         {"custom_id": f"long-{i}", "params": params(f"a long one {i}", max_tokens=400,
                                                     ignore_eos=True)} for i in range(6)])
     with httpx.stream("POST", server.url + "/v1/messages", headers={"x-api-key": ALICE},
-                      json={**params("an interactive one", max_tokens=300, ignore_eos=True),
+                      json={**params("an interactive one", max_tokens=800, ignore_eos=True),
                             "stream": True}, timeout=60) as interactive:
         deadline = time.monotonic() + 60
         while len(rows := background_rows(server)) < 2:
@@ -122,6 +122,13 @@ def test_a_batch_runs_below_interactive_requests_and_cancels(server):
         live = server.state(**{"x-api-key": ADMIN})["requests"]
         assert len([row for row in live if (row.get("priority") or 0) >= BACKGROUND_TIER]) <= 2
         assert any(row.get("priority") == 0 for row in live), live  # the interactive one
+        # While it decodes, the batch's requests sit out (--background-rows-when-busy 0).
+        paused = {row["id"]: row["output_tokens"] for row in background_rows(server)}
+        time.sleep(0.3)
+        live = server.state(**{"x-api-key": ADMIN})["requests"]
+        if any(row.get("priority") == 0 and row["phase"] == "decode" for row in live):
+            assert {row["id"]: row["output_tokens"] for row in live
+                    if row["id"] in paused} == paused, live
         assert all(row["tenant"] == "alice" for row in rows)
         metrics = httpx.get(server.url + "/metrics", headers={"x-api-key": ADMIN}).text
         assert "tokstream_message_batches_running 1.0" in metrics
