@@ -99,6 +99,9 @@ class BatchRunner:
 
     async def _work(self, batch: MessageBatch, tenant: Tenant | None, pending) -> None:
         for item in pending:
+            if self._cancelled[batch.id].is_set():  # no slot needed to say so
+                batch.record(item, {"type": "canceled"})
+                continue
             async with self._slots:
                 batch.record(item, await self._result(batch, tenant, item.params))
 
