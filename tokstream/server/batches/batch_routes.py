@@ -37,6 +37,15 @@ def found(request) -> tuple[BatchRunner, MessageBatch]:
     return runner(request), batch
 
 
+def ended(request, what: str) -> tuple[BatchRunner, MessageBatch]:
+    """found(request), once the batch has ended (else a 400 saying what waits for that)."""
+    batches, batch = found(request)
+    if batch.ended_at is None:
+        raise ApiError("invalid_request_error", f"message batch {batch.id} is still "
+                       f"{batch.processing_status}: {what} once it has ended")
+    return batches, batch
+
+
 def answer(request, batch: MessageBatch) -> JSONResponse:
     return JSONResponse(batch.body(results_url(request, batch)))
 
@@ -97,18 +106,12 @@ async def cancel_batch(request):
 
 @api_route(ANTHROPIC)
 async def delete_batch(request):
-    batches, batch = found(request)
-    if batch.ended_at is None:
-        raise ApiError("invalid_request_error", f"message batch {batch.id} is still "
-                       f"{batch.processing_status}; cancel it and delete it once it has ended")
+    batches, batch = ended(request, "cancel it, and delete it")
     batches.delete(batch)
     return JSONResponse({"id": batch.id, "type": "message_batch_deleted"})
 
 
 @api_route(ANTHROPIC)
 async def batch_results(request):
-    _, batch = found(request)
-    if batch.ended_at is None:
-        raise ApiError("invalid_request_error", f"message batch {batch.id} is still "
-                       f"{batch.processing_status}: its results come once it has ended")
+    _, batch = ended(request, "its results come")
     return Response(batch.results_jsonl(), media_type="application/binary")
