@@ -3,6 +3,7 @@ SDK: each result is what POST /v1/messages gives the same params, bad params are
 results, a batch runs below interactive requests and can be cancelled, and a batch is its
 tenant's alone."""
 
+import os
 import time
 
 import anthropic
@@ -11,7 +12,9 @@ import pytest
 
 from helpers.serving import ServerProcess
 from tokstream.server.access.tenants import hash_key
+from tokstream.server.api.conversation_store import ConversationStore
 from tokstream.server.api_errors import ApiError
+from tokstream.server.batches.batch_files import BatchFiles
 from tokstream.server.batches.message_batch import BatchItem, MessageBatch, batch_items
 from tokstream.server.submit import BACKGROUND_TIER
 
@@ -218,6 +221,73 @@ def test_bad_batches_and_early_calls_are_400s(server):
     assert "still" in early[0].json()["error"]["message"]
     http.post(f"/v1/messages/batches/{batch['id']}/cancel")
     assert ended(sdk(server, ALICE), batch["id"]).processing_status == "ended"
+
+
+@pytest.mark.startup
+def test_with_a_batch_dir_batches_outlive_the_gateway(tmp_path):
+    """--batch-dir: a gateway stopped mid-batch (SIGTERM) leaves it on disk; the next one
+    runs the requests that had no result, so every one succeeds once, each what
+    /v1/messages gives; an ended batch is kept across the restart; a delete removes it."""
+    folder = tmp_path / "batches"
+    args = ("--profile", "ci", "--batch-dir", str(folder), "--batch-concurrency", "1")
+    bodies = {f"s{i}": params(f"resumed {i}", max_tokens=200, ignore_eos=True, seed=i)
+              for i in range(4)}
+    with ServerProcess(*args) as first:
+        client = sdk(first, "none")
+        small = client.messages.batches.create(requests=[
+            {"custom_id": "only", "params": params("small", max_tokens=3, seed=9)}])
+        ended(client, small.id)
+        batch = client.messages.batches.create(requests=[
+            {"custom_id": key, "params": body} for key, body in bodies.items()])
+        deadline = time.monotonic() + 60
+        while client.messages.batches.retrieve(batch.id).request_counts.succeeded < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    assert oct(os.stat(folder).st_mode & 0o777) == oct(0o700)
+    assert oct(os.stat(folder / batch.id / "results.jsonl").st_mode & 0o777) == oct(0o600)
+    left = BatchFiles(folder).load()
+    assert {b.id: b.processing_status for b in left} == {small.id: "ended",
+                                                          batch.id: "in_progress"}
+    done_before = next(b for b in left if b.id == batch.id).request_counts()["succeeded"]
+    assert 1 <= done_before < 4
+    with ServerProcess(*args) as second:
+        client = sdk(second, "none")
+        assert client.messages.batches.retrieve(small.id).processing_status == "ended"
+        finished = ended(client, batch.id)
+        assert finished.request_counts.succeeded == 4, finished.request_counts
+        results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+        http = httpx.Client(base_url=second.url, timeout=60)
+        for key, body in bodies.items():
+            alone = http.post("/v1/messages", json=body).json()
+            assert results[key].message.model_extra["tokstream"]["token_ids"] == \
+                alone["tokstream"]["token_ids"], key
+        assert [b.id for b in client.messages.batches.list()] == [batch.id, small.id]
+        client.messages.batches.delete(small.id)
+        assert not (folder / small.id).exists() and (folder / batch.id).exists()
+
+
+def test_the_store_tells_of_each_eviction():
+    """So that a batch evicted from memory goes from --batch-dir too (batch_runner)."""
+    store, seen = ConversationStore(100), []
+    store.on_evict = lambda owner, key, record: seen.append((owner, key, record))
+    for key in ("k1", "k2", "k3"):
+        store.put("a", key, {"x": key * 20})
+    assert seen == [("a", "k1", {"x": "k1" * 20})] and store.get("a", "k1") is None
+
+
+def test_batch_files_leave_out_a_torn_result(tmp_path):
+    files = BatchFiles(tmp_path / "b")
+    batch = MessageBatch("msgbatch_" + "0" * 24, "alice", [BatchItem("a", {}), BatchItem("b", {})])
+    files.create(batch)
+    batch.record(batch.items[0], {"type": "errored", "error": {}})
+    files.result(batch, 0, batch.items[0].result)
+    with open(tmp_path / "b" / batch.id / "results.jsonl", "a") as torn:
+        torn.write('{"index": 1, "result": {"ty')  # the crash came mid-line
+    (tmp_path / "b" / "msgbatch_unfinished").mkdir()  # no batch.json: never taken up
+    (loaded,) = files.load()
+    assert loaded.owner == "alice" and [i.custom_id for i in loaded.items] == ["a", "b"]
+    assert loaded.items[0].result == {"type": "errored", "error": {}}
+    assert loaded.items[1].result is None and loaded.processing_status == "in_progress"
 
 
 # --- the bookkeeping, without a server ---------------------------------------------------------

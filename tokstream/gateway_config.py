@@ -71,6 +71,10 @@ class ServerConfig:
     """Message Batches' requests in flight at once, over every batch: each runs below every
     interactive request (a lower priority tier) and its ended batch's results are kept
     within conversation_store_bytes. 0 refuses batches."""
+    batch_dir: str | None = None
+    """A folder where Message Batches are also kept on disk, so they outlive the gateway:
+    at the next start the running ones go on and the ended ones are kept again. Unset: in
+    memory only."""
     down_retry_s: float = 10.0
     """While the replica is down because engine cores keep failing to start, seconds between
     further tries."""

@@ -12,6 +12,7 @@ import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 
 def json_size(value) -> int:
@@ -43,6 +44,9 @@ class ConversationStore:
         self._owner_bytes: dict[str, int] = {}
         self.bytes = 0
         self._lock = threading.Lock()  # requests are parsed off the event loop
+        self.on_evict: Callable[[str, str, dict], None] | None = None
+        """Told (owner, key, record) of each record evicted past the bound (a Message Batch
+        kept on disk goes from there too)."""
 
     @property
     def enabled(self) -> bool:
@@ -60,7 +64,11 @@ class ConversationStore:
             self.bytes += size
             while self.bytes > self.max_bytes:
                 largest = max(self._owner_bytes, key=self._owner_bytes.get)
-                self._remove(largest, next(iter(self._by_owner[largest])))
+                oldest = next(iter(self._by_owner[largest]))
+                evicted = self._by_owner[largest][oldest].record
+                self._remove(largest, oldest)
+                if self.on_evict is not None:
+                    self.on_evict(largest, oldest, evicted)
         return True
 
     def get(self, owner: str, key: str) -> dict | None:

@@ -57,7 +57,7 @@ async def create_batch(request):
         raise ApiError("invalid_request_error", "this server runs no message batches "
                        "(--batch-concurrency 0 or --conversation-store-bytes 0)")
     server.check_ready()
-    batch = runner(request).start(owner_of(tenant), tenant, batch_items(body))
+    batch = await runner(request).start(owner_of(tenant), tenant, batch_items(body))
     return answer(request, batch)
 
 

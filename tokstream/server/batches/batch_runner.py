@@ -1,7 +1,9 @@
 """Runs Message Batches on the server: at most --batch-concurrency of their requests at once,
 each exactly as POST /v1/messages would answer it (anthropic_routes.parse and message_body),
 submitted in the background tier so that every interactive request goes first. An ended
-batch moves to the conversation store (bounded in bytes, the caller's own)."""
+batch moves to the conversation store (bounded in bytes, the caller's own). With
+--batch-dir every batch is on disk too (batch_files.py), and is taken up again at the next
+start: what the store evicts or the caller deletes goes from there too."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from tokstream.server.access.tenants import Tenant
 from tokstream.server.api.anthropic_routes import message_body, parse
 from tokstream.server.api.conversation_store import ConversationStore
 from tokstream.server.api_errors import ANTHROPIC, ApiError, ClientGone, bad_request, error_body
+from tokstream.server.batches.batch_files import BatchFiles
 from tokstream.server.batches.message_batch import BatchItem, MessageBatch
 from tokstream.server.server import Server
 from tokstream.server.streaming.responses import collect
@@ -26,6 +29,11 @@ RETRIED = ("overloaded_error", "rate_limit_error")
 """Refusals a batch request waits out (a full admission queue, a replica down or recovering):
 a batch has until it expires, and nobody is waiting on the line."""
 MAX_RETRY_WAIT_S = 5.0
+
+
+class Stopping(Exception):
+    """The server is shutting down: a request not yet run is left without a result (on disk,
+    the next gateway runs it)."""
 
 
 def errored(error: ApiError) -> dict:
@@ -42,18 +50,54 @@ class BatchRunner:
         self.server = server
         self.running: dict[str, MessageBatch] = {}
         """Batches not yet ended, by id."""
+        self.files = BatchFiles(server.config.batch_dir) if server.config.batch_dir else None
+        """Where batches are kept on disk (--batch-dir); None: memory only."""
         self._cancelled: dict[str, asyncio.Event] = {}
         self._slots = asyncio.Semaphore(max(1, server.config.batch_concurrency))
         self._tasks: set[asyncio.Task] = set()
+        if self.files is not None:
+            server.conversations.on_evict = self._evicted
+            self._take_up(self.files.load())
 
-    def start(self, owner: str, tenant: Tenant | None, items: list[BatchItem]) -> MessageBatch:
+    async def start(self, owner: str, tenant: Tenant | None,
+                    items: list[BatchItem]) -> MessageBatch:
         batch = MessageBatch(f"msgbatch_{uuid.uuid4().hex[:24]}", owner, items)
+        if self.files is not None:  # written whole before it is answered
+            await asyncio.to_thread(self.files.create, batch)
+        self._launch(batch, tenant)
+        return batch
+
+    def _launch(self, batch: MessageBatch, tenant: Tenant | None) -> None:
         self.running[batch.id] = batch
         self._cancelled[batch.id] = asyncio.Event()
+        if batch.cancel_initiated_at is not None:
+            self._cancelled[batch.id].set()
         task = asyncio.get_running_loop().create_task(self._run(batch, tenant))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return batch
+
+    def _take_up(self, batches: list[MessageBatch]) -> None:
+        """The batches a previous gateway left on disk: ended ones kept, the rest run on."""
+        tenants = {t.name: t for t in self.server.tenants.tenants} \
+            if self.server.tenants is not None else {}
+        for batch in batches:
+            if batch.ended_at is not None:
+                self._keep(batch)
+            else:  # a tenant no longer in the tenants file: its batch runs on as no one's
+                self._launch(batch, tenants.get(batch.owner))
+
+    def _keep(self, batch: MessageBatch) -> None:
+        """An ended batch into the conversation store; one past its bound is not kept."""
+        if not self.server.conversations.put(batch.owner, batch.id, {"message_batch": batch},
+                                             batch.size()):
+            log.warning("message batch %s: its results (%d bytes) are past "
+                        "--conversation-store-bytes and were not kept", batch.id, batch.size())
+            if self.files is not None:
+                self.files.delete(batch)
+
+    def _evicted(self, owner: str, key: str, record: dict) -> None:
+        if "message_batch" in record:
+            self.files.delete(record["message_batch"])
 
     def find(self, owner: str, batch_id: str) -> MessageBatch | None:
         """The caller's batch, running or ended and still kept."""
@@ -74,9 +118,13 @@ class BatchRunner:
         if batch.ended_at is None and batch.cancel_initiated_at is None:
             batch.cancel_initiated_at = time.time()
             self._cancelled[batch.id].set()
+            if self.files is not None:
+                self.files.update(batch)
 
     def delete(self, batch: MessageBatch) -> None:
         self.server.conversations.delete(batch.owner, batch.id)
+        if self.files is not None:
+            self.files.delete(batch)
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -86,24 +134,38 @@ class BatchRunner:
     # --- running ----------------------------------------------------------------------------
 
     async def _run(self, batch: MessageBatch, tenant: Tenant | None) -> None:
-        pending = iter(batch.items)  # shared: each worker takes the next request
+        # Shared: each worker takes the next request without a result (a batch taken up
+        # after a restart has some).
+        pending = ((i, item) for i, item in enumerate(batch.items) if item.result is None)
         workers = min(len(batch.items), max(1, self.server.config.batch_concurrency))
         await asyncio.gather(*(self._work(batch, tenant, pending) for _ in range(workers)))
-        batch.settle_the_rest("canceled")
+        if self.server.draining and batch.request_counts()["processing"]:
+            return  # left running: a gateway that has --batch-dir takes it up at its start
+        for index, result in batch.settle_the_rest("canceled"):
+            if self.files is not None:
+                self.files.result(batch, index, result)
         del self._cancelled[batch.id]
-        if not self.server.conversations.put(batch.owner, batch.id, {"message_batch": batch},
-                                             batch.size()):
-            log.warning("message batch %s: its results (%d bytes) are past "
-                        "--conversation-store-bytes and were not kept", batch.id, batch.size())
+        if self.files is not None:
+            self.files.update(batch)
+        self._keep(batch)
         del self.running[batch.id]
 
     async def _work(self, batch: MessageBatch, tenant: Tenant | None, pending) -> None:
-        for item in pending:
+        for index, item in pending:
             if self._cancelled[batch.id].is_set():  # no slot needed to say so
-                batch.record(item, {"type": "canceled"})
+                self._record(batch, index, {"type": "canceled"})
                 continue
             async with self._slots:
-                batch.record(item, await self._result(batch, tenant, item.params))
+                try:
+                    result = await self._result(batch, tenant, item.params)
+                except Stopping:
+                    return
+                self._record(batch, index, result)
+
+    def _record(self, batch: MessageBatch, index: int, result: dict) -> None:
+        batch.record(batch.items[index], result)
+        if self.files is not None:
+            self.files.result(batch, index, result)
 
     async def _result(self, batch: MessageBatch, tenant: Tenant | None, params: dict) -> dict:
         if self._cancelled[batch.id].is_set():
@@ -114,6 +176,8 @@ class BatchRunner:
             return {"type": "succeeded", "message": await self._message(batch, tenant, params)}
         except ClientGone:
             return {"type": "canceled"}
+        except Stopping:
+            raise
         except ApiError as error:
             return errored(error)
         except UserInputError as error:
@@ -131,8 +195,8 @@ class BatchRunner:
             raise bad_request("thread", "a server-held thread cannot continue in a batch; send "
                                         "the whole conversation")
         server = self.server
-        if server.draining:  # what is left would only be tokenised to be refused
-            raise ApiError("overloaded_error", "server is shutting down")
+        if server.draining:
+            raise Stopping()
         prompt = await asyncio.to_thread(parse, params, server)  # tokenising: off the loop
         cancelled = self._cancelled[batch.id]
         while True:
@@ -143,8 +207,9 @@ class BatchRunner:
                                        ANTHROPIC, background=True)
                 break
             except ApiError as error:
-                if error.error_type not in RETRIED or time.time() >= batch.expires_at \
-                        or server.draining:
+                if server.draining:
+                    raise Stopping() from None
+                if error.error_type not in RETRIED or time.time() >= batch.expires_at:
                     raise
                 wait = min(MAX_RETRY_WAIT_S, error.retry_after or 1.0)
                 try:
@@ -159,5 +224,7 @@ class BatchRunner:
         result = await collect(stream, receive, server.registry)
         failure = stream_failure(stream)
         if failure is not None:
+            if server.draining:  # ended by the shutdown: it runs again at the next start
+                raise Stopping()
             raise ApiError(*failure)
         return message_body(stream, result, params["model"], server.block_size, prompt.tools)

@@ -82,13 +82,16 @@ class MessageBatch:
         batch's size."""
         return dict(self.counts)
 
-    def settle_the_rest(self, result_type: str) -> None:
+    def settle_the_rest(self, result_type: str) -> list[tuple[int, dict]]:
         """Every request still without a result gets {"type": result_type}, and the batch
-        ends."""
-        for item in self.items:
+        ends; returns those (index, result)."""
+        settled = []
+        for index, item in enumerate(self.items):
             if item.result is None:
                 self.record(item, {"type": result_type})
+                settled.append((index, item.result))
         self.ended_at = time.time()
+        return settled
 
     def body(self, results_url: str) -> dict:
         """The MessageBatch object; results_url only once it has ended."""
