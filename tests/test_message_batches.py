@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from helpers.serving import ServerProcess
+from helpers.streams_under_fault import kill
 from tokstream.server.access.tenants import hash_key
 from tokstream.server.api.conversation_store import ConversationStore
 from tokstream.server.api_errors import ApiError
@@ -264,6 +265,42 @@ def test_with_a_batch_dir_batches_outlive_the_gateway(tmp_path):
         assert [b.id for b in client.messages.batches.list()] == [batch.id, small.id]
         client.messages.batches.delete(small.id)
         assert not (folder / small.id).exists() and (folder / batch.id).exists()
+
+
+@pytest.mark.startup
+def test_a_batch_rides_through_a_rank_death_and_an_engine_core_death():
+    """Its requests are resumed like any other: every one succeeds once, each what
+    /v1/messages gives the same params afterwards."""
+    bodies = {f"k{i}": params(f"through faults {i}", max_tokens=200, ignore_eos=True,
+                              seed=20 + i) for i in range(4)}
+    with ServerProcess("--profile", "ci", "--tp", "2", "--batch-concurrency", "2") as server:
+        client = sdk(server, "none")
+        batch = client.messages.batches.create(requests=[
+            {"custom_id": key, "params": body} for key, body in bodies.items()])
+
+        def decoded_at_least(tokens: int) -> dict:
+            deadline = time.monotonic() + 60
+            while True:
+                state = server.state()
+                rows = [row for row in state["requests"]
+                        if (row.get("priority") or 0) >= BACKGROUND_TIER]
+                if rows and max(row["output_tokens"] for row in rows) >= tokens:
+                    return state
+                assert time.monotonic() < deadline, state["requests"]
+                time.sleep(0.02)
+
+        kill(decoded_at_least(20)["ranks"][1]["pid"])
+        kill(decoded_at_least(60)["engine"]["pid"])
+        finished = ended(client, batch.id)
+        assert finished.request_counts.succeeded == 4, finished.request_counts
+        restarts = server.wait_idle()["replica"]["restarts_by_kind"]
+        assert restarts["rank"] >= 1 and restarts["core"] >= 1, restarts
+        results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+        http = httpx.Client(base_url=server.url, timeout=60)
+        for key, body in bodies.items():
+            alone = http.post("/v1/messages", json=body).json()
+            assert results[key].message.model_extra["tokstream"]["token_ids"] == \
+                alone["tokstream"]["token_ids"], key
 
 
 def test_the_store_tells_of_each_eviction():
