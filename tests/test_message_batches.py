@@ -133,7 +133,7 @@ def test_a_batch_runs_below_interactive_requests_and_cancels(server):
         if any(row.get("priority") == 0 and row["phase"] == "decode" for row in live):
             assert {row["id"]: row["output_tokens"] for row in live
                     if row["id"] in paused} == paused, live
-        assert all(row["tenant"] == "alice" for row in rows)
+        assert all(row["tenant"] == "alice" and row["background"] for row in rows)
         metrics = httpx.get(server.url + "/metrics", headers={"x-api-key": ADMIN}).text
         assert "tokstream_message_batches_running 1.0" in metrics
         processing = next(line for line in metrics.splitlines() if line.startswith(

@@ -22,7 +22,7 @@ from tokstream.top.help import HelpScreen
 from tokstream.top.kv_map import CACHED, FREE, SHARED, blocks, cells
 from tokstream.top.source import HttpSource, SourceError, parse_counters
 from tokstream.top.tables import RequestsTable
-from tokstream.top.view import History, tenant_rows
+from tokstream.top.view import History, filter_rows, request_rows, tenant_rows
 from tokstream.top.source import Frame
 
 pytestmark = pytest.mark.timeout(120)
@@ -295,6 +295,16 @@ def test_tenant_shares_and_counts():
     assert abs(sum(r["share"] for r in rows.values()) - 1) < 1e-9
     assert sum(r["running"] + r["waiting"] for r in rows.values()) == len(state["requests"])
     assert rows["alice"]["weight"] == 2.0 and rows["bob"]["priority"] == 1
+
+
+def test_a_batch_request_is_marked_bg_and_found_by_it():
+    state = {**FRAMES[3]["state"]}
+    state["requests"] = [{**row, "background": i == 0}
+                         for i, row in enumerate(state["requests"])]
+    rows = request_rows(StateSnapshot.from_wire(state))
+    assert rows[0].state.endswith(" bg") and len(rows) > 1
+    assert not any(row.state.endswith(" bg") for row in rows[1:])
+    assert filter_rows(rows, "bg") == rows[:1]
 
 
 def test_history_rates_and_a_restarted_server():

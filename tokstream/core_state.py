@@ -145,6 +145,8 @@ class CoreRequestRow(Wire):
     accepted_tokens: int | None = ABSENT
     priority: int = 0
     """Its tier, lower first (the scheduler's order)."""
+    background: bool = False
+    """A Message Batch's: it runs in the steps chat does not need."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -212,6 +212,8 @@ class RequestRow(StreamRow):
     priority: int | None = None
     """Its tier in the engine, lower first (its tenant's; a Message Batch's requests run
     submit.BACKGROUND_TIER below every interactive one); None while it is not in the core."""
+    background: bool = False
+    """A Message Batch's request (it runs in the steps chat does not need)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -61,6 +61,7 @@ def snapshot(core: CoreState) -> dict:
             "id": request.request_id, "state": request.status.name.lower(),
             "phase": phase(recovery.resuming, request),
             "tenant": request.tenant, "priority": request.priority,
+            "background": request.background,
             "prompt_tokens": len(request.prompt_token_ids),
             "output_tokens": request.num_output_tokens,
             "computed_tokens": request.num_computed_tokens,

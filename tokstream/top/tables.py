@@ -32,8 +32,8 @@ def _cell(row: RequestRow, column: str) -> Text | str:
     value = getattr(row, column)
     if column == "id":
         return Text(value, style=owner_colour(value))
-    if column == "state":
-        return Text(value, style=STATE_COLOUR.get(value, ""))
+    if column == "state":  # "decode bg" (a batch's) in decode's colour
+        return Text(value, style=STATE_COLOUR.get(value.split(" ")[0], ""))
     if column in ("ttft_ms", "itl_ms"):
         return fmt.ms(value)
     if column == "tokens_per_s":

@@ -30,13 +30,16 @@ def owner_colour(request_id: str) -> str:
 def request_rows(state: StateSnapshot) -> list[RequestRow]:
     """The /v1/state request rows with `state` as top shows it: waiting, prefill, decode,
     preempted, recovering (paused by a replica restart, or re-prefilling what it had after
-    one), finishing (delivered, closing) or submitted (not yet in the engine)."""
+    one), finishing (delivered, closing) or submitted (not yet in the engine), with " bg"
+    after it for a Message Batch's request."""
     rows = []
     for row in state.requests:
         phase = row.phase or row.state
         resumed_refill = row.resumes > 0 and phase in ("waiting", "prefill")
         if phase != "finishing" and (state.recovering or resumed_refill):
             phase = "recovering"
+        if row.background:  # a Message Batch's: it yields every step chat needs
+            phase += " bg"
         rows.append(dataclasses.replace(row, state=phase, tenant=row.tenant or "-"))
     return rows
 

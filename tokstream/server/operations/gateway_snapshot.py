@@ -110,4 +110,5 @@ def _request_row(stream, core_row, now: float) -> RequestRow:
                       preemptions=core_row.preemptions, computed_tokens=core_row.computed_tokens,
                       phase=core_row.phase if core_row.phase is not None else core_row.state,
                       draft_tokens=core_row.draft_tokens,
-                      accepted_tokens=core_row.accepted_tokens, priority=core_row.priority)
+                      accepted_tokens=core_row.accepted_tokens, priority=core_row.priority,
+                      background=core_row.background)
