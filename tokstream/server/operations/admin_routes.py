@@ -42,7 +42,8 @@ async def metrics(request):
     server.metrics.live.set(len(server.registry))
     server.metrics.stored.set(server.conversations.count())
     server.metrics.stored_bytes.set(server.conversations.bytes)
-    running = list(request.app.state.batches.running.values())
+    batches = getattr(request.app.state, "batches", None)  # the app's lifespan makes it
+    running = list(batches.running.values()) if batches is not None else []
     server.metrics.batches.set(len(running))
     counts = [batch.request_counts() for batch in running]
     for name in ("processing", "succeeded", "errored", "canceled", "expired"):
