@@ -21,7 +21,7 @@ from tokstream.top.detail import DetailScreen
 from tokstream.top.help import HelpScreen
 from tokstream.top.kv_map import CACHED, FREE, SHARED, blocks, cells
 from tokstream.top.source import HttpSource, SourceError, parse_counters
-from tokstream.top.tables import RequestsTable
+from tokstream.top.tables import WIDTHS, RequestsTable
 from tokstream.top.view import History, filter_rows, request_rows, tenant_rows
 from tokstream.top.source import Frame
 
@@ -303,6 +303,9 @@ def test_a_batch_request_is_marked_bg_and_found_by_it():
                          for i, row in enumerate(state["requests"])]
     rows = request_rows(StateSnapshot.from_wire(state))
     assert rows[0].state.endswith(" bg") and len(rows) > 1
+    assert all(len(row.state) <= WIDTHS["state"] for row in rows)  # never cut off
+    preempted = {**state, "requests": [{**state["requests"][0], "phase": "preempted"}]}
+    assert request_rows(StateSnapshot.from_wire(preempted))[0].state == "preempt bg"
     assert not any(row.state.endswith(" bg") for row in rows[1:])
     assert filter_rows(rows, "bg") == rows[:1]
 

@@ -8,7 +8,7 @@ from textual.widgets import DataTable
 from tokstream.core_state import Event
 from tokstream.state_snapshot import RequestRow
 from tokstream.top import format as fmt
-from tokstream.top.view import COLUMNS, owner_colour
+from tokstream.top.view import BACKGROUND_STATE, COLUMNS, owner_colour
 
 HEADINGS = {"id": "ID", "tenant": "TENANT", "state": "STATE", "prompt_tokens": "PROMPT",
             "output_tokens": "OUTPUT", "blocks": "BLOCKS", "ttft_ms": "TTFT", "itl_ms": "ITL",
@@ -21,6 +21,7 @@ ACCEPTED_WIDTH = 11
 STATE_COLOUR = {"waiting": "#abb2bf", "submitted": "#abb2bf", "prefill": "#61afef",
                 "decode": "#98c379", "preempted": "#e5c07b", "recovering": "#e06c75",
                 "finishing": "#5c6370"}
+FULL_STATE = {short: name for name, short in BACKGROUND_STATE.items()}
 EVENT_COLOUR = {"preempted": "#e5c07b", "rank_failure": "bold #e06c75",
                 "engine_dead": "bold #e06c75", "restart_failed": "#e06c75",
                 "engine_restart_failed": "#e06c75", "restarted": "#98c379",
@@ -32,8 +33,9 @@ def _cell(row: RequestRow, column: str) -> Text | str:
     value = getattr(row, column)
     if column == "id":
         return Text(value, style=owner_colour(value))
-    if column == "state":  # "decode bg" (a batch's) in decode's colour
-        return Text(value, style=STATE_COLOUR.get(value.split(" ")[0], ""))
+    if column == "state":  # "decode bg", "preempt bg" (a batch's) in decode's, preempted's colour
+        word = value.split(" ")[0]
+        return Text(value, style=STATE_COLOUR.get(FULL_STATE.get(word, word), ""))
     if column in ("ttft_ms", "itl_ms"):
         return fmt.ms(value)
     if column == "tokens_per_s":

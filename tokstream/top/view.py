@@ -27,6 +27,11 @@ def owner_colour(request_id: str) -> str:
     return PALETTE[zlib.crc32(request_id.encode()) % len(PALETTE)]
 
 
+BACKGROUND_STATE = {"preempted": "preempt", "recovering": "recover", "finishing": "finish",
+                    "submitted": "submit"}
+"""A batch request's state, cut so that " bg" after it fits the STATE column (10)."""
+
+
 def request_rows(state: StateSnapshot) -> list[RequestRow]:
     """The /v1/state request rows with `state` as top shows it: waiting, prefill, decode,
     preempted, recovering (paused by a replica restart, or re-prefilling what it had after
@@ -39,7 +44,7 @@ def request_rows(state: StateSnapshot) -> list[RequestRow]:
         if phase != "finishing" and (state.recovering or resumed_refill):
             phase = "recovering"
         if row.background:  # a Message Batch's: it yields every step chat needs
-            phase += " bg"
+            phase = BACKGROUND_STATE.get(phase, phase) + " bg"
         rows.append(dataclasses.replace(row, state=phase, tenant=row.tenant or "-"))
     return rows
 
