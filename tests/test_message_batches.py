@@ -102,6 +102,16 @@ def test_each_result_is_what_the_messages_route_answers(server):
         client.messages.batches.retrieve(batch.id)
 
 
+def each_as_messages_gives(server, client, batch_id: str, bodies: dict) -> None:
+    """Each result's tokens are what POST /v1/messages gives its params (seeded) now."""
+    results = {r.custom_id: r.result for r in client.messages.batches.results(batch_id)}
+    http = httpx.Client(base_url=server.url, timeout=60)
+    for key, body in bodies.items():
+        alone = http.post("/v1/messages", json=body).json()
+        assert results[key].message.model_extra["tokstream"]["token_ids"] == \
+            alone["tokstream"]["token_ids"], key
+
+
 def background_rows(server) -> list[dict]:
     return [row for row in server.state(**{"x-api-key": ADMIN})["requests"]
             if (row.get("priority") or 0) >= BACKGROUND_TIER]
@@ -256,12 +266,7 @@ def test_with_a_batch_dir_batches_outlive_the_gateway(tmp_path):
         assert client.messages.batches.retrieve(small.id).processing_status == "ended"
         finished = ended(client, batch.id)
         assert finished.request_counts.succeeded == 4, finished.request_counts
-        results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
-        http = httpx.Client(base_url=second.url, timeout=60)
-        for key, body in bodies.items():
-            alone = http.post("/v1/messages", json=body).json()
-            assert results[key].message.model_extra["tokstream"]["token_ids"] == \
-                alone["tokstream"]["token_ids"], key
+        each_as_messages_gives(second, client, batch.id, bodies)
         assert [b.id for b in client.messages.batches.list()] == [batch.id, small.id]
         client.messages.batches.delete(small.id)
         assert not (folder / small.id).exists() and (folder / batch.id).exists()
@@ -295,12 +300,7 @@ def test_a_batch_rides_through_a_rank_death_and_an_engine_core_death():
         assert finished.request_counts.succeeded == 4, finished.request_counts
         restarts = server.wait_idle()["replica"]["restarts_by_kind"]
         assert restarts["rank"] >= 1 and restarts["core"] >= 1, restarts
-        results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
-        http = httpx.Client(base_url=server.url, timeout=60)
-        for key, body in bodies.items():
-            alone = http.post("/v1/messages", json=body).json()
-            assert results[key].message.model_extra["tokstream"]["token_ids"] == \
-                alone["tokstream"]["token_ids"], key
+        each_as_messages_gives(server, client, batch.id, bodies)
 
 
 def test_the_store_tells_of_each_eviction():
