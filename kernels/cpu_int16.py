@@ -1,6 +1,6 @@
 """Matrix products from GGUF-quantised weights in 16-bit integers (cpu_int16_matmul.c), for
 products of any number of input rows: each weight repacked once as its file's 4- or 8-bit
-quants with a scale (and offset) per 32, float32 or, on AVX2, float16 (scale_dtype), each
+quants with a scale (and offset) per 32, float16 on the vector builds (scale_dtype), each
 input row rounded to int16 per block of 32, and the sums taken with vpmaddwd (AVX-512 VNNI's
 vpdpwssd where there is one). The quants are widened in registers for few rows, a panel at a
 time for more. Compiled on first use and called through ctypes, like cpu_quant.
@@ -90,8 +90,9 @@ def pack(blocks: torch.Tensor, qtype: int, in_features: int) -> Int16Weight | No
 
 
 def scale_dtype() -> torch.dtype:
-    """How this machine's build keeps a packed weight's scales and offsets: float16 on AVX2
-    (exactly the file's), float32 elsewhere (and where the library is unavailable)."""
+    """How this machine's build keeps a packed weight's scales and offsets: float16 on AVX-512
+    and AVX2 (exactly the file's), float32 in the portable build (and where the library is
+    unavailable)."""
     library = load()
     return torch.float16 if library is not None and library.i16_scale_bytes() == 2 \
         else torch.float32
