@@ -77,23 +77,30 @@ static void block_values(int64_t qtype, const uint8_t *block, int16_t q[QK], flo
 /* Bits a quant takes in wq: 4 for the 4-bit formats, else 8. */
 int64_t i16_quant_bits(int64_t qtype) { return qtype == Q8_0F ? 8 : 4; }
 
-/* Where element e (0..31: lane * 2 + input parity) of a pair's vector sits among its 32
- * quants. AVX-512 widens bytes: element e is quant e (Q8_0: byte e of the pair's 32; 4-bit:
- * byte e of the chunk's 32, pair 2c in the low nibbles, 2c + 1 in the high ones). AVX2 reads
- * 16-bit words and shifts each vector out of them: word e % 16 holds elements e % 16 and
- * e % 16 + 16 (Q8_0: low and high byte; 4-bit: nibbles 0 and 1 for pair 2c, 2 and 3 for pair
- * 2c + 1), so an and or a shift gives each 16-lane vector, where widening bytes took two
- * shuffles (measured on a Zen 3, a 3072 x 576 Q4_1 product at 1 row, hot: 76 -> 48 us). */
-#if !defined(__AVX512BW__) && defined(__AVX2__) && defined(__FMA__)
-#define WORD_ORDER 1
+/* Where element e (0..31: lane * 2 + input parity) of pair P's vector sits among its group's
+ * quants (Q8_0: the byte; 4-bit: the nibble, low nibble first). The vector builds read 16-bit
+ * words and shift each vector out of them with an and or a shift, where widening bytes took
+ * two shuffles (measured on a Zen 3, a 3072 x 576 Q4_1 product at 1 row, hot: 76 -> 48 us):
+ *   AVX-512: word e of 64 bytes holds element e of pairs 2c and 2c + 1 (Q8_0: low and high
+ *     byte) or of pairs 4s .. 4s + 3 (4-bit: nibbles 0-3);
+ *   AVX2: word e % 16 of 32 bytes holds elements e % 16 and e % 16 + 16 of pair P (Q8_0: low
+ *     and high byte) or of pairs 2c and 2c + 1 (4-bit: nibbles 0-1 for 2c, 2-3 for 2c + 1).
+ * The portable build keeps byte order: element e is byte e of the pair's 32 (Q8_0), or byte e
+ * of the chunk's 32 with pair 2c in the low nibbles and 2c + 1 in the high ones (4-bit). */
+#if defined(__AVX512BW__)
+#define WORD_ORDER 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define WORD_ORDER 256
 #endif
 
-/* The quant's index among the 32 (Q8_0: bytes) or 64 (4-bit: nibbles) of its place. */
-static inline int64_t quant_place(int64_t e, int p, int bits) {
-#ifdef WORD_ORDER
-    return bits == 8 ? 2 * (e % 16) + e / 16 : 4 * (e % 16) + 2 * p + e / 16;
+static inline int64_t quant_place(int64_t e, int64_t P, int bits) {
+#if WORD_ORDER == 512
+    return bits == 8 ? P / 2 * 64 + 2 * e + P % 2 : P / 4 * 128 + 4 * e + P % 4;
+#elif WORD_ORDER == 256
+    return bits == 8 ? P * 32 + 2 * (e % 16) + e / 16
+                     : P / 2 * 64 + 4 * (e % 16) + 2 * (P % 2) + e / 16;
 #else
-    return bits == 8 ? e : 2 * e + p;
+    return bits == 8 ? P * 32 + e : P / 2 * 64 + 2 * e + P % 2;
 #endif
 }
 
@@ -102,10 +109,10 @@ static inline int64_t quant_place(int64_t e, int p, int bits) {
  * a sixth fewer bytes (4-bit quants and two float32 a block of 32 were 0.75 bytes a weight).
  * Measured on a Zen 4 (AVX-512), SmolLM2's products streamed (bench/int16_rows_bench.py):
  * 3-6% faster at 1-32 rows; the portable build keeps float32. */
-#if defined(__AVX512BW__)
+#if WORD_ORDER == 512
 typedef _Float16 scale_t;
 #define LOAD_SCALES16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#elif defined(WORD_ORDER) && defined(__F16C__)
+#elif WORD_ORDER == 256 && defined(__F16C__)
 typedef _Float16 scale_t;
 #define LOAD_SCALES8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #else
@@ -138,11 +145,11 @@ int i16_pack(int64_t qtype, const uint8_t *w, int64_t N, int64_t K, int8_t *wq, 
                 exact = exact && (float)(scale_t)ds == ds && (float)(scale_t)ms == ms;
                 for (int j = 0; j < QK; j++) {
                     const int64_t k = b * QK + j, e = lane * 2 + k % 2;
-                    const int64_t at = quant_place(e, (int)(k / 2 % 2), (int)bits);
+                    const int64_t at = quant_place(e, k / 2, (int)bits);
                     if (bits == 8)
-                        wq[(g * (K / 2) + k / 2) * 2 * LANES + at] = (int8_t)q[j];
+                        wq[g * K * LANES + at] = (int8_t)q[j];
                     else
-                        ((uint8_t *)wq)[(g * (K / 4) + k / 4) * 2 * LANES + at / 2] |=
+                        ((uint8_t *)wq)[g * K * LANES / 2 + at / 2] |=
                             (uint8_t)(q[j] << (at % 2 ? 4 : 0));
                 }
             }
@@ -268,20 +275,27 @@ static void tile_any(const int16_t *xq, const float *sx, const float *sums, cons
 #define DIRECT_ROWS 4
 #define DG 4 /* 16-row weight groups a direct tile, for up to two rows (two for more) */
 
-/* The two pairs' weight vectors of chunk c (pairs 2c and 2c + 1) of a group. */
+/* The two pairs' weight vectors of chunk c (pairs 2c and 2c + 1) of a group, shifted out of
+ * 16-bit words (quant_place): Q8_0's 64 bytes a chunk, a 4-bit format's 64 bytes a two chunks
+ * (the odd chunk's nibbles 2 and 3; its load is the even chunk's, from L1). */
 static inline void direct_weights(const int8_t *restrict wq, int64_t K, int bits, int64_t c,
                                   __m512i *first, __m512i *second) {
+    (void)K;
     if (bits == 8) {
-        *first = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(wq + 4 * c * LANES)));
-        *second = _mm512_cvtepi8_epi16(
-            _mm256_loadu_si256((const __m256i *)(wq + (4 * c + 2) * LANES)));
+        const __m512i v = _mm512_loadu_si512(wq + 4 * c * LANES);
+        *first = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
+        *second = _mm512_srai_epi16(v, 8);
         return;
     }
-    (void)K;
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(wq + 2 * c * LANES));
-    const __m256i low4 = _mm256_set1_epi8(15);
-    *first = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low4));
-    *second = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+    const __m512i v = _mm512_loadu_si512(wq + c / 2 * 4 * LANES);
+    const __m512i low4 = _mm512_set1_epi16(15);
+    if (c % 2 == 0) {
+        *first = _mm512_and_si512(v, low4);
+        *second = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    } else {
+        *first = _mm512_and_si512(_mm512_srli_epi16(v, 8), low4);
+        *second = _mm512_srli_epi16(v, 12);
+    }
 }
 
 static inline __attribute__((always_inline)) void direct_tile(
@@ -590,7 +604,14 @@ static const int16_t *widen_panel(const int8_t *wq, int64_t count, int64_t bits)
         if (!buffer) return NULL;
     }
     const int64_t chunk = 2 * LANES; /* quants of one pair's vector */
-#ifdef WORD_ORDER
+#if WORD_ORDER == 512
+    for (int64_t c = 0; c < count / (2 * chunk); c++) {
+        __m512i first, second;
+        direct_weights(wq, 0, (int)bits, c, &first, &second);
+        _mm512_storeu_si512(buffer + 2 * chunk * c, first);
+        _mm512_storeu_si512(buffer + 2 * chunk * c + chunk, second);
+    }
+#elif WORD_ORDER == 256
     for (int64_t c = 0; c < count / (2 * chunk); c++) {
         __m256i w[2][2];
         direct_weights(wq, (int)bits, c, w);

@@ -72,9 +72,9 @@ def test_the_four_bit_formats_take_four_bits_a_quant():
 
 
 def test_scales_are_kept_exactly_or_not_packed():
-    """Where the build keeps scales as float16 (the AVX-512 and AVX2 builds) each is the file's float16 exactly; a
-    float-scale block whose scale float16 cannot hold gets no copy (callers keep the fused
-    path), never a rounded one."""
+    """Where the build keeps scales as float16 (the AVX-512 and AVX2 builds) each is the
+    file's float16 exactly; a float-scale block whose scale float16 cannot hold gets no copy
+    (callers keep the fused path), never a rounded one."""
     raw, qtype, _ = blocks("Q4_1", 16, 64)
     widened, wide_type = cpu_quant.with_float_scales(raw.numpy(), qtype)
     weight = cpu_int16.pack(raw, qtype, 64)
