@@ -274,6 +274,10 @@ static void tile_any(const int16_t *xq, const float *sx, const float *sums, cons
  * multiply-adds in flight. */
 #define DIRECT_ROWS 4
 #define DG 4 /* 16-row weight groups a direct tile, for up to two rows (two for more) */
+/* Up to 16 rows stay on the direct path, 4 at a time over each tile's weights while they are
+ * in L1 (measured on a Zen 4, SmolLM2's products streamed at 5-16 rows: 0.60-0.86x the panel
+ * path's time over three runs, bench/int16_rows_bench.py) */
+#define DIRECT_MAX_ROWS 16
 
 /* The two pairs' weight vectors of chunk c (pairs 2c and 2c + 1) of a group, shifted out of
  * 16-bit words (quant_place): Q8_0's 64 bytes a chunk, a 4-bit format's 64 bytes a two chunks
