@@ -22,31 +22,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from quant_rows_bench import HIDDEN, INTER, LAYER_SHAPES, LAYERS, VOCAB, random_blocks  # noqa: E402
+from kernel_at_revision import build_at  # noqa: E402
+from quant_rows_bench import (HIDDEN, INTER, LAYER_SHAPES, LAYERS, VOCAB,  # noqa: E402
+                              random_blocks)
 from tokstream.kernels import cpu_build, cpu_int16  # noqa: E402
 
-import numpy as np  # noqa: E402
-
 SOURCES = ("cpu_int16_matmul.c", "cpu_vector_math.h")
-
-
-def build_at(revision: str, work: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
-    """The kernel's source at `revision`, compiled beside its header."""
-    folder = work / revision.replace("/", "_")
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in SOURCES:
-        text = subprocess.run(["git", "show", f"{revision}:kernels/{name}"], cwd=ROOT,
-                              check=True, capture_output=True, text=True).stdout
-        (folder / name).write_text(text)
-    lib = cpu_build.build(folder / SOURCES[0], flags)
-    if lib is None:
-        raise SystemExit(f"the kernel at {revision} does not build")
-    return lib
 
 
 def packed(lib, blocks: torch.Tensor, qtype: int, n: int, k: int):
@@ -113,7 +100,7 @@ def main() -> None:
     shapes = [(o, i, 3) for _ in range(LAYERS) for o, i in LAYER_SHAPES] + [(VOCAB, HIDDEN, 8)]
     blocks = {s: random_blocks(*s, rng) for s in set(shapes)}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": build_at(args.base, Path(tmp), flags),
+        libs = {"base": build_at(args.base, Path(tmp), SOURCES, flags),
                 "tree": cpu_build.build(cpu_int16.SOURCE, flags)}
         packs = {name: {s: packed(lib, blocks[s][0], blocks[s][1], s[0], s[1])
                         for s in blocks} for name, lib in libs.items()}

@@ -27,8 +27,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from kernel_at_revision import build_at  # noqa: E402
 from tokstream.kernels import cpu_build, cpu_quant  # noqa: E402
 
+SOURCES = ("cpu_quant_matmul.c", "cpu_vector_math.h")
 HIDDEN, INTER, KV, LAYERS, VOCAB = 576, 1536, 192, 30, 49152
 LAYER_SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN),
                 (INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
@@ -42,20 +45,6 @@ def random_blocks(out: int, inp: int, qtype: int, rng) -> torch.Tensor:
     raw[:, :, :4 if qtype == 3 else 2] = scales.reshape(out, nb, 4)[:, :, :4 if qtype == 3 else 2]
     blocks, qt = cpu_quant.with_float_scales(raw.reshape(out, nb * size), qtype)
     return torch.from_numpy(blocks), qt
-
-
-def build_at(revision: str, work: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
-    """The kernel's source at `revision`, compiled beside its header."""
-    folder = work / revision.replace("/", "_")
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in ("cpu_quant_matmul.c", "cpu_vector_math.h"):
-        text = subprocess.run(["git", "show", f"{revision}:kernels/{name}"], cwd=ROOT,
-                              check=True, capture_output=True, text=True).stdout
-        (folder / name).write_text(text)
-    lib = cpu_build.build(folder / "cpu_quant_matmul.c", flags)
-    if lib is None:
-        raise SystemExit(f"the kernel at {revision} does not build")
-    return lib
 
 
 def pass_time(lib, weights, x_by_in, scratch, repeats: int) -> float:
@@ -89,7 +78,7 @@ def main() -> None:
     for o, i, qt in set(shapes):
         made[(o, i, qt)] = random_blocks(o, i, qt, rng)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": build_at(args.base, Path(tmp), flags),
+        libs = {"base": build_at(args.base, Path(tmp), SOURCES, flags),
                 "tree": cpu_build.build(cpu_quant.SOURCE, flags)}
         scratch = torch.empty(cpu_quant.load().quant_scratch_floats(INTER) + 16)
         results = []

@@ -24,9 +24,15 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from worker_env import as_a_rank  # noqa: E402
+
+if __name__ == "__main__":
+    as_a_rank()  # the served runner's malloc and huge pages, before torch allocates
+
+import torch  # noqa: E402
+
 FLAGS_OF_INTEREST = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                      "avx512_bf16", "amx_bf16", "amx_int8", "avx_vnni")
 
@@ -37,7 +43,9 @@ def machine() -> dict:
     flags = cpu_build.cpu_flags()
     return {"cpu_model": cpu_build.cpu_model(), "cores": os.cpu_count(),
             "cpu_flags": [f for f in FLAGS_OF_INTEREST if f in flags],
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "worker_env": {k: os.environ.get(k) for k in ("THP_MEM_ALLOC_ENABLE",
+                                                          "MALLOC_MMAP_THRESHOLD_")}}
 
 
 class Timers:
