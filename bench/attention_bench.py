@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=192, help="mean cached tokens a sequence")
     p.add_argument("--cache", default="float16", choices=sorted(KERNELS))
     p.add_argument("--block-size", type=int, default=16, help="positions a block (serve's 16)")
+    p.add_argument("--contiguous", action="store_true",
+                   help="each sequence's blocks one after another (a served pool scatters them)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--hot", action="store_true",
@@ -81,7 +83,9 @@ def main() -> None:
                                  generator=gen)
             max_blocks = int(lens.max()) // args.block_size + 1
             blocks = seqs * max_blocks + 64
-            tables = torch.randperm(blocks, generator=gen)[:seqs * max_blocks]
+            order = torch.arange(blocks) if args.contiguous else torch.randperm(blocks,
+                                                                               generator=gen)
+            tables = order[:seqs * max_blocks]
             tables = tables.reshape(seqs, max_blocks).contiguous()
             layers = [(torch.randn(KV_HEADS, blocks, args.block_size, HEAD_DIM, generator=gen).to(dtype),
                        torch.randn(KV_HEADS, blocks, args.block_size, HEAD_DIM, generator=gen).to(dtype))
@@ -107,7 +111,7 @@ def main() -> None:
             results.append(row)
     cpu = cpu_build.cpu_flags()
     doc = {"bench": "attention_bench", "base": args.base, "cache": args.cache, "hot": args.hot,
-           "block_size": args.block_size,
+           "block_size": args.block_size, "contiguous": args.contiguous,
            "base_commit": subprocess.run(["git", "rev-parse", args.base], cwd=ROOT,
                                          capture_output=True, text=True).stdout.strip(),
            "tree_dirty": bool(subprocess.run(["git", "status", "--porcelain", "kernels"],

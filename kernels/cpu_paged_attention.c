@@ -99,7 +99,10 @@ DEFINE_DECODE(paged_decode_attention_f16kv_generic, float, _Float16, IDENTITY, W
 /* Ask for the cached rows of positions [from, from + 16) ahead of their use: a sequence's
  * blocks lie anywhere in the pool, so the hardware prefetcher, which follows addresses, stops
  * at each block's end. The loops ask 32 positions ahead (measured, 32 streams x 200 tokens x
- * 30 layers: float16 15.3 -> 12.6 ms; 16 ahead gave 13.7, 48 no more than 32). */
+ * 30 layers: float16 15.3 -> 12.6 ms; 16 ahead gave 13.7, 48 no more than 32), into L2 (T1),
+ * not L1 (T0): on a Zen 4 (bench/attention_bench.py, 30 layers' pools read cold) 32 sequences
+ * x ~195 tokens 13.0 -> 8.2 ms, 8 sequences 0.67-0.72x, 1 level; 64 or 96 ahead then changed
+ * nothing. Not measured on other CPUs (the bench's --base shows it on any). */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int64_t *table, int64_t from,
                                  int64_t context, int64_t block_size, const int half) {
     const int64_t row_bytes = 64 * (half ? 2 : 4);
@@ -107,7 +110,7 @@ static inline __attribute__((always_inline)) void prefetch_rows(const void *cach
         const char *row = (const char *)cache
                           + (table[pos / block_size] * block_size + pos % block_size) * row_bytes;
         for (int64_t line = 0; line < row_bytes; line += 64)
-            _mm_prefetch(row + line, _MM_HINT_T0);
+            _mm_prefetch(row + line, _MM_HINT_T1);
     }
 }
 
