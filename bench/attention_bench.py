@@ -12,9 +12,7 @@ Each batch size alternates the two builds, best of --repeats, and records the lo
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +28,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from kernel_at_revision import build_at  # noqa: E402
+from kernel_at_revision import build_at, provenance, timed_row, write  # noqa: E402
 from tokstream.kernels import cpu_attention, cpu_build  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
@@ -83,16 +81,18 @@ def main() -> None:
                                  generator=gen)
             max_blocks = int(lens.max()) // args.block_size + 1
             blocks = seqs * max_blocks + 64
-            order = torch.arange(blocks) if args.contiguous else torch.randperm(blocks,
-                                                                               generator=gen)
+            order = (torch.arange(blocks) if args.contiguous
+                     else torch.randperm(blocks, generator=gen))
             tables = order[:seqs * max_blocks]
             tables = tables.reshape(seqs, max_blocks).contiguous()
-            layers = [(torch.randn(KV_HEADS, blocks, args.block_size, HEAD_DIM, generator=gen).to(dtype),
-                       torch.randn(KV_HEADS, blocks, args.block_size, HEAD_DIM, generator=gen).to(dtype))
+            shape = (KV_HEADS, blocks, args.block_size, HEAD_DIM)
+            layers = [(torch.randn(shape, generator=gen).to(dtype),
+                       torch.randn(shape, generator=gen).to(dtype))
                       for _ in range(1 if args.hot else LAYERS)]
             layers = layers * (LAYERS // len(layers))
             q = torch.randn(seqs, HEADS, HEAD_DIM, generator=gen)
-            scratch = torch.empty(torch.get_num_threads() * 3 * (max_blocks * args.block_size + 128))
+            scratch = torch.empty(torch.get_num_threads() * 3
+                                  * (max_blocks * args.block_size + 128))
             times = {"base": float("inf"), "tree": float("inf")}
             outs = {}
             for _ in range(args.rounds):
@@ -102,29 +102,13 @@ def main() -> None:
                     times[name] = min(times[name], t)
             close = all(torch.allclose(a, b, atol=1e-5, rtol=1e-4)
                         for a, b in zip(outs["base"], outs["tree"]))
-            row = {"seqs": seqs, "mean_context": float(lens.float().mean()),
-                   "base_ms": round(times["base"] * 1e3, 3),
-                   "tree_ms": round(times["tree"] * 1e3, 3),
-                   "tree_over_base": round(times["tree"] / times["base"], 3),
-                   "outputs_close": close}
-            print(json.dumps(row), flush=True)
-            results.append(row)
-    cpu = cpu_build.cpu_flags()
-    doc = {"bench": "attention_bench", "base": args.base, "cache": args.cache, "hot": args.hot,
-           "block_size": args.block_size, "contiguous": args.contiguous,
-           "base_commit": subprocess.run(["git", "rev-parse", args.base], cwd=ROOT,
-                                         capture_output=True, text=True).stdout.strip(),
-           "tree_dirty": bool(subprocess.run(["git", "status", "--porcelain", "kernels"],
-                                             cwd=ROOT, capture_output=True,
-                                             text=True).stdout.strip()),
-           "cpu_model": cpu_build.cpu_model(), "cpu_kind": cpu_build.cpu_kind(),
-           "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu],
-           "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+            results.append(timed_row({"seqs": seqs, "mean_context": float(lens.float().mean())},
+                                     times, outputs_close=close))
+    doc = {"bench": "attention_bench", **provenance(args.base), "cache": args.cache,
+           "hot": args.hot, "block_size": args.block_size, "contiguous": args.contiguous,
            "transparent_huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE") == "1",
-           "command": " ".join(sys.argv), "results": results}
-    out = Path(args.out or ROOT / "bench" / "results" / f"attention-{cpu_build.cpu_kind()}.json")
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out}")
+           "results": results}
+    write(doc, args.out)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from kernel_at_revision import build_at  # noqa: E402
+from kernel_at_revision import build_at, provenance, timed_row, write  # noqa: E402
 from quant_rows_bench import (HIDDEN, INTER, LAYER_SHAPES, LAYERS, VOCAB,  # noqa: E402
                               random_blocks)
 from tokstream.kernels import cpu_build, cpu_int16  # noqa: E402
@@ -118,28 +115,10 @@ def main() -> None:
                                       pass_time(lib, weights, inputs, m, args.repeats))
                     outs[name] = [w[3].clone() for w in weights[-8:]]
             same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
-            row = {"rows": m, "base_ms": round(times["base"] * 1e3, 3),
-                   "tree_ms": round(times["tree"] * 1e3, 3),
-                   "tree_over_base": round(times["tree"] / times["base"], 3),
-                   "outputs_equal": same}
-            print(json.dumps(row), flush=True)
-            results.append(row)
-    cpu = cpu_build.cpu_flags()
-    doc = {"bench": "int16_rows_bench", "base": args.base, "cflags": args.cflags,
-           "base_commit": subprocess.run(["git", "rev-parse", args.base], cwd=ROOT,
-                                         capture_output=True, text=True).stdout.strip(),
-           "tree_dirty": bool(subprocess.run(["git", "status", "--porcelain", "kernels"],
-                                             cwd=ROOT, capture_output=True,
-                                             text=True).stdout.strip()),
-           "vector_lanes": libs["tree"].i16_vector_lanes(),
-           "cpu_model": cpu_build.cpu_model(), "cpu_kind": cpu_build.cpu_kind(),
-           "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16",
-                                     "amx_bf16", "amx_int8") if f in cpu],
-           "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
-           "command": " ".join(sys.argv), "results": results}
-    out = Path(args.out or ROOT / "bench" / "results" / f"int16_rows-{cpu_build.cpu_kind()}.json")
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out}")
+            results.append(timed_row({"rows": m}, times, outputs_equal=same))
+    doc = {"bench": "int16_rows_bench", **provenance(args.base), "cflags": args.cflags,
+           "vector_lanes": libs["tree"].i16_vector_lanes(), "results": results}
+    write(doc, args.out)
 
 
 if __name__ == "__main__":

@@ -26,3 +26,51 @@ def build_at(revision: str, work: Path, sources: tuple[str, ...],
     if lib is None:
         raise SystemExit(f"{sources[0]} at {revision} does not build")
     return lib
+
+
+def provenance(revision: str) -> dict:
+    """What a revision-against-tree result depends on: both sides, the CPU, the load."""
+    import os
+    import sys
+
+    import torch
+
+    from tokstream.kernels import cpu_build
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+
+    cpu = cpu_build.cpu_flags()
+    return {"base": revision, "base_commit": git("rev-parse", revision),
+            "tree_commit": git("rev-parse", "HEAD"),
+            "tree_dirty": bool(git("status", "--porcelain", "kernels")),
+            "cpu_model": cpu_build.cpu_model(), "cpu_kind": cpu_build.cpu_kind(),
+            "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16",
+                                      "amx_bf16", "amx_int8") if f in cpu],
+            "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+            "command": " ".join(sys.argv)}
+
+
+def timed_row(key: dict, times: dict, **checks) -> dict:
+    """One size's result, printed as it is taken: both builds' best seconds (times' "base" and
+    "tree") in ms, their ratio, and the outputs' checks."""
+    import json
+
+    row = {**key, "base_ms": round(times["base"] * 1e3, 3),
+           "tree_ms": round(times["tree"] * 1e3, 3),
+           "tree_over_base": round(times["tree"] / times["base"], 3), **checks}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def write(doc: dict, out: str | None) -> None:
+    """doc to `out`, or to bench/results/<doc's bench without _bench>-<cpu kind>.json."""
+    import json
+
+    from tokstream.kernels import cpu_build
+
+    name = doc["bench"].removesuffix("_bench")
+    path = Path(out or ROOT / "bench" / "results" / f"{name}-{cpu_build.cpu_kind()}.json")
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {path}")

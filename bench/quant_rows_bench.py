@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from kernel_at_revision import build_at  # noqa: E402
+from kernel_at_revision import build_at, provenance, timed_row, write  # noqa: E402
 from tokstream.kernels import cpu_build, cpu_quant  # noqa: E402
 
 SOURCES = ("cpu_quant_matmul.c", "cpu_vector_math.h")
@@ -95,25 +92,10 @@ def main() -> None:
                     outs[name] = [w[4].clone() for w in weights[-8:]]
             same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-3)
                        for a, b in zip(outs["base"], outs["tree"]))
-            row = {"rows": m, "base_ms": round(times["base"] * 1e3, 3),
-                   "tree_ms": round(times["tree"] * 1e3, 3),
-                   "tree_over_base": round(times["tree"] / times["base"], 3),
-                   "outputs_close": same}
-            print(json.dumps(row), flush=True)
-            results.append(row)
-    flags = cpu_build.cpu_flags()
-    doc = {"bench": "quant_rows_bench", "base": args.base, "cflags": args.cflags,
-           "vector_lanes": libs["tree"].quant_vector_lanes(),
-           "base_commit": subprocess.run(["git", "rev-parse", args.base], cwd=ROOT,
-                                         capture_output=True, text=True).stdout.strip(),
-           "cpu_model": cpu_build.cpu_model(), "cpu_kind": cpu_build.cpu_kind(),
-           "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16",
-                                     "amx_bf16", "amx_int8") if f in flags],
-           "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
-           "command": " ".join(sys.argv), "results": results}
-    out = Path(args.out or ROOT / "bench" / "results" / f"quant_rows-{cpu_build.cpu_kind()}.json")
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out}")
+            results.append(timed_row({"rows": m}, times, outputs_close=same))
+    doc = {"bench": "quant_rows_bench", **provenance(args.base), "cflags": args.cflags,
+           "vector_lanes": libs["tree"].quant_vector_lanes(), "results": results}
+    write(doc, args.out)
 
 
 if __name__ == "__main__":
