@@ -36,6 +36,17 @@ def run_contender(args, name: str, build_cmd, env_extra: dict, vllm_peer: str, w
     return serve_and_measure(args, name, cmd, env_extra, work, port, out, measure)
 
 
+def served_configuration(log_path: str) -> str | None:
+    """What `tokstream serve` said it serves on its ready line (model, dtype, weights, KV
+    blocks), without the address and pids that differ between runs; None for other servers."""
+    try:
+        text = open(log_path, errors="replace").read()
+    except OSError:
+        return None
+    found = re.search(r"tokstream serve: ready on \S+ \(([^;)]*)", text)
+    return found.group(1).strip() if found else None
+
+
 def serve_and_measure(args, name: str, cmd: list[str], env_extra: dict, work: str, port: int,
                       out: dict, measure, log=log, error_chars: int | None = None,
                       log_chars: int | None = None) -> dict:
@@ -58,6 +69,9 @@ def serve_and_measure(args, name: str, cmd: list[str], env_extra: dict, work: st
         if server is not None:
             out["stop"] = server.stop()
             out["server_log"] = server.log_path
+            serves = served_configuration(server.log_path)
+            if serves:
+                out["serves"] = serves
         out["loadavg_after"] = loadavg()
     return out
 

@@ -138,8 +138,19 @@ def defaults_are_fast(tok_configs: dict, tolerance: float) -> dict:
         higher = key in HIGHER_IS_BETTER
         checks[fid] = d >= b * (1 - tolerance) if higher else d <= b * (1 + tolerance)
     vals = list(checks.values())
+    same = sorted(k for k, v in explicit.items()
+                  if default.get("serves") and v.get("serves") == default["serves"])
     return {"met": None if None in vals else all(vals), "per_figure": checks,
-            "tolerance": tolerance, "best_weights_config": best_of(explicit)["from"]}
+            "tolerance": tolerance, "best_weights_config": best_of(explicit)["from"],
+            "same_configuration_as": same}
+
+
+def same_configuration_note(dfast: dict) -> str:
+    """Where the defaults served exactly what an explicit --weights did (the ready lines say
+    so), their measured gap is the run's own spread: said beside the verdict."""
+    same = dfast.get("same_configuration_as")
+    return (f" (the defaults serve the same configuration as --weights {', '.join(same)})"
+            if same else "")
 
 
 def fmt(v: float | None, key: str = "") -> str:
@@ -224,6 +235,7 @@ def markdown(report: dict) -> str:
         "available (" + ", ".join(wflag["formats_listed"]) + ")"
     lines += ["", f"`make serve` defaults are the fast ones: {yes_no(dfast.get('met'))}"
                   + (f" ({dfast['why']})" if dfast.get("why") else "")
+                  + same_configuration_note(dfast)
                   + f". tokstream --weights: {wtxt}."]
     if report.get("aborted"):
         lines.append(f"**Aborted: {report['aborted']}**")
@@ -257,9 +269,10 @@ def kinds_table(reports: dict[str, dict]) -> str:
                        for p, name in (("vllm", "vLLM"), ("llamacpp", "llama.cpp"))
                        if row.get(f"ratio_over_{p}") is not None]
             cells.append(f"{fmt(row.get('tokstream'), key)} ({'; '.join(ratios_) or '—'})")
-        fast = report["targets"]["defaults_are_fast"].get("met")
+        dfast = report["targets"]["defaults_are_fast"]
         lines.append(f"| {report['host']['cpu']} ({kind}, {report['date'][:10]}) | "
-                     + " | ".join(cells) + f" | {yes_no(fast)} |")
+                     + " | ".join(cells) + f" | {yes_no(dfast.get('met'))}"
+                     + same_configuration_note(dfast) + " |")
     return "\n".join(lines)
 
 

@@ -34,3 +34,35 @@ def test_issue_28_targets_hold_tokstream_to_llama_cpp_at_one_stream():
     met = {t["id"]: t["met"] for t in compare_report.evaluate_targets(head)}
     assert met["median_itl_1_vs_vllm"] is True
     assert met["median_itl_1_vs_llamacpp"] is False  # 1.1x: within issue 13's 1.25, not 1.0
+
+
+def test_defaults_serving_what_a_weights_flag_serves_are_said_to_be_one_configuration():
+    def config(tok_s: float, serves: str) -> dict:
+        return {"concurrent": {"output_throughput": tok_s, "completed": 32}, "serves": serves}
+
+    same = compare_report.defaults_are_fast(
+        {"default": config(349.0, "model m, float32, native weights"),
+         "native": config(412.0, "model m, float32, native weights"),
+         "float32": config(200.0, "model m, float32, float32 weights")}, 0.05)
+    assert same["per_figure"]["throughput_n"] is False  # measured 15% apart...
+    assert same["same_configuration_as"] == ["native"]  # ...yet one configuration
+    assert "same configuration as --weights native" in compare_report.same_configuration_note(same)
+    apart = compare_report.defaults_are_fast(
+        {"default": config(349.0, "model m, float32, float32 weights"),
+         "native": config(412.0, "model m, float32, native weights")}, 0.05)
+    assert apart["same_configuration_as"] == []
+    assert compare_report.same_configuration_note(apart) == ""
+
+
+def test_the_served_configuration_is_the_ready_line_without_address_or_pids(tmp_path):
+    import compare_contenders
+
+    log = tmp_path / "server.log"
+    log.write_text("noise\ntokstream serve: ready on http://127.0.0.1:44317 (model smollm2, "
+                   "float32, native weights, 11650 KV blocks; gateway pid 6277, engine pid "
+                   "6281)\nlater lines\n")
+    assert compare_contenders.served_configuration(str(log)) == \
+        "model smollm2, float32, native weights, 11650 KV blocks"
+    log.write_text("INFO: vLLM API server started\n")
+    assert compare_contenders.served_configuration(str(log)) is None
+    assert compare_contenders.served_configuration(str(tmp_path / "missing.log")) is None
