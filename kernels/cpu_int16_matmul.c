@@ -274,17 +274,12 @@ static void tile_any(const int16_t *xq, const float *sx, const float *sums, cons
  * multiply-adds in flight. */
 #define DIRECT_ROWS 4
 #define DG 4 /* 16-row weight groups a direct tile, for up to two rows (two for more) */
-/* Up to 16 rows stay on the direct path, 4 at a time over each tile's weights while they are
- * in L1 (measured on a Zen 4, SmolLM2's products streamed at 5-16 rows: 0.60-0.86x the panel
- * path's time over three runs, bench/int16_rows_bench.py) */
-#define DIRECT_MAX_ROWS 16
 
 /* The two pairs' weight vectors of chunk c (pairs 2c and 2c + 1) of a group, shifted out of
- * 16-bit words (quant_place): Q8_0's 64 bytes a chunk, a 4-bit format's 64 bytes a two chunks
+ * 16-bit words (quant_place): Q8_0's 64 bytes a chunk, a 4-bit format's 64 bytes for two chunks
  * (the odd chunk's nibbles 2 and 3; its load is the even chunk's, from L1). */
-static inline void direct_weights(const int8_t *restrict wq, int64_t K, int bits, int64_t c,
+static inline void direct_weights(const int8_t *restrict wq, int bits, int64_t c,
                                   __m512i *first, __m512i *second) {
-    (void)K;
     if (bits == 8) {
         const __m512i v = _mm512_loadu_si512(wq + 4 * c * LANES);
         *first = _mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8);
@@ -317,7 +312,7 @@ static inline __attribute__((always_inline)) void direct_tile(
         for (int64_t c = b * QK / 4; c < (b + 1) * QK / 4; c++) {
             __m512i w0[DG], w1[DG];
             for (int j = 0; j < ng; j++)
-                direct_weights(wq + j * group_bytes, K, bits, c, &w0[j], &w1[j]);
+                direct_weights(wq + j * group_bytes, bits, c, &w0[j], &w1[j]);
             for (int i = 0; i < mr; i++) {
                 int32_t pairs[2];
                 memcpy(pairs, xq + i * K + 4 * c, sizeof pairs);
@@ -437,10 +432,6 @@ static void tile_any(const int16_t *xq, const float *sx, const float *sums, cons
  * is two vectors of 8 lanes, a chunk's two pairs alternate between two partial sums, and two
  * groups a tile keep 16 vector registers enough for one or two rows. */
 #define DIRECT_ROWS 4
-/* Up to 16 rows stay on the direct path, 4 at a time over each tile's weights while they are
- * in L1 (measured on a Zen 3, SmolLM2's layer products at 5-16 rows: 6-20% under the panel
- * path, which widens each panel into a buffer first; at 32 rows the panel path is ahead) */
-#define DIRECT_MAX_ROWS 16
 #define DG 2
 
 /* Pair vectors of chunk c of a group, [pair][half]: pairs 2c and 2c + 1, lanes 0-7, 8-15. */
@@ -557,9 +548,11 @@ int i16_vector_lanes(void) { return 0; }
 #endif
 
 #ifdef DIRECT_ROWS
-#ifndef DIRECT_MAX_ROWS
-#define DIRECT_MAX_ROWS DIRECT_ROWS
-#endif
+/* Up to 16 rows stay on the direct path, 4 at a time over each tile's weights while they are
+ * in L1; the panel path, which widens each panel into a buffer first, is ahead at 32. Measured
+ * on SmolLM2's layer products at 5-16 rows: on a Zen 3 (AVX2) 6-20% under the panel path, on
+ * a Zen 4 (AVX-512) 0.60-0.86x its time (bench/int16_rows_bench.py). */
+#define DIRECT_MAX_ROWS 16
 /* Groups [g0, g0 + ng) for all M (<= DIRECT_ROWS) rows by the vector path's direct_tile,
  * with constant sizes so the tile stays in registers: DG groups a tile for up to two rows,
  * DG / 2 for more, single groups for what is left. */
@@ -611,7 +604,7 @@ static const int16_t *widen_panel(const int8_t *wq, int64_t count, int64_t bits)
 #if WORD_ORDER == 512
     for (int64_t c = 0; c < count / (2 * chunk); c++) {
         __m512i first, second;
-        direct_weights(wq, 0, (int)bits, c, &first, &second);
+        direct_weights(wq, (int)bits, c, &first, &second);
         _mm512_storeu_si512(buffer + 2 * chunk * c, first);
         _mm512_storeu_si512(buffer + 2 * chunk * c + chunk, second);
     }
