@@ -55,13 +55,17 @@ DEMUX_MUTATION = Switch("TOKSTREAM_DEMUX_MUTATION", "",
                         "No longer obeyed, only warned about: a variable left set in a shell "
                         "must not corrupt a real server's streams (serve's hidden "
                         "--demux-mutation flag is the test-only switch).")
+STEP_TIMES = Switch("TOKSTREAM_STEP_TIMES", "",
+                    "Diagnostics: a file path; the engine core appends one JSON line a step: its "
+                    "tokens and rows, and where its time went (scheduling, the ranks' round "
+                    "trip, rank 0's own compute, emitting). bench/served_step.py reads it.")
 CC = Switch("CC", "", "The C compiler of the CPU kernels (default: cc or gcc on the PATH).")
 XDG_CACHE_HOME = Switch("XDG_CACHE_HOME", "",
                         "Root of tokstream's caches (weights, dtype probes, compiled kernels); "
                         "default ~/.cache.")
 
 SWITCHES = (LOG, KERNELS, CUDA_GRAPHS, CPU_KERNELS, SHM_ALLREDUCE, DTYPE_PROBE, SELF_CHECK, POISON,
-            GRAMMAR_GATE, DEMUX_MUTATION, CC, XDG_CACHE_HOME)
+            GRAMMAR_GATE, DEMUX_MUTATION, STEP_TIMES, CC, XDG_CACHE_HOME)
 
 
 def cache_root() -> Path:

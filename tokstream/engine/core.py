@@ -25,6 +25,7 @@ from tokstream.engine.scheduler.output import SchedulerOutput
 from tokstream.engine.scheduler.scheduler import Scheduler
 from tokstream.engine.scoring import Scorer
 from tokstream.engine.speculation import Speculator
+from tokstream.engine.step_times import StepTimes, StepTimesLog
 from tokstream.errors import (ErrorKind, OverloadedError, PromptTooLongError, ReplicaError,
                               UserInputError)
 from tokstream.model.source import resolve_model
@@ -78,6 +79,8 @@ class EngineCore:
         self.recovery = CoreRecovery(config, self.executor, self.scheduler, self.block_manager,
                                      self.event, self._forget)
         """Rank-group failures: the status, restarts, retries, pending deltas (recovery/)."""
+        self.step_times = StepTimesLog.from_env()
+        """Diagnostics: each step's times, to the file TOKSTREAM_STEP_TIMES names."""
         self.scorer = Scorer(self.executor, self.block_manager, self.model_config.vocab_size,
                              self.max_model_len, config.scheduler.watermark_blocks,
                              self.recovery.recover_between_steps)
@@ -151,7 +154,7 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """schedule -> execute -> update -> emit; a rank-group failure recovers instead."""
-        started = time.perf_counter()
+        began, started = time.monotonic(), time.perf_counter()
         deltas = self.recovery.take_pending()
         if self.status == ReplicaStatus.DOWN:
             self.recovery.retry_when_down()
@@ -160,11 +163,19 @@ class EngineCore:
         deltas += [self.final_delta(r, "") for r in scheduled.finished]
         if not scheduled.work and not scheduled.forgotten_ids:
             return deltas
+        sent = time.perf_counter()
         try:
             result = self._execute(scheduled)
         except ReplicaError as exc:
             return deltas + self.recovery.fail_step(scheduled, str(exc))
-        return deltas + self._advance(scheduled, result, started)
+        returned = time.perf_counter()
+        deltas += self._advance(scheduled, result, started)
+        if self.step_times is not None:
+            self.step_times.write(StepTimes(
+                self.step_id, scheduled.num_tokens, len(scheduled.work), scheduled.num_decodes,
+                scheduled.num_verify_tokens, began, sent - started,
+                returned - sent, result.execute_s, time.perf_counter() - returned))
+        return deltas
 
     def _execute(self, scheduled: SchedulerOutput) -> StepResult:
         """Run the step on the ranks, with its requests in the step record while it runs."""
@@ -325,6 +336,8 @@ class EngineCore:
                             **fields})
 
     def shutdown(self) -> None:
+        if self.step_times is not None:
+            self.step_times.close()
         self.executor.shutdown()
 
 
