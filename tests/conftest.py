@@ -10,6 +10,8 @@ tests/triton_interpreter.py turns it back on while the kernel tests run.
 import importlib.util
 import os
 
+import pytest
+
 
 def _import_triton_for_the_interpreter() -> None:
     if importlib.util.find_spec("triton") is None:
@@ -68,3 +70,13 @@ def pytest_configure(config):
         popen_init(self, args, *rest, **kwargs)
 
     subprocess.Popen.__init__ = guarded_popen
+
+
+@pytest.fixture(scope="session")
+def shared_servers():
+    """The servers helpers.serving.module_server shares between test files, by their
+    arguments; each stopped as the session ends."""
+    servers: dict = {}
+    yield servers
+    for server in servers.values():
+        server.stop()

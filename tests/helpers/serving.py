@@ -62,13 +62,19 @@ def interruptible() -> None:
 
 
 def module_server(*args: str):
-    """A module-scoped `server` fixture: one `tokstream serve ARGS` for every test of a file
-    (`server = module_server("--profile", "ci")` at the top of it)."""
+    """A `server` fixture for every test of a file (`server = module_server("--profile",
+    "ci")` at the top of it): one `tokstream serve ARGS`, shared by every file that asks for
+    the same ARGS and stopped at the end of the session (each start is 2-4 s of the suite). A
+    file hands it on idle, its blocks free and its self-check clean, or fails; a test that
+    changes a server for good (kills, restarts, drains it) starts one of its own."""
 
     @pytest.fixture(scope="module")
-    def server():
-        with ServerProcess(*args) as server:
-            yield server
+    def server(shared_servers: dict):
+        server = shared_servers.get(args)
+        if server is None or server.process.poll() is not None:
+            server = shared_servers[args] = ServerProcess(*args).start()
+        yield server
+        server.wait_idle()
 
     return server
 
