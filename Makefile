@@ -12,7 +12,7 @@ STAMP := $(VENV)/.tokstream-setup
 LOCK := deploy/lock
 ARGS ?=
 
-.PHONY: setup serve serve-bench test test-fast bench lock clean
+.PHONY: setup compiled serve serve-bench test test-fast bench lock clean
 
 setup: $(STAMP)
 
@@ -38,10 +38,16 @@ $(STAMP): pyproject.toml Makefile $(LOCK)/requirements.txt $(LOCK)/model.txt $(L
 serve: setup
 	$(BIN)/tokstream serve $(ARGS)
 
-test: setup
+# These machines set PYTHONDONTWRITEBYTECODE, so nothing imported from the tree is ever cached,
+# and every process the tests start (~100 server, core and rank trees) compiles tokstream
+# again: ~0.2 s of each server's start. Compiled once before the tests (only what changed).
+compiled: setup
+	$(BIN)/python -m compileall -q tokstream kernels chaos loadgen >/dev/null
+
+test: compiled
 	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
 
-test-fast: setup
+test-fast: compiled
 	$(BIN)/python -m pytest -q -m "not startup and not slow and not gpu" $(ARGS)
 
 serve-bench: setup
