@@ -146,6 +146,9 @@ def main() -> None:
     p.add_argument("--hf-folder", default=os.path.join(PEER_DIR, "smollm2-hf"))
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if not os.path.exists(os.path.join(args.vllm_venv, "bin", "python")):
+        raise SystemExit(f"no vLLM venv at {args.vllm_venv} for the client: "
+                         "bash scripts/setup_vllm_peer.sh, or --vllm-venv")
     from tokstream.kernels import cpu_build
 
     path = Path(args.json or ROOT / f"bench/results/served_step-{cpu_build.cpu_kind()}.json")
