@@ -7,6 +7,7 @@ scheduling and IPC share.
 
     .venv/bin/python bench/step_profile.py --batch 32 --context 192 --weights native
     .venv/bin/python bench/step_profile.py --batch 1 --weights native --weights float32
+    .venv/bin/python bench/step_profile.py --prefill --batch 16 --context 128 --weights native
 
 Writes bench/results/step_profile-<cpu kind>.json (one entry per --weights and --batch; the
 kind as tokstream.kernels.cpu_build.cpu_kind names it, so another CPU's results stay), with
@@ -212,6 +213,31 @@ def profile(weights: str, batch: int, context: int, steps: int,
             "output_tokens_per_s": round(batch / (step_ms / 1e3), 1)}
 
 
+def profile_prefill(weights: str, batch: int, context: int, steps: int,
+                    kv_cache_dtype: str = "auto") -> dict:
+    """A prefill step of `batch` new prompts of `context` tokens each (what a burst of
+    requests arriving together costs), with every part timed: the same plan run again each
+    time, after one untimed run."""
+    block_size = 16
+    load_before = os.getloadavg()[0]
+    prefill, _, num_blocks = decode_plans(batch, context, block_size, 0)
+    runner, fmt, dtype, kv_dtype = build_runner(weights, num_blocks, block_size,
+                                                kv_cache_dtype)
+    timers = Timers()
+    instrument(runner, timers)
+    runner.execute(prefill)
+    timers.enabled = True
+    timed = timed_steps(runner, [prefill] * steps)
+    parts = {name: seconds / steps * 1e3 for name, seconds in timers.seconds.items()}
+    parts["other_python"] = sum(timed) / steps * 1e3 - sum(parts.values())
+    step_ms = statistics.median(timed) * 1e3
+    return {"weights": weights, "format": fmt, "dtype": dtype, "kv_cache_dtype": kv_dtype,
+            "prefill": {"prompts": batch, "tokens_each": context}, "steps": steps,
+            "load_average_before": load_before, "step_ms_median": round(step_ms, 3),
+            "parts_ms_mean": {k: round(v, 3) for k, v in sorted(parts.items())},
+            "ms_per_prompt_token": round(step_ms / (batch * context), 4)}
+
+
 def engine_step(weights: str, batch: int, context: int, output_len: int) -> dict:
     """The offline engine's step at the same batch (scheduler + pipe + worker process)."""
     from tokstream.bench import BenchSpec, bench_config, run_bench
@@ -237,6 +263,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=192, help="tokens already cached")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--engine", action="store_true", help="also time the offline engine")
+    parser.add_argument("--prefill", action="store_true",
+                        help="profile a prefill step instead: --batch prompts of --context "
+                             "tokens each, all new (e.g. --batch 16 --context 128, a 2,048-token "
+                             "step of a burst)")
     parser.add_argument("--out", default=None, help="default bench/results/"
                         "step_profile-<cpu kind>.json")
     args = parser.parse_args()
@@ -247,7 +277,8 @@ def main() -> None:
         for kv_dtype in args.kv_cache_dtype or ["auto"]:
             for batch in args.batch or [1, 32]:
                 with torch.inference_mode():
-                    run = profile(weights, batch, args.context, args.steps, kv_dtype)
+                    run = (profile_prefill if args.prefill else profile)(
+                        weights, batch, args.context, args.steps, kv_dtype)
                 if args.engine:
                     run["engine"] = engine_step(weights, batch, args.context, 64)
                 print(json.dumps(run), flush=True)
