@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
@@ -37,15 +38,13 @@ from compare_servers import MODEL_NAME, run_bounded  # noqa: E402
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     """role -> user + system CPU seconds of that process, all its threads, so far."""
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for role, pid in pids.items():
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.Error:
             continue
-        out[role] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        out[role] = times.user + times.system
     return out
 
 
@@ -152,10 +151,11 @@ def main() -> None:
     from tokstream.kernels import cpu_build
 
     path = Path(args.json or ROOT / f"bench/results/served_step-{cpu_build.cpu_kind()}.json")
-    result = {"machine": {**host_info(), "cpu_kind": cpu_build.cpu_kind()},
+    machine = {**host_info(), "cpu_kind": cpu_build.cpu_kind()}
+    measured = run(args)
+    result = {"machine": machine,
               "command": " ".join(["python", "bench/served_step.py", *sys.argv[1:]]),
-              "finished_utc": None, **run(args)}
-    result["finished_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+              "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **measured}
     everything = json.loads(path.read_text()) if path.exists() else {}
     everything[args.label] = result
     path.write_text(json.dumps(everything, indent=1) + "\n")
