@@ -137,3 +137,65 @@ def test_the_plain_c_path_equals_the_vector_path(q_dtype, cache_dtype, monkeypat
     got = cpu_prefill_attention.paged_prefill_attention(q, k_cache, v_cache, seq.block_table,
                                                         333, 0.125)
     torch.testing.assert_close(got.float(), native.float(), rtol=0, atol=TOLERANCE[q_dtype])
+
+
+@pytest.mark.parametrize("q_dtype,cache_dtype", PAIRS)
+def test_a_steps_chunks_in_one_call_equal_each_alone(q_dtype, cache_dtype):
+    """Chunks of several sequences (fresh prompts, chunks after a cached prefix, lengths off the
+    tiles) in one call, the queries a view into a wider q/k/v row as the model hands them over:
+    each chunk's rows are what torch computes for it alone, and rows of no chunk are untouched."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, block = 9, 3, 64, 16
+    shapes = [(128, 128), (37, 100), (1, 130), (200, 777), (64, 64)]  # (query_len, context)
+    pool = sum(-(-c // block) for _, c in shapes) + 5
+    k_cache, v_cache = (torch.randn(kv_heads, pool, block, dim, generator=g).to(cache_dtype)
+                        for _ in range(2))
+    order = torch.randperm(pool, generator=g)
+    lead = 3  # rows before the first chunk (a step's decode rows)
+    tokens = lead + sum(q for q, _ in shapes)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(q_dtype)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    seqs, tables, rows, at, start = [], [], [], 0, lead
+    for query_len, context in shapes:
+        n = -(-context // block)
+        table = order[at:at + n]
+        at += n
+        seqs.append(PrefillSeq(start, query_len, context, table))
+        tables.append(table)
+        rows.append([start, query_len, context])
+        start += query_len
+    out = torch.full((tokens, heads, dim), 7.0, dtype=q_dtype)
+    cpu_prefill_attention.paged_prefill_attention_batch(
+        q, k_cache, v_cache, torch.nn.utils.rnn.pad_sequence(tables, batch_first=True),
+        torch.tensor(rows), 0.125, out=out)
+    assert (out[:lead] == 7.0).all()
+    for seq in seqs:
+        chunk = slice(seq.query_start, seq.query_start + seq.query_len)
+        positions = torch.arange(seq.context_len - seq.query_len, seq.context_len)
+        slots = seq.block_table[positions // block] * block + positions % block
+        k, v = (c.view(kv_heads, -1, dim)[:, slots].transpose(0, 1).to(q_dtype)
+                for c in (k_cache, v_cache))
+        expected = prefill_attention_torch(q[chunk], k, v, k_cache, v_cache, seq, 0.125)
+        torch.testing.assert_close(out[chunk].float(), expected.float(), rtol=0,
+                                   atol=TOLERANCE[q_dtype])
+
+
+def test_the_model_makes_one_kernel_call_a_layer_for_all_chunks(monkeypatch):
+    """paged_attention hands a step's prefill chunks to the kernel together (a call per chunk
+    cost as much as a short prompt's attention)."""
+    from tokstream.worker import attention
+
+    q, k, v, k_cache, v_cache, seq = case(torch.float32, torch.float16, 100, 30)
+    second = PrefillSeq(30, 30, 100, seq.block_table)
+    meta = attention.AttentionMetadata(torch.zeros(60, dtype=torch.int64), 0, None, None,
+                                       [PrefillSeq(0, 30, 100, seq.block_table), second])
+    calls = []
+    real = cpu_prefill_attention.paged_prefill_attention_batch
+    monkeypatch.setattr(cpu_prefill_attention, "paged_prefill_attention_batch",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(pa, "kernel_is_faster", lambda *a: True)
+    both = torch.cat([q, q])
+    out = attention.paged_attention(both, torch.cat([k, k]), torch.cat([v, v]), k_cache,
+                                    v_cache, meta, 0.125)
+    assert len(calls) == 1
+    torch.testing.assert_close(out[:30], out[30:], rtol=0, atol=0)

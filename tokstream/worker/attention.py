@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokstream.kernels import cpu_attention
-from tokstream.worker.prefill_attention import PrefillSeq, gather_blocks, prefill_attention
+from tokstream.kernels import cpu_attention, cpu_prefill_attention
+from tokstream.worker.prefill_attention import (PrefillSeq, gather_blocks, kernel_takes,
+                                                prefill_attention)
 
 
 @dataclass
@@ -30,6 +31,9 @@ class PrefillBatch:
     block_tables: torch.Tensor
     """(num_prefills, max_blocks) int64, padded with block 0."""
     max_query_len: int
+    host_rows: torch.Tensor
+    """(num_prefills, 3) int64 on the host: (query_start, query_len, context_len) per chunk,
+    as the CPU kernel takes them."""
 
 
 @dataclass
@@ -60,12 +64,13 @@ class AttentionMetadata:
             seqs = self.prefills
             device = seqs[0].block_table.device
             rows = torch.tensor([[s.query_start for s in seqs], [s.query_len for s in seqs],
-                                 [s.context_len for s in seqs]], dtype=torch.int32)
-            starts, query_lens, context_lens = rows.to(device)  # (3, num_prefills)
+                                 [s.context_len for s in seqs]], dtype=torch.int64)
+            starts, query_lens, context_lens = rows.to(device, torch.int32)  # (3, num_prefills)
             tables = torch.nn.utils.rnn.pad_sequence([s.block_table for s in seqs],
                                                      batch_first=True)
             self._prefill_batch = PrefillBatch(starts, query_lens, context_lens, tables,
-                                               max(s.query_len for s in seqs))
+                                               max(s.query_len for s in seqs),
+                                               rows.T.contiguous())
         return self._prefill_batch
 
 
@@ -83,10 +88,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q (num_tokens, num_heads, head_dim); k, v (num_tokens, num_kv_heads, head_dim), already
     written to the cache. Returns (num_tokens, num_heads, head_dim)."""
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     n = meta.num_decodes
     if n:
         out[:n] = _decode_attention(q[:n], k_cache, v_cache, meta, scale)
+    if meta.prefills and meta.use_kernels and kernel_takes(q, k_cache):
+        batch = meta.prefill_batch()
+        cpu_prefill_attention.paged_prefill_attention_batch(
+            q, k_cache, v_cache, batch.block_tables, batch.host_rows, scale, out=out)
+        return out
     for seq in meta.prefills:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale,

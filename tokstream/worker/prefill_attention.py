@@ -52,12 +52,17 @@ def prefill_attention(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float,
                       use_kernels: bool = True) -> torch.Tensor:
     """q (query_len, num_heads, head_dim); k, v (query_len, num_kv_heads, head_dim), already
     written to the cache. Returns (query_len, num_heads, head_dim)."""
-    if use_kernels and cpu_prefill_attention.supports(q, k_cache.dtype) \
-            and kernel_is_faster(q.shape[1], k_cache.shape[0], q.shape[2], q.dtype,
-                                 k_cache.dtype):
+    if use_kernels and kernel_takes(q, k_cache):
         return cpu_prefill_attention.paged_prefill_attention(
             q, k_cache, v_cache, seq.block_table, seq.context_len, scale)
     return prefill_attention_torch(q, k, v, k_cache, v_cache, seq, scale)
+
+
+def kernel_takes(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether prefill chunks of these queries over this cache go to the C kernel: it computes
+    them, and measured faster than torch on this machine."""
+    return cpu_prefill_attention.supports(q, k_cache.dtype) and kernel_is_faster(
+        q.shape[1], k_cache.shape[0], q.shape[2], q.dtype, k_cache.dtype)
 
 
 def prefill_attention_torch(q, k, v, k_cache, v_cache, seq: PrefillSeq, scale: float):
