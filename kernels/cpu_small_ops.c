@@ -6,6 +6,10 @@
  *   rotary        q (T, Hq, D), k (T, Hk, D) rotated in place (Hugging Face half-split),
  *                 rows of q and k `row_stride` floats apart (they are views into one qkv row)
  *   silu_mul      out (T, I) = silu(gate_up[:, :I]) * gate_up[:, I:]
+ *   silu_mul_bf16 the same from bfloat16 gate_up to bfloat16 out, computed in float32 exactly
+ *                 as silu_mul and rounded once (what silu_mul on the widened inputs, then a
+ *                 cast to bfloat16, gives: the inputs and output of a prefill's bfloat16
+ *                 products, without the two casts and the float32 tensors between)
  *   write_kv      new keys and values scattered into their cache slots
  * Tokens are spread over the OpenMP threads torch runs when there are enough of them.
  */
@@ -13,6 +17,7 @@
 #include <omp.h>
 #include <stdint.h>
 
+#include "cpu_bf16.h"
 #include "cpu_vector_math.h"
 
 #define PARALLEL_TOKENS 8 /* fewer tokens than this run on the calling thread */
@@ -89,6 +94,62 @@ void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out) {
         }
 #endif
         for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BF16_VECTORS 1
+/* 16 bfloat16 values (their bits) -> float32, exactly. */
+static inline __m512 widen_bf16(__m256i bits) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+/* 16 float32 -> bfloat16 bits, to nearest even (cpu_bf16.h's float_to_bf16, NaN kept a NaN). */
+static inline __m256i narrow_bf16(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(
+        _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(rounded);
+}
+#endif
+
+void silu_mul_bf16(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *out) {
+    #pragma omp parallel for schedule(static) if (T >= PARALLEL_TOKENS)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
+        uint16_t *o = out + t * I;
+        int64_t i = 0;
+#ifdef BF16_VECTORS
+        for (; i < I; i += 16) {
+            const __mmask16 live = first_lanes(I - i);
+            const __m512 gv = widen_bf16(_mm256_maskz_loadu_epi16(live, g + i));
+            const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(
+                _mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            const __m512 uv = widen_bf16(_mm256_maskz_loadu_epi16(live, u + i));
+            _mm256_mask_storeu_epi16(o + i, live, narrow_bf16(_mm512_mul_ps(sig, uv)));
+        }
+#else
+        /* silu_mul's own arithmetic, a row at a time through a float32 buffer */
+        float row[256], prod[128];
+        for (; i < I; i += 128) {
+            const int64_t n = I - i < 128 ? I - i : 128;
+            for (int64_t e = 0; e < n; e++) {
+                row[e] = bf16_to_float(g[i + e]);
+                row[128 + e] = bf16_to_float(u[i + e]);
+            }
+            float packed[256];
+            for (int64_t e = 0; e < n; e++) {
+                packed[e] = row[e];
+                packed[n + e] = row[128 + e];
+            }
+            silu_mul(packed, 1, n, prod);
+            for (int64_t e = 0; e < n; e++) o[i + e] = float_to_bf16(prod[e]);
+        }
+#endif
     }
 }
 

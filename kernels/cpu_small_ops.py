@@ -1,6 +1,6 @@
 """The fused elementwise steps of a decoder layer on CPU (cpu_small_ops.c): residual add +
 RMSNorm, rotary embedding in place, SiLU(gate) * up, KV writes, and the row argmax of greedy
-sampling. float32 only; compiled on first use like
+sampling. float32 (SiLU(gate) * up bfloat16 too); compiled on first use like
 the other CPU kernels. `load()` is None without a compiler, and callers use torch instead."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ _LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
     "add_rms_norm": [_P, _P, _P, _F, _I, _I, _P],
     "rotary": [_P, _P, _I, _P, _P, _I, _I, _I, _I],
     "silu_mul": [_P, _I, _I, _P],
+    "silu_mul_bf16": [_P, _I, _I, _P],
     "write_kv": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P],
     "write_kv_f16": [_P, _P, _I, _P, _I, _I, _I, _I, _P, _P],
     "argmax_rows": [_P, _I, _I, _P],
@@ -33,6 +34,12 @@ def load() -> ctypes.CDLL | None:
 
 def supports(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and load() is not None
+
+
+def supports_silu_mul(x: torch.Tensor) -> bool:
+    """silu_mul also takes bfloat16 (a prefill's gate/up product on its bfloat16 path)."""
+    return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and load() is not None)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -55,10 +62,13 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up (T, 2I) contiguous -> silu(gate) * up (T, I)."""
+    """gate_up (T, 2I) contiguous float32 or bfloat16 -> silu(gate) * up (T, I) in its dtype
+    (bfloat16: computed in float32 and rounded once, as silu_mul of the widened inputs then a
+    cast would give)."""
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-    load().silu_mul(gate_up.data_ptr(), t, two_i // 2, out.data_ptr())
+    kernel = load().silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else load().silu_mul
+    kernel(gate_up.data_ptr(), t, two_i // 2, out.data_ptr())
     return out
 
 

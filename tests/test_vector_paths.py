@@ -142,3 +142,24 @@ def test_silu_and_argmax_are_the_same_on_every_path(name, monkeypatch):
     assert torch.allclose(cpu_small_ops.silu_mul(gate_up), silu, rtol=1e-6, atol=1e-6)
     assert torch.equal(cpu_small_ops.argmax_rows(logits), argmax)
     assert argmax[1:5].tolist() == [517, 3, 640, 999]
+
+
+@pytest.mark.parametrize("name", [None, *VARIANTS])
+def test_bfloat16_silu_is_the_float32_one_rounded_once(name, monkeypatch):
+    """silu_mul over bfloat16 gives, bit for bit, the float32 kernel over the widened inputs
+    cast to bfloat16 (what a prefill's down product was handed before), on this machine's
+    build and every narrower one: widths past and between whole vectors, e^x's clamps, NaN,
+    infinities, and products that round up, down and to even."""
+    if name is not None:
+        monkeypatch.setattr(cpu_small_ops, "_LIBRARY",
+                            variant(cpu_small_ops, name, "small_ops_vector_lanes"))
+    for inter in (1536, 100, 7):
+        gate_up = (torch.randn(9, 2 * inter, generator=torch.Generator().manual_seed(inter))
+                   * 6).bfloat16()
+        gate_up[0, :4] = torch.tensor([-200.0, 90.0, float("nan"), float("inf")])
+        gate_up[1, :2] = torch.tensor([-float("inf"), 0.0])
+        want = cpu_small_ops.silu_mul(gate_up.float()).bfloat16()
+        got = cpu_small_ops.silu_mul(gate_up)
+        assert got.dtype == torch.bfloat16
+        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+        assert same.all(), (got.float() - want.float()).abs().max()

@@ -52,6 +52,60 @@ def test_the_bfloat16_path_takes_the_rows_from_its_start():
     assert weight.path(300) == "dense" and weight.float_from == 4
 
 
+@pytest.mark.skipif(not has_native_bf16(), reason="no native bfloat16: no bfloat16 copies")
+def test_a_layers_mlp_on_the_bfloat16_path_is_the_same_without_the_casts(monkeypatch):
+    """gate/up hands its bfloat16 product straight to SiLU·up and on to down (narrow), no
+    float32 tensor between: the layer's output is bit for bit what widening gate/up's product
+    and rounding SiLU·up back gave; under the bfloat16 start nothing changes."""
+    from tokstream.config import ModelConfig
+    from tokstream.worker import model as model_module
+    from tokstream.worker.backend import TorchBackend
+
+    from tokstream.kernels.torch_ops import Rotary
+    from tokstream.worker.attention import AttentionMetadata
+    from tokstream.worker.prefill_attention import PrefillSeq
+
+    config = ModelConfig(name="t", vocab_size=128, hidden_size=64, intermediate_size=96,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                         max_position=64)
+    layer = model_module.DecoderLayer(config, 1, torch.float32)
+    g = torch.Generator().manual_seed(0)
+    for name in ("input_norm", "post_norm", "qkv", "o_proj"):
+        getattr(layer, name).copy_(torch.randn(getattr(layer, name).shape, generator=g) * 0.2)
+    gate_up, _ = q4_1(192, 64, seed=1)
+    down, _ = q4_1(64, 96, seed=2)
+    for w in (gate_up, down):
+        w.bfloat16 = BfloatWeight(w.dequantize())
+        w.crossover, w.bfloat16_from = 1 << 40, 8
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        delattr(layer, name)  # as load_weights puts native blocks in the parameter's place
+        setattr(layer, name, w)
+    ops, seen = TorchBackend(), []
+    real_silu = ops.silu_mul
+    monkeypatch.setattr(ops, "silu_mul", lambda x: seen.append(x.dtype) or real_silu(x))
+
+    def forward(tokens: int, narrow_ok: bool) -> torch.Tensor:
+        layer.linear = model_module.linear if narrow_ok else (
+            lambda x, w, b=None, narrow=False: model_module.linear(x, w, b))
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+        caches = [torch.zeros(2, 2, 16, 16) for _ in range(2)]
+        meta = AttentionMetadata(torch.arange(tokens), 0, None, None,
+                                 [PrefillSeq(0, tokens, tokens, torch.tensor([0, 1]))])
+        rope = Rotary(16, 64, 10000.0).tables(torch.arange(tokens), torch.float32)
+        return layer(x, rope, caches, meta, lambda t: t, ops)
+
+    seen.clear()
+    wide = forward(16, narrow_ok=False)
+    assert seen == [torch.float32]
+    seen.clear()
+    narrow = forward(16, narrow_ok=True)
+    assert seen == [torch.bfloat16]
+    assert narrow.dtype == torch.float32 and torch.equal(narrow, wide)
+    seen.clear()
+    forward(4, narrow_ok=True)  # under bfloat16_from: the quantised paths, float32 throughout
+    assert seen == [torch.float32]
+
+
 def rows_of(fastest: dict[int, str], paths) -> list[dict]:
     return [{"rows": m, **{f"{p}_ms": 1.0 if p == best else 2.0 for p in paths}}
             for m, best in fastest.items()]

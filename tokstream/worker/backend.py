@@ -49,9 +49,12 @@ class TorchBackend:
 
     @staticmethod
     def silu_mul(gate_up):
-        """(T, 2 * inter) [gate; up] -> silu(gate) * up (T, inter)."""
-        if gate_up.is_contiguous() and cpu_small_ops.supports(gate_up):
+        """(T, 2 * inter) [gate; up] -> silu(gate) * up (T, inter), in gate_up's dtype (a
+        bfloat16 one computed in float32 and rounded once)."""
+        if gate_up.is_contiguous() and cpu_small_ops.supports_silu_mul(gate_up):
             return cpu_small_ops.silu_mul(gate_up)
+        if gate_up.dtype == torch.bfloat16:
+            return silu_mul(gate_up.float()).to(torch.bfloat16)
         return silu_mul(gate_up)
 
     @staticmethod

@@ -23,10 +23,12 @@ from tokstream.worker.onednn_linear import pack, packed_linear, packed_linear_av
 from tokstream.worker.quant_linear import QuantizedWeight, cat_rows, quantized_linear
 
 
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for float weights and for GGUF-quantised ones (native weights)."""
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+           narrow: bool = False) -> torch.Tensor:
+    """F.linear for float weights and for GGUF-quantised ones (native weights); narrow: a
+    quantised weight's bfloat16 path may hand back its bfloat16 result (quantized_linear)."""
     if isinstance(weight, QuantizedWeight):
-        return quantized_linear(x, weight, bias)
+        return quantized_linear(x, weight, bias, narrow)
     return F.linear(x, weight, bias)
 
 
@@ -69,7 +71,10 @@ class DecoderLayer(nn.Module):
         attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
         h = ops.add_rms_norm(x, all_reduce(self.linear(attn.reshape(t, -1), self.o_proj)),
                              self.post_norm, self.eps, self.dtype)
-        x += all_reduce(self.linear(ops.silu_mul(self.linear(h, self.gate_up)), self.down))
+        # gate/up may come back in bfloat16 (a many-row product on its bfloat16 path): SiLU·up
+        # then stays bfloat16, the input down's bfloat16 path would round it to anyway.
+        x += all_reduce(self.linear(ops.silu_mul(self.linear(h, self.gate_up, narrow=True)),
+                                    self.down))
         return x
 
 

@@ -135,12 +135,18 @@ def cat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
 
 
 def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear with a QuantizedWeight: x (T, in) float32 -> (T, out) float32."""
+                     bias: torch.Tensor | None = None, narrow: bool = False) -> torch.Tensor:
+    """F.linear with a QuantizedWeight: x (T, in) float32 -> (T, out) float32. x may be
+    bfloat16 (a narrow result handed on); narrow: the caller takes the bfloat16 path's result
+    as it comes, unwidened (other paths give float32 whatever it says)."""
     path = weight.path(x.shape[0])
     if path == "bfloat16":
-        out = weight.bfloat16(x)
-    elif path == "dense":
+        out = weight.bfloat16(x, narrow=narrow and bias is None)
+        if bias is not None:
+            out += bias
+        return out
+    x = x.float()  # a no-op for float32
+    if path == "dense":
         out = F.linear(x, dequantized(weight))
     elif path == "int16":
         out = cpu_int16.matmul(x, weight.int16)
