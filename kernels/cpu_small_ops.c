@@ -71,6 +71,15 @@ void rotary(float *q, float *k, int64_t row_stride, const float *cos, const floa
     }
 }
 
+#ifdef __AVX512F__
+/* silu(g) = g / (1 + e^-g): one definition for the float32 and the bfloat16 kernels, whose
+ * results must agree bit for bit before rounding. */
+static inline __m512 silu512(__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                          exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+#endif
+
 void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out) {
     #pragma omp parallel for schedule(static) if (T >= PARALLEL_TOKENS)
     for (int64_t t = 0; t < T; t++) {
@@ -80,9 +89,7 @@ void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out) {
 #ifdef __AVX512F__
         for (; i < I; i += 16) {
             const __mmask16 live = first_lanes(I - i);
-            const __m512 gv = _mm512_maskz_loadu_ps(live, g + i);
-            const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(
-                _mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            const __m512 sig = silu512(_mm512_maskz_loadu_ps(live, g + i));
             _mm512_mask_storeu_ps(o + i, live, _mm512_mul_ps(sig, _mm512_maskz_loadu_ps(live, u + i)));
         }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -126,9 +133,7 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *out)
 #ifdef BF16_VECTORS
         for (; i < I; i += 16) {
             const __mmask16 live = first_lanes(I - i);
-            const __m512 gv = widen_bf16(_mm256_maskz_loadu_epi16(live, g + i));
-            const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(
-                _mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            const __m512 sig = silu512(widen_bf16(_mm256_maskz_loadu_epi16(live, g + i)));
             const __m512 uv = widen_bf16(_mm256_maskz_loadu_epi16(live, u + i));
             _mm256_mask_storeu_epi16(o + i, live, narrow_bf16(_mm512_mul_ps(sig, uv)));
         }
