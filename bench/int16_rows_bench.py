@@ -90,14 +90,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternations of the two builds")
     p.add_argument("--cflags", default="",
                    help="extra compiler flags for both builds, e.g. -mno-avx512f (the AVX2 path)")
+    p.add_argument("--base-without", default="",
+                   help="flags of cpu_int16.FLAGS the base build leaves out (compares compiler "
+                        "flags on one source: --base HEAD --base-without '-fschedule-insns')")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     flags = (*cpu_int16.FLAGS, *args.cflags.split())
+    left_out = set(args.base_without.split())
     rng = np.random.default_rng(0)
     shapes = [(o, i, 3) for _ in range(LAYERS) for o, i in LAYER_SHAPES] + [(VOCAB, HIDDEN, 8)]
     blocks = {s: random_blocks(*s, rng) for s in set(shapes)}
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"base": build_at(args.base, Path(tmp), SOURCES, flags),
+        libs = {"base": build_at(args.base, Path(tmp), SOURCES,
+                                 tuple(f for f in flags if f not in left_out)),
                 "tree": cpu_build.build(cpu_int16.SOURCE, flags)}
         packs = {name: {s: packed(lib, blocks[s][0], blocks[s][1], s[0], s[1])
                         for s in blocks} for name, lib in libs.items()}
@@ -117,6 +122,7 @@ def main() -> None:
             same = all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"]))
             results.append(timed_row({"rows": m}, times, outputs_equal=same))
     doc = {"bench": "int16_rows_bench", **provenance(args.base), "cflags": args.cflags,
+           "base_without": args.base_without,
            "vector_lanes": libs["tree"].i16_vector_lanes(), "results": results}
     write(doc, args.out)
 

@@ -199,6 +199,16 @@ static inline void quantize_block(const float *v, int16_t *q, float *scale, floa
 #define MR 4 /* input rows a tile */
 #define NR 3 /* 16-row weight groups a tile */
 
+/* The panel tiles (and widen_panel) are scheduled with their register pressure in view: at
+ * -O3 alone the 4 x 3 tile's 24 live accumulators were copied between registers around every
+ * multiply-add and each weight vector loaded three times a pair. SmolLM2's products streamed
+ * in model order on a Zen 4 (bench/int16_rows_bench.py): 32 rows 0.74-0.88x, 64 rows
+ * 0.69-0.90x, 1-8 rows level. Only here: the whole file so compiled lost 4-6% at 4-16 rows
+ * (the direct tiles), and the AVX2 build's tile 6-9% at 32-64 rows. Scheduling moves
+ * instructions, not arithmetic: the same bits. */
+#pragma GCC push_options
+#pragma GCC optimize("schedule-insns", "sched-pressure")
+
 /* out rows [i0, i0 + mr) x the panel's nr weight groups (wq, d, m and out start at the
  * panel's first): per block, integer sums of pairs in registers, then scaled into float
  * accumulators (all mr * nr * 2 vectors in registers). */
@@ -265,6 +275,7 @@ static void tile_any(const int16_t *xq, const float *sx, const float *sums, cons
     }
 #undef TILE
 }
+#pragma GCC pop_options
 
 /* A product with few input rows uses each weight once: its quants are widened in registers,
  * not into a panel buffer (which costs more than the multiply-adds it feeds when only 1-4
@@ -589,6 +600,8 @@ static void direct_any(const int16_t *xq, const float *sx, const float *sums, co
 }
 #endif
 
+#pragma GCC push_options /* the panel path, as for tile() above */
+#pragma GCC optimize("schedule-insns", "sched-pressure")
 /* The panel's quants (count of them, `bits` wide) widened to int16 in wq's element order, in
  * a buffer of the calling thread's (grown as needed, kept for the next call). */
 static const int16_t *widen_panel(const int8_t *wq, int64_t count, int64_t bits) {
@@ -629,6 +642,8 @@ static const int16_t *widen_panel(const int8_t *wq, int64_t count, int64_t bits)
 #endif
     return buffer;
 }
+
+#pragma GCC pop_options
 
 /* out (M, N) = x @ w^T from i16_quantize_rows' xq, sx, sums and i16_pack's wq, d, m (m and
  * sums NULL for Q8_0), bits = i16_quant_bits(the format). Returns 0 if a thread's buffer could
