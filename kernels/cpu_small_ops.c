@@ -138,20 +138,15 @@ void silu_mul_bf16(const uint16_t *gate_up, int64_t T, int64_t I, uint16_t *out)
             _mm256_mask_storeu_epi16(o + i, live, narrow_bf16(_mm512_mul_ps(sig, uv)));
         }
 #else
-        /* silu_mul's own arithmetic, a row at a time through a float32 buffer */
-        float row[256], prod[128];
+        /* silu_mul's own arithmetic, 128 values at a time widened into a [gate; up] row */
+        float wide[256], prod[128];
         for (; i < I; i += 128) {
             const int64_t n = I - i < 128 ? I - i : 128;
             for (int64_t e = 0; e < n; e++) {
-                row[e] = bf16_to_float(g[i + e]);
-                row[128 + e] = bf16_to_float(u[i + e]);
+                wide[e] = bf16_to_float(g[i + e]);
+                wide[n + e] = bf16_to_float(u[i + e]);
             }
-            float packed[256];
-            for (int64_t e = 0; e < n; e++) {
-                packed[e] = row[e];
-                packed[n + e] = row[128 + e];
-            }
-            silu_mul(packed, 1, n, prod);
+            silu_mul(wide, 1, n, prod);
             for (int64_t e = 0; e < n; e++) o[i + e] = float_to_bf16(prod[e]);
         }
 #endif

@@ -56,7 +56,8 @@ def test_the_bfloat16_path_takes_the_rows_from_its_start():
 def test_a_layers_mlp_on_the_bfloat16_path_is_the_same_without_the_casts(monkeypatch):
     """gate/up hands its bfloat16 product straight to SiLU·up and on to down (narrow), no
     float32 tensor between: the layer's output is bit for bit what widening gate/up's product
-    and rounding SiLU·up back gave; under the bfloat16 start nothing changes."""
+    and rounding SiLU·up back gave; under the bfloat16 start, or with down off its bfloat16
+    path, nothing changes."""
     from tokstream.config import ModelConfig
     from tokstream.worker import model as model_module
     from tokstream.worker.backend import TorchBackend
@@ -104,6 +105,11 @@ def test_a_layers_mlp_on_the_bfloat16_path_is_the_same_without_the_casts(monkeyp
     seen.clear()
     forward(4, narrow_ok=True)  # under bfloat16_from: the quantised paths, float32 throughout
     assert seen == [torch.float32]
+    down.bfloat16_from = 1 << 40  # down off its bfloat16 path: its input stays float32
+    seen.clear()
+    wide = forward(16, narrow_ok=False)
+    seen.clear()
+    assert torch.equal(forward(16, narrow_ok=True), wide) and seen == [torch.float32]
 
 
 def rows_of(fastest: dict[int, str], paths) -> list[dict]:

@@ -20,7 +20,8 @@ from tokstream.worker.attention import AttentionMetadata
 from tokstream.worker.backend import TorchBackend
 from tokstream.worker.decode_stack import stack_for_step
 from tokstream.worker.onednn_linear import pack, packed_linear, packed_linear_available
-from tokstream.worker.quant_linear import QuantizedWeight, cat_rows, quantized_linear
+from tokstream.worker.quant_linear import (QuantizedWeight, cat_rows, quantized_linear,
+                                           takes_bfloat16)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
@@ -71,9 +72,10 @@ class DecoderLayer(nn.Module):
         attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.head_dim ** -0.5)
         h = ops.add_rms_norm(x, all_reduce(self.linear(attn.reshape(t, -1), self.o_proj)),
                              self.post_norm, self.eps, self.dtype)
-        # gate/up may come back in bfloat16 (a many-row product on its bfloat16 path): SiLU·up
-        # then stays bfloat16, the input down's bfloat16 path would round it to anyway.
-        x += all_reduce(self.linear(ops.silu_mul(self.linear(h, self.gate_up, narrow=True)),
+        # Where down rounds its input to bfloat16 anyway, gate/up may hand back its bfloat16
+        # product (when on its bfloat16 path too) and SiLU·up stays bfloat16: no casts between.
+        narrow = takes_bfloat16(self.down, t)
+        x += all_reduce(self.linear(ops.silu_mul(self.linear(h, self.gate_up, narrow=narrow)),
                                     self.down))
         return x
 

@@ -159,6 +159,12 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
     return out
 
 
+def takes_bfloat16(weight, rows: int) -> bool:
+    """Whether a product of this many rows with `weight` runs on its bfloat16 copy (a weight
+    of another kind never does): its input is rounded to bfloat16 there anyway."""
+    return isinstance(weight, QuantizedWeight) and weight.path(rows) == "bfloat16"
+
+
 _scratch: torch.Tensor | None = None
 
 
