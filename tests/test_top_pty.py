@@ -20,13 +20,9 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import pytest
-
 from helpers.top_replay import FRAMES
 from test_top import followed_request
 from test_top_escapes import HOSTILE
-
-pytestmark = pytest.mark.startup
 
 ROWS, COLS = 50, 160
 RAW_PAYLOADS = (b"\x1b]0;pwned", b"\x1b[31mred", "\x9b1m".encode(), "\u202e".encode(),
