@@ -29,7 +29,7 @@ from kernel_at_revision import build_at, provenance, timed_row, write  # noqa: E
 from quant_rows_bench import HIDDEN, INTER, KV, LAYERS  # noqa: E402
 from tokstream.kernels import cpu_bf16_dot, cpu_build  # noqa: E402
 
-SOURCES = ("cpu_bf16_matmul.c",)
+SOURCES = ("cpu_bf16_matmul.c", "cpu_panel_runs.h")
 LAYER_SHAPES = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
 """(out, in) of a layer's products as the model holds them: q/k/v and gate/up fused."""
 _P, _I = ctypes.c_void_p, ctypes.c_int64

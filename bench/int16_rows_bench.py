@@ -30,7 +30,7 @@ from quant_rows_bench import (HIDDEN, INTER, LAYER_SHAPES, LAYERS, VOCAB,  # noq
                               random_blocks)
 from tokstream.kernels import cpu_build, cpu_int16  # noqa: E402
 
-SOURCES = ("cpu_int16_matmul.c", "cpu_vector_math.h")
+SOURCES = ("cpu_int16_matmul.c", "cpu_vector_math.h", "cpu_panel_runs.h")
 
 
 def packed(lib, blocks: torch.Tensor, qtype: int, n: int, k: int):

@@ -4,8 +4,8 @@
  *
  * torch's bfloat16 linears (oneDNN) compute the same products, but a step that calls them
  * leaves the C stack for the per-layer Python path, and oneDNN splits the outputs between the
- * threads up front: a thread the gateway or a client preempts holds up the step. Here a thread
- * that finishes its own panels takes the others' last ones. Unlike the int16 kernel there is
+ * threads up front: a thread the gateway or a client preempts holds up the step. Here the
+ * panels are shared out as runs a thread done with its own can take from (cpu_panel_runs.h). Unlike the int16 kernel there is
  * no per-block scaling to do: the weight is a plain bfloat16 matrix.
  *
  * At 32 rows a step's products are compute-bound when their weights are in cache (~93% of
@@ -25,9 +25,10 @@
  * bf16_matmul_available() is 0 and nothing should call the products.
  */
 #include <omp.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_panel_runs.h"
 
 #define LANES 16
 
@@ -142,50 +143,24 @@ static void panel(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, 
     }
 }
 
-/* Panels [first, end) a thread works through front to back, packed in one word (first in
- * the low half) so that a thread taking one from the front and another taking one from the
- * back never take the same. */
 typedef struct {
-    _Atomic uint64_t span;
-    char pad[56]; /* a cache line each */
-} panel_range;
+    const uint32_t *xp, *wp;
+    int64_t M, N, pairs;
+    float *out;
+} product;
 
-static int64_t take(panel_range *range, int from_back) {
-    uint64_t span = atomic_load(&range->span);
-    for (;;) {
-        const uint64_t first = span & 0xffffffffu, end = span >> 32;
-        if (first >= end) return -1;
-        const uint64_t rest = from_back ? first | (end - 1) << 32 : (first + 1) | end << 32;
-        if (atomic_compare_exchange_weak(&range->span, &span, rest))
-            return from_back ? (int64_t)end - 1 : (int64_t)first;
-    }
+static void do_panel(void *context, int64_t p, int64_t next) {
+    const product *c = context;
+    panel(c->xp, c->M, c->wp, c->N, c->pairs, p, next, c->out);
 }
 
-static int64_t front(panel_range *range) {
-    const uint64_t span = atomic_load(&range->span);
-    return (span & 0xffffffffu) < span >> 32 ? (int64_t)(span & 0xffffffffu) : -1;
-}
-
-/* out (M, N) = xp @ wp^T. Each thread takes a run of consecutive panels, so it knows the
- * next one to prefetch; a thread done with its own takes the others' last panels, so one the
- * gateway or a client preempts still hands its work over (as the dynamic schedule did). */
+/* out (M, N) = xp @ wp^T, the panels shared out as runs (cpu_panel_runs.h). */
 void bf16_matmul(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, int64_t K,
                  float *out) {
-    const int64_t pairs = K / 2, panels = (N / LANES + NR - 1) / NR;
-    panel_range ranges[omp_get_max_threads()];
+    product c = {xp, wp, M, N, K / 2, out};
+    panel_run runs[omp_get_max_threads()];
     #pragma omp parallel
-    {
-        const int threads = omp_get_num_threads(), me = omp_get_thread_num();
-        atomic_store(&ranges[me].span, (uint64_t)(panels * me / threads)
-                                       | (uint64_t)(panels * (me + 1) / threads) << 32);
-        #pragma omp barrier
-        int64_t p;
-        while ((p = take(&ranges[me], 0)) >= 0)
-            panel(xp, M, wp, N, pairs, p, front(&ranges[me]), out);
-        for (int other = 1; other < threads; other++)
-            while ((p = take(&ranges[(me + other) % threads], 1)) >= 0)
-                panel(xp, M, wp, N, pairs, p, -1, out);
-    }
+    for_each_panel(runs, (N / LANES + NR - 1) / NR, do_panel, &c);
 }
 #else
 int bf16_matmul_available(void) { return 0; }

@@ -34,7 +34,8 @@ def reference(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("m, n, k", [(1, 16, 64), (5, 48, 96), (9, 80, 64), (4, 32, 128)])
+@pytest.mark.parametrize("m, n, k", [(1, 16, 64), (5, 48, 96), (9, 80, 64), (4, 32, 128),
+                                     (24, 1008, 64), (40, 3072, 32)])
 def test_the_product_is_the_rounded_inputs_times_the_files_weights(fmt, m, n, k):
     raw, qtype, dense = blocks(fmt, n, k)
     weight = cpu_int16.pack(raw, qtype, k)

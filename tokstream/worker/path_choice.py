@@ -185,6 +185,7 @@ def measure_crossovers(weights: list[QuantizedWeight], copy_budget: int | None =
                             cpu_quant.SOURCE.read_text(), cpu_int16.SOURCE.read_text(),
                             cpu_bf16_dot.SOURCE.read_text(),
                             cpu_quant.SOURCE.with_name("cpu_vector_math.h").read_text(),
+                            cpu_quant.SOURCE.with_name("cpu_panel_runs.h").read_text(),
                             Path(__file__).read_text(),  # how it probes and decides
                             Path(__file__).with_name("quant_linear.py").read_text(),
                             repr(sorted(by_shape)), repr(PROBE_ROWS), str(STREAMED_BELOW),

@@ -1,0 +1,60 @@
+/* Output panels shared out between OpenMP threads as runs: each thread takes the panels of its
+ * own run of consecutive ones front to back, so it knows the next one and can prefetch its
+ * weights while it multiplies the current one; a thread done with its run takes the others'
+ * last panels, so a thread the gateway or a client preempts still hands its work over (as a
+ * dynamic schedule does). Used by cpu_bf16_matmul.c and cpu_int16_matmul.c. */
+#ifndef CPU_PANEL_RUNS_H
+#define CPU_PANEL_RUNS_H
+
+#include <omp.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+/* Panels [first, end) of a run, packed in one word (first in the low half) so that a thread
+ * taking one from the front and another taking one from the back never take the same. */
+typedef struct {
+    _Atomic uint64_t span;
+    char pad[56]; /* a cache line each */
+} panel_run;
+
+/* Inside a parallel region: thread `me` of `threads` sets its run of `panels`, then waits for
+ * every thread to have set its own. */
+static inline void start_run(panel_run *runs, int64_t panels, int me, int threads) {
+    atomic_store(&runs[me].span, (uint64_t)(panels * me / threads)
+                                 | (uint64_t)(panels * (me + 1) / threads) << 32);
+    #pragma omp barrier
+}
+
+/* The run's first panel (from_back = 0) or its last, taken; -1 once the run is empty. */
+static inline int64_t take_panel(panel_run *run, int from_back) {
+    uint64_t span = atomic_load(&run->span);
+    for (;;) {
+        const uint64_t first = span & 0xffffffffu, end = span >> 32;
+        if (first >= end) return -1;
+        const uint64_t rest = from_back ? first | (end - 1) << 32 : (first + 1) | end << 32;
+        if (atomic_compare_exchange_weak(&run->span, &span, rest))
+            return from_back ? (int64_t)end - 1 : (int64_t)first;
+    }
+}
+
+/* The panel the run's owner takes next, or -1. */
+static inline int64_t next_panel(panel_run *run) {
+    const uint64_t span = atomic_load(&run->span);
+    return (span & 0xffffffffu) < span >> 32 ? (int64_t)(span & 0xffffffffu) : -1;
+}
+
+/* Inside a parallel region, with runs[] sized for its threads: do(context, p, next) for every
+ * panel p exactly once, next being the panel the calling thread takes after p (-1: none
+ * known), so that do() can prefetch it. */
+static inline void for_each_panel(panel_run *runs, int64_t panels,
+                                  void (*do_panel)(void *context, int64_t p, int64_t next),
+                                  void *context) {
+    const int threads = omp_get_num_threads(), me = omp_get_thread_num();
+    start_run(runs, panels, me, threads);
+    int64_t p;
+    while ((p = take_panel(&runs[me], 0)) >= 0) do_panel(context, p, next_panel(&runs[me]));
+    for (int other = 1; other < threads; other++)
+        while ((p = take_panel(&runs[(me + other) % threads], 1)) >= 0) do_panel(context, p, -1);
+}
+
+#endif
