@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -46,6 +47,12 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
             continue
         out[role] = times.user + times.system
     return out
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's waited-for children so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def roles(url: str) -> dict[str, int]:
@@ -111,10 +118,13 @@ def run(args) -> dict:
         pids = roles(server.url)
         load = loadavg()
         before, started = cpu_seconds(pids), time.monotonic()
+        client_before = children_cpu_seconds()
         measured = bench_cmd(client, vllm_peer, port, 0, args.num_prompts, args.concurrency,
                              args.output_len, str(work), "client.json")
         rc = run_bounded(measured, str(work / "client.log"), 900, client_env())
         wall, after = time.monotonic() - started, cpu_seconds(pids)
+        # the client shares the machine's cores with the server: what it took is theirs too
+        after["client (vllm bench serve)"] = children_cpu_seconds() - client_before
         banner = next((line.strip() for line in server.log if "ready on" in line), "")
     from tokstream.engine.step_times import read
 
