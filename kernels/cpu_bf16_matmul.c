@@ -10,10 +10,10 @@
  *
  * At 32 rows a step's products are compute-bound when their weights are in cache (~93% of
  * vdpbf16ps's rate on a Zen 4), but each panel's first tile waited for its weights from
- * memory. The next panel is now prefetched during the current one, and the tile is 8 rows by
- * 3 weight groups (was 4 by 4). SmolLM2's decoder products streamed in model order on a Zen 4
- * (bench/bf16dot_rows_bench.py): 8-16 rows 0.79-0.84x, 32 rows 0.88x, 64 rows 0.94x, the
- * same bits.
+ * memory. The next panel is now prefetched during the current one, and a decode step's tile
+ * is 8 rows by 3 weight groups (was 4 by 4 at every size). SmolLM2's decoder products streamed
+ * in model order on a Zen 4 (bench/bf16dot_rows_bench.py): 8-16 rows 0.70-0.84x, 32 rows
+ * 0.88-0.92x, 64 rows 0.94-0.96x, 512 rows 0.95x, 2,048 level; the same bits.
  *
  * Layouts:
  *   wp  (N / 16, K / 2, 16) uint32: for each 16 output rows and each pair of inputs (2p,
@@ -63,8 +63,16 @@ void bf16_pack_rows(const float *x, int64_t M, int64_t K, uint32_t *xp) {
 
 int bf16_matmul_available(void) { return 1; }
 
-#define MR 8 /* input rows a tile */
-#define NR 3 /* 16-row weight groups a tile: MR * NR sums, NR weight vectors in registers */
+/* A tile is mr input rows by nr 16-row weight groups: mr * nr sums and nr weight vectors in
+ * registers, each weight vector used mr times. A decode step's few rows take 8 x 3; from
+ * WIDE_FROM rows (a prefill) 4 x 4, whose 64-row panels read the inputs, which no longer
+ * fit in L2, a third fewer times (measured, SmolLM2's products at 2,048 rows: 8 x 3 took
+ * 1.03x the time of 4 x 4; at 256-512 rows the two are level). */
+#define MR 8
+#define NR 3
+#define MR_WIDE 4
+#define NR_WIDE 4
+#define WIDE_FROM 512
 
 /* A panel's tiles prefetch the next panel's weights into L2 (prefetcht1; T0 and NTA gained
  * nothing on a Zen 4), spread over the tiles' loops, so the step streams its weights from
@@ -78,15 +86,17 @@ static inline __attribute__((always_inline)) void tile(const uint32_t *restrict 
                                                        const uint32_t *restrict wp,
                                                        int64_t pairs, int64_t N, int64_t i0,
                                                        const int mr, const int nr,
-                                                       float *restrict out, prefetch_t ahead) {
+                                                       float *restrict out, prefetch_t ahead,
+                                                       const int prefetching) {
     const int64_t per_pair = (ahead.lines + pairs - 1) / pairs;
-    __m512 acc[MR][NR];
+    __m512 acc[MR][NR_WIDE];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
-        for (int64_t l = p * per_pair; l < (p + 1) * per_pair && l < ahead.lines; l++)
-            _mm_prefetch(ahead.at + l * 64, _MM_HINT_T1);
-        __m512bh wv[NR];
+        if (prefetching)
+            for (int64_t l = p * per_pair; l < (p + 1) * per_pair && l < ahead.lines; l++)
+                _mm_prefetch(ahead.at + l * 64, _MM_HINT_T1);
+        __m512bh wv[NR_WIDE];
         for (int j = 0; j < nr; j++)
             wv[j] = (__m512bh)_mm512_loadu_si512(wp + (j * pairs + p) * LANES);
         for (int i = 0; i < mr; i++) {
@@ -98,14 +108,16 @@ static inline __attribute__((always_inline)) void tile(const uint32_t *restrict 
         for (int j = 0; j < nr; j++) _mm512_storeu_ps(out + (i0 + i) * N + j * LANES, acc[i][j]);
 }
 
-/* The tile for any mr <= MR, nr <= NR, with constant sizes so it stays in registers. */
+/* The tile for any mr <= MR and nr <= NR, or mr <= MR_WIDE and nr <= NR_WIDE, with constant
+ * sizes so it stays in registers. */
 static void tile_any(const uint32_t *xp, const uint32_t *wp, int64_t pairs, int64_t N,
                      int64_t i0, int mr, int nr, float *out, prefetch_t ahead) {
 #define TILE(R) \
     switch (nr) { \
-    case 3: tile(xp, wp, pairs, N, i0, R, 3, out, ahead); break; \
-    case 2: tile(xp, wp, pairs, N, i0, R, 2, out, ahead); break; \
-    default: tile(xp, wp, pairs, N, i0, R, 1, out, ahead); break; \
+    case 4: tile(xp, wp, pairs, N, i0, R <= MR_WIDE ? R : MR_WIDE, 4, out, ahead, 0); break; \
+    case 3: tile(xp, wp, pairs, N, i0, R, 3, out, ahead, 1); break; \
+    case 2: tile(xp, wp, pairs, N, i0, R, 2, out, ahead, 1); break; \
+    default: tile(xp, wp, pairs, N, i0, R, 1, out, ahead, 1); break; \
     }
     switch (mr) {
     case 8: TILE(8); break;
@@ -124,19 +136,20 @@ static void tile_any(const uint32_t *xp, const uint32_t *wp, int64_t pairs, int6
  * prefetching panel `next`'s weights (none if next < 0). */
 static void panel(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, int64_t pairs,
                   int64_t p, int64_t next, float *out) {
-    const int64_t groups = N / LANES, g0 = p * NR;
-    const int nr = groups - g0 < NR ? (int)(groups - g0) : NR;
+    const int wide = M >= WIDE_FROM, rows = wide ? MR_WIDE : MR, width = wide ? NR_WIDE : NR;
+    const int64_t groups = N / LANES, g0 = p * width;
+    const int nr = groups - g0 < width ? (int)(groups - g0) : width;
     const char *next_at = NULL;
     int64_t lines = 0;
     if (next >= 0) {
-        const int64_t n0 = next * NR;
+        const int64_t n0 = next * width;
         next_at = (const char *)(wp + n0 * pairs * LANES);
-        lines = (groups - n0 < NR ? groups - n0 : NR) * pairs * LANES * 4 / 64;
+        lines = (groups - n0 < width ? groups - n0 : width) * pairs * LANES * 4 / 64;
     }
-    const int64_t tiles = (M + MR - 1) / MR, each = (lines + tiles - 1) / tiles;
-    for (int64_t t = 0; t * MR < M; t++) {
-        const int64_t i0 = t * MR, from = t * each < lines ? t * each : lines;
-        const int mr = M - i0 < MR ? (int)(M - i0) : MR;
+    const int64_t tiles = (M + rows - 1) / rows, each = (lines + tiles - 1) / tiles;
+    for (int64_t t = 0; t * rows < M; t++) {
+        const int64_t i0 = t * rows, from = t * each < lines ? t * each : lines;
+        const int mr = M - i0 < rows ? (int)(M - i0) : rows;
         const prefetch_t ahead = {next_at ? next_at + from * 64 : NULL,
                                   lines - from < each ? lines - from : each};
         tile_any(xp, wp + g0 * pairs * LANES, pairs, N, i0, mr, nr, out + g0 * LANES, ahead);
@@ -157,10 +170,11 @@ static void do_panel(void *context, int64_t p, int64_t next) {
 /* out (M, N) = xp @ wp^T, the panels shared out as runs (cpu_panel_runs.h). */
 void bf16_matmul(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, int64_t K,
                  float *out) {
+    const int width = M >= WIDE_FROM ? NR_WIDE : NR;
     product c = {xp, wp, M, N, K / 2, out};
     panel_run runs[omp_get_max_threads()];
     #pragma omp parallel
-    for_each_panel(runs, (N / LANES + NR - 1) / NR, do_panel, &c);
+    for_each_panel(runs, (N / LANES + width - 1) / width, do_panel, &c);
 }
 #else
 int bf16_matmul_available(void) { return 0; }

@@ -21,7 +21,7 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @needs_bf16
 @pytest.mark.parametrize("m, n, k", [(1, 16, 2), (3, 48, 64), (5, 80, 96), (8, 64, 576),
                                      (13, 112, 130), (32, 192, 64), (33, 16, 1536),
-                                     (9, 1008, 96), (40, 3072, 64)])
+                                     (9, 1008, 96), (40, 3072, 64), (515, 80, 64)])
 def test_the_product_is_the_rounded_inputs_times_the_rounded_weights(m, n, k):
     generator = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=generator)
