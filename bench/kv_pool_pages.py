@@ -64,6 +64,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-dtype", choices=("float16", "float32"), default="float16",
                         help="the cache's dtype (float16: the default cache under float32)")
+    parser.add_argument("--placement", choices=("random", "served"), default="random",
+                        help="served: each sequence's prompt blocks (--prompt tokens) in one "
+                             "run, then the decode blocks interleaved across sequences, as a "
+                             "fresh pool hands them out to a burst of requests")
+    parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     load_before = os.getloadavg()
@@ -72,7 +77,13 @@ def main() -> None:
     element = torch.empty((), dtype=dtype).element_size()
     num_blocks = args.pool_mib * 2**20 // (2 * LAYERS * KV_HEADS * BLOCK * HEAD_DIM * element)
     per_seq = -(-args.context // BLOCK)
-    tables = torch.randperm(num_blocks)[:args.seqs * per_seq].view(args.seqs, per_seq)
+    if args.placement == "random":
+        tables = torch.randperm(num_blocks)[:args.seqs * per_seq].view(args.seqs, per_seq)
+    else:
+        prompt = -(-args.prompt // BLOCK)
+        tables = torch.tensor([[i * prompt + j if j < prompt
+                                else args.seqs * prompt + (j - prompt) * args.seqs + i
+                                for j in range(per_seq)] for i in range(args.seqs)])
     lens = torch.full((args.seqs,), args.context, dtype=torch.int64)
     q = torch.randn(args.seqs, HEADS, HEAD_DIM)
     times: dict[str, list[float]] = {"private": [], "shared": []}
