@@ -32,7 +32,7 @@ from kernel_at_revision import build_at, provenance, timed_row, write  # noqa: E
 from tokstream.kernels import cpu_attention, cpu_build  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
-SOURCES = ("cpu_paged_attention.c", "cpu_bf16.h", "cpu_vector_math.h")
+SOURCES = ("cpu_paged_attention.c", "cpu_bf16.h", "cpu_vector_math.h", "cpu_panel_runs.h")
 KERNELS = {"float16": "paged_decode_attention_f16kv", "float32": "paged_decode_attention_f32"}
 
 

@@ -25,6 +25,7 @@
 #endif
 
 #include "cpu_bf16.h"
+#include "cpu_panel_runs.h"
 
 #define DEFINE_DECODE(NAME, T, C, LOAD, LOADC, STORE)                                           \
 void NAME(const T *q, const C *k_cache, const C *v_cache, const int64_t *block_tables,          \
@@ -102,7 +103,11 @@ DEFINE_DECODE(paged_decode_attention_f16kv_generic, float, _Float16, IDENTITY, W
  * 30 layers: float16 15.3 -> 12.6 ms; 16 ahead gave 13.7, 48 no more than 32), into L2 (T1),
  * not L1 (T0): on a Zen 4 (bench/attention_bench.py, 30 layers' pools read cold) 32 sequences
  * x ~195 tokens 13.0 -> 8.2 ms, 8 sequences 0.67-0.72x, 1 level; 64 or 96 ahead then changed
- * nothing. Not measured on other CPUs (the bench's --base shows it on any). */
+ * nothing. Not measured on other CPUs (the bench's --base shows it on any). Later (same
+ * bench, Zen 4): the values' first rows asked for while the keys are read, and each thread's
+ * next work item's first keys while it computes the current one (the items shared out as
+ * runs, cpu_panel_runs.h, so a thread knows its next): 32 sequences 0.89x, 8 sequences
+ * 0.87x, 1 sequence level (1.02x). */
 static inline __attribute__((always_inline)) void prefetch_rows(const void *cache, const int64_t *table, int64_t from,
                                  int64_t context, int64_t block_size, const int half) {
     const int64_t row_bytes = 64 * (half ? 2 : 4);
@@ -186,9 +191,15 @@ static inline __attribute__((always_inline)) void decode_item_d64(
                                    const int G, const int half, float scale, float *scores,
                                    float *out) {
     const __m512 scale_v = _mm512_set1_ps(scale);
+    prefetch_rows(k_head, table, 0, context, block_size, half);
     for (int64_t p0 = 0; p0 < context; p0 += 16) {
         const int64_t n = context - p0 < 16 ? context - p0 : 16;
-        if (p0 == 0) prefetch_rows(k_head, table, 16, context, block_size, half);
+        if (p0 == 0) {
+            prefetch_rows(k_head, table, 16, context, block_size, half);
+            /* the values' first rows too: in L2 by the time the keys are done */
+            prefetch_rows(v_head, table, 0, context, block_size, half);
+            prefetch_rows(v_head, table, 16, context, block_size, half);
+        }
         prefetch_rows(k_head, table, p0 + 32, context, block_size, half);
         int64_t krow[16];
         for (int64_t i = 0; i < n; i++) {
@@ -249,8 +260,6 @@ static inline __attribute__((always_inline)) void decode_item_d64(
     __m512 acc[4][4];
     for (int g = 0; g < G; g++)
         for (int d = 0; d < 4; d++) acc[g][d] = _mm512_setzero_ps();
-    prefetch_rows(v_head, table, 0, context, block_size, half);
-    prefetch_rows(v_head, table, 16, context, block_size, half);
     for (int64_t pos = 0; pos < context; pos++) {
         if (pos % 16 == 0) prefetch_rows(v_head, table, pos + 32, context, block_size, half);
         const int64_t v = (table[pos / block_size] * block_size + pos % block_size) * 64;
@@ -296,7 +305,11 @@ static inline __attribute__((always_inline)) void decode_item_d64(
     prefetch_rows(k_head, table, 0, context, block_size, half);
     for (int64_t p0 = 0; p0 < context; p0 += 8) {
         const int64_t n = context - p0 < 8 ? context - p0 : 8;
-        if (p0 == 0) prefetch_rows(k_head, table, 16, context, block_size, half);
+        if (p0 == 0) {
+            prefetch_rows(k_head, table, 16, context, block_size, half);
+            prefetch_rows(v_head, table, 0, context, block_size, half);
+            prefetch_rows(v_head, table, 16, context, block_size, half);
+        }
         if (p0 % 16 == 0) prefetch_rows(k_head, table, p0 + 32, context, block_size, half);
         /* Each key row is widened into 8 registers once and dotted with all G query heads
          * (their loads folded into the multiplies); a head's 8 partial sums per row wait in
@@ -348,8 +361,6 @@ static inline __attribute__((always_inline)) void decode_item_d64(
         _mm256_storeu_ps(row + last, e);
         inv[g] = 1.0f / sum8(_mm256_add_ps(sumv, e));
     }
-    prefetch_rows(v_head, table, 0, context, block_size, half);
-    prefetch_rows(v_head, table, 16, context, block_size, half);
     /* The weighted values a quarter of head_dim at a time, all G heads' sums for that quarter
      * in registers (AVX2 has 16). */
     for (int d0 = 0; d0 < 64; d0 += 16) {
@@ -428,34 +439,66 @@ static void decode_item_f32_any(const float *q, const float *k_head, const float
 }
 #endif
 
-/* Every (sequence, kv head) work item over the OpenMP threads, on demand (their lengths
- * differ), over a float32 (half = 0) or float16 (half = 1; head_dim 64, at most 4 query heads
- * a kv head) cache. */
+/* One decode_items call's arguments, for its work items. */
+typedef struct {
+    const float *q;
+    const void *k_cache, *v_cache;
+    const int64_t *block_tables, *context_lens;
+    float *out, *scratch;
+    int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size, max_blocks, first;
+    float scale;
+    int half;
+} attention_items;
+
+/* Work item `item` (after c->first: sequence item / kv heads, kv head item % kv heads), its
+ * keys' first rows, and those of the thread's next item, asked for first: a new item's rows
+ * lie in other blocks, which the prefetching inside an item reaches only once it runs. */
+static void decode_item(void *context_of_items, int64_t item, int64_t next) {
+    const attention_items *c = context_of_items;
+    const int64_t group = c->num_heads / c->num_kv_heads, element = c->half ? 2 : 4;
+    const int64_t per_thread = group * (c->max_blocks * c->block_size + 2 * c->head_dim);
+    const int64_t pool_head = c->num_blocks * c->block_size * c->head_dim * element;
+    if (next >= 0) {
+        next += c->first;
+        const int64_t s = next / c->num_kv_heads, kvh = next % c->num_kv_heads;
+        const char *k_head = (const char *)c->k_cache + kvh * pool_head;
+        prefetch_rows(k_head, c->block_tables + s * c->max_blocks, 0, c->context_lens[s],
+                      c->block_size, c->half);
+    }
+    item += c->first;
+    const int64_t s = item / c->num_kv_heads, kvh = item % c->num_kv_heads;
+    const int64_t context = c->context_lens[s];
+    float *scores = c->scratch + omp_get_thread_num() * per_thread;
+    const int64_t head = (s * c->num_heads + kvh * group) * c->head_dim;
+    const void *k_head = (const char *)c->k_cache + kvh * pool_head;
+    const void *v_head = (const char *)c->v_cache + kvh * pool_head;
+    const int64_t *table = c->block_tables + s * c->max_blocks;
+    if (c->half)
+        decode_item_d64_any(c->q + head, k_head, v_head, table, context, c->block_size,
+                            c->head_dim, group, 1, c->scale, scores, c->out + head);
+    else
+        decode_item_f32_any(c->q + head, k_head, v_head, table, context, c->block_size,
+                            c->head_dim, group, c->scale, scores, scores + group * context,
+                            c->out + head);
+}
+
+/* Every (sequence, kv head) work item over the OpenMP threads, as runs (cpu_panel_runs.h:
+ * their lengths differ, and a thread that knows its next item prefetches it), over a float32
+ * (half = 0) or float16 (half = 1; head_dim 64, at most 4 query heads a kv head) cache. */
 static void decode_items(const float *q, const void *k_cache, const void *v_cache,
                          const int64_t *block_tables, const int64_t *context_lens, float *out,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t num_blocks, int64_t block_size, int64_t max_blocks,
                          float scale, int64_t seq_begin, int64_t seq_end, float *scratch,
                          const int half) {
-    const int64_t group = num_heads / num_kv_heads;
-    const int64_t per_thread = group * (max_blocks * block_size + 2 * head_dim);
-    const int64_t element = half ? 2 : 4;
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = seq_begin * num_kv_heads; item < seq_end * num_kv_heads; item++) {
-        const int64_t s = item / num_kv_heads, kvh = item % num_kv_heads;
-        const int64_t context = context_lens[s];
-        float *scores = scratch + omp_get_thread_num() * per_thread;
-        const int64_t head = (s * num_heads + kvh * group) * head_dim;
-        const int64_t pool = kvh * num_blocks * block_size * head_dim * element;
-        const void *k_head = (const char *)k_cache + pool, *v_head = (const char *)v_cache + pool;
-        const int64_t *table = block_tables + s * max_blocks;
-        if (half)
-            decode_item_d64_any(q + head, k_head, v_head, table, context, block_size, head_dim,
-                                group, 1, scale, scores, out + head);
-        else
-            decode_item_f32_any(q + head, k_head, v_head, table, context, block_size, head_dim,
-                                group, scale, scores, scores + group * context, out + head);
-    }
+    const attention_items c = {q, k_cache, v_cache, block_tables, context_lens, out, scratch,
+                               num_heads, num_kv_heads, head_dim, num_blocks, block_size,
+                               max_blocks, seq_begin * num_kv_heads, scale, half};
+    const int threads = omp_get_max_threads();
+    panel_run runs[threads];
+    start_runs(runs, threads, (seq_end - seq_begin) * num_kv_heads);
+    #pragma omp parallel
+    for_each_panel(runs, threads, decode_item, (void *)&c);
 }
 #endif
 

@@ -2,7 +2,8 @@
  * own run of consecutive ones front to back, so it knows the next one and can prefetch its
  * weights while it multiplies the current one; a thread done with its run takes the others'
  * last panels, so a thread the gateway or a client preempts still hands its work over (as a
- * dynamic schedule does). Used by cpu_bf16_matmul.c and cpu_int16_matmul.c. */
+ * dynamic schedule does). Used by cpu_bf16_matmul.c, cpu_int16_matmul.c (their output panels)
+ * and cpu_paged_attention.c (its work items). */
 #ifndef CPU_PANEL_RUNS_H
 #define CPU_PANEL_RUNS_H
 
@@ -17,12 +18,12 @@ typedef struct {
     char pad[56]; /* a cache line each */
 } panel_run;
 
-/* Inside a parallel region: thread `me` of `threads` sets its run of `panels`, then waits for
- * every thread to have set its own. */
-static inline void start_run(panel_run *runs, int64_t panels, int me, int threads) {
-    atomic_store(&runs[me].span, (uint64_t)(panels * me / threads)
-                                 | (uint64_t)(panels * (me + 1) / threads) << 32);
-    #pragma omp barrier
+/* Before a parallel region: `panels` split into `count` runs (count: the threads the region
+ * will have, omp_get_max_threads()), set without a barrier inside the region. */
+static inline void start_runs(panel_run *runs, int count, int64_t panels) {
+    for (int r = 0; r < count; r++)
+        atomic_store(&runs[r].span, (uint64_t)(panels * r / count)
+                                    | (uint64_t)(panels * (r + 1) / count) << 32);
 }
 
 /* The run's first panel (from_back = 0) or its last, taken; -1 once the run is empty. */
@@ -43,18 +44,19 @@ static inline int64_t next_panel(panel_run *run) {
     return (span & 0xffffffffu) < span >> 32 ? (int64_t)(span & 0xffffffffu) : -1;
 }
 
-/* Inside a parallel region, with runs[] sized for its threads: do(context, p, next) for every
- * panel p exactly once, next being the panel the calling thread takes after p (-1: none
- * known), so that do() can prefetch it. */
-static inline void for_each_panel(panel_run *runs, int64_t panels,
+/* Inside a parallel region, over the `count` runs start_runs set: do(context, p, next) for
+ * every panel p exactly once, next being the panel the calling thread takes after p (-1: none
+ * known), so that do() can prefetch it. Thread t works through run t, then takes the last
+ * panels of the others (of every run, should the region have fewer threads than runs). */
+static inline void for_each_panel(panel_run *runs, int count,
                                   void (*do_panel)(void *context, int64_t p, int64_t next),
                                   void *context) {
-    const int threads = omp_get_num_threads(), me = omp_get_thread_num();
-    start_run(runs, panels, me, threads);
+    const int me = omp_get_thread_num();
     int64_t p;
-    while ((p = take_panel(&runs[me], 0)) >= 0) do_panel(context, p, next_panel(&runs[me]));
-    for (int other = 1; other < threads; other++)
-        while ((p = take_panel(&runs[(me + other) % threads], 1)) >= 0) do_panel(context, p, -1);
+    if (me < count)
+        while ((p = take_panel(&runs[me], 0)) >= 0) do_panel(context, p, next_panel(&runs[me]));
+    for (int other = 1; other <= count; other++)
+        while ((p = take_panel(&runs[(me + other) % count], 1)) >= 0) do_panel(context, p, -1);
 }
 
 #endif
