@@ -172,11 +172,7 @@ void bf16_matmul(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, i
                  float *out) {
     const int width = M >= WIDE_FROM ? NR_WIDE : NR;
     product c = {xp, wp, M, N, K / 2, out};
-    const int threads = omp_get_max_threads();
-    panel_run runs[threads];
-    start_runs(runs, threads, (N / LANES + width - 1) / width);
-    #pragma omp parallel
-    for_each_panel(runs, threads, do_panel, &c);
+    for_each_panel((N / LANES + width - 1) / width, do_panel, &c);
 }
 #else
 int bf16_matmul_available(void) { return 0; }

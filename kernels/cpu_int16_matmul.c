@@ -728,10 +728,6 @@ int i16_matmul(const int16_t *xq, const float *sx, const float *sums, int64_t M,
     }
 #endif
     i16_product c = {xq, sx, sums, wq, d, m, M, N, K, bits, out, 0};
-    const int threads = omp_get_max_threads();
-    panel_run runs[threads];
-    start_runs(runs, threads, (groups + NR - 1) / NR);
-    #pragma omp parallel
-    for_each_panel(runs, threads, i16_panel, &c);
+    for_each_panel((groups + NR - 1) / NR, i16_panel, &c);
     return !atomic_load(&c.failed);
 }

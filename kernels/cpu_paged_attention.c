@@ -494,11 +494,7 @@ static void decode_items(const float *q, const void *k_cache, const void *v_cach
     const attention_items c = {q, k_cache, v_cache, block_tables, context_lens, out, scratch,
                                num_heads, num_kv_heads, head_dim, num_blocks, block_size,
                                max_blocks, seq_begin * num_kv_heads, scale, half};
-    const int threads = omp_get_max_threads();
-    panel_run runs[threads];
-    start_runs(runs, threads, (seq_end - seq_begin) * num_kv_heads);
-    #pragma omp parallel
-    for_each_panel(runs, threads, decode_item, (void *)&c);
+    for_each_panel((seq_end - seq_begin) * num_kv_heads, decode_item, (void *)&c);
 }
 #endif
 

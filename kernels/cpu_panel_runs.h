@@ -18,8 +18,7 @@ typedef struct {
     char pad[56]; /* a cache line each */
 } panel_run;
 
-/* Before a parallel region: `panels` split into `count` runs (count: the threads the region
- * will have, omp_get_max_threads()), set without a barrier inside the region. */
+/* `panels` split into `count` runs (count: the threads the parallel region will have). */
 static inline void start_runs(panel_run *runs, int count, int64_t panels) {
     for (int r = 0; r < count; r++)
         atomic_store(&runs[r].span, (uint64_t)(panels * r / count)
@@ -44,19 +43,31 @@ static inline int64_t next_panel(panel_run *run) {
     return (span & 0xffffffffu) < span >> 32 ? (int64_t)(span & 0xffffffffu) : -1;
 }
 
-/* Inside a parallel region, over the `count` runs start_runs set: do(context, p, next) for
- * every panel p exactly once, next being the panel the calling thread takes after p (-1: none
- * known), so that do() can prefetch it. Thread t works through run t, then takes the last
- * panels of the others (of every run, should the region have fewer threads than runs). */
-static inline void for_each_panel(panel_run *runs, int count,
-                                  void (*do_panel)(void *context, int64_t p, int64_t next),
-                                  void *context) {
+/* Inside a parallel region, over the `count` runs start_runs set: thread t works through
+ * run t, then takes the last panels of the others (of every run, should the region have fewer
+ * threads than runs). */
+static inline void take_panels(panel_run *runs, int count,
+                               void (*do_panel)(void *context, int64_t p, int64_t next),
+                               void *context) {
     const int me = omp_get_thread_num();
     int64_t p;
     if (me < count)
         while ((p = take_panel(&runs[me], 0)) >= 0) do_panel(context, p, next_panel(&runs[me]));
     for (int other = 1; other <= count; other++)
         while ((p = take_panel(&runs[(me + other) % count], 1)) >= 0) do_panel(context, p, -1);
+}
+
+/* do_panel(context, p, next) for every panel p in [0, panels) exactly once, over the OpenMP
+ * threads, next being the panel the calling thread takes after p (-1: none known), so that
+ * do_panel can prefetch it. The runs are set before the parallel region: no barrier in it. */
+static inline void for_each_panel(int64_t panels,
+                                  void (*do_panel)(void *context, int64_t p, int64_t next),
+                                  void *context) {
+    const int threads = omp_get_max_threads();
+    panel_run runs[threads];
+    start_runs(runs, threads, panels);
+    #pragma omp parallel
+    take_panels(runs, threads, do_panel, context);
 }
 
 #endif
