@@ -13,7 +13,8 @@
  * memory. The next panel is now prefetched during the current one, and a decode step's tile
  * is 8 rows by 3 weight groups (was 4 by 4 at every size). SmolLM2's decoder products streamed
  * in model order on a Zen 4 (bench/bf16dot_rows_bench.py): 8-16 rows 0.70-0.84x, 32 rows
- * 0.88-0.92x, 64 rows 0.94-0.96x, 512 rows 0.95x, 2,048 level; the same bits.
+ * 0.88-0.92x, 64 rows 0.94-0.96x, 512 rows 0.95x, 2,048 level; the same bits. A prefill's
+ * panels are split into row blocks as well (WIDE_BLOCK): 512-2,048 rows 0.94-0.96x.
  *
  * Layouts:
  *   wp  (N / 16, K / 2, 16) uint32: for each 16 output rows and each pair of inputs (2p,
@@ -53,6 +54,8 @@ void bf16_pack_weight(const float *w, int64_t N, int64_t K, uint32_t *wp) {
 }
 
 void bf16_pack_rows(const float *x, int64_t M, int64_t K, uint32_t *xp) {
+    /* a prefill's rows are megabytes: both threads, rather than one while the other waits */
+    _Pragma("omp parallel for schedule(static) if (M * K >= 1 << 18)")
     for (int64_t i = 0; i < M; i++)
         for (int64_t p = 0; p < K / 2; p++)
             xp[i * (K / 2) + p] = to_bf16(x[i * K + 2 * p]) | (to_bf16(x[i * K + 2 * p + 1]) << 16);
@@ -132,12 +135,13 @@ static void tile_any(const uint32_t *xp, const uint32_t *wp, int64_t pairs, int6
 #undef TILE
 }
 
-/* Panel p's tiles over all M rows (the panel's weights stay in L2 while its rows pass),
- * prefetching panel `next`'s weights (none if next < 0). */
-static void panel(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, int64_t pairs,
-                  int64_t p, int64_t next, float *out) {
-    const int wide = M >= WIDE_FROM, rows = wide ? MR_WIDE : MR, width = wide ? NR_WIDE : NR;
-    const int64_t groups = N / LANES, g0 = p * width;
+/* Panel p's tiles over rows [i_begin, i_end) (the panel's weights stay in L2 while its rows
+ * pass), prefetching panel `next`'s weights (none if next < 0). */
+static void panel(const uint32_t *xp, int64_t i_begin, int64_t i_end, int wide,
+                  const uint32_t *wp, int64_t N, int64_t pairs, int64_t p, int64_t next,
+                  float *out) {
+    const int rows = wide ? MR_WIDE : MR, width = wide ? NR_WIDE : NR;
+    const int64_t groups = N / LANES, g0 = p * width, M = i_end - i_begin;
     const int nr = groups - g0 < width ? (int)(groups - g0) : width;
     const char *next_at = NULL;
     int64_t lines = 0;
@@ -148,31 +152,46 @@ static void panel(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, 
     }
     const int64_t tiles = (M + rows - 1) / rows, each = (lines + tiles - 1) / tiles;
     for (int64_t t = 0; t * rows < M; t++) {
-        const int64_t i0 = t * rows, from = t * each < lines ? t * each : lines;
-        const int mr = M - i0 < rows ? (int)(M - i0) : rows;
+        const int64_t i0 = i_begin + t * rows, from = t * each < lines ? t * each : lines;
+        const int mr = i_end - i0 < rows ? (int)(i_end - i0) : rows;
         const prefetch_t ahead = {next_at ? next_at + from * 64 : NULL,
                                   lines - from < each ? lines - from : each};
         tile_any(xp, wp + g0 * pairs * LANES, pairs, N, i0, mr, nr, out + g0 * LANES, ahead);
     }
 }
 
+/* From WIDE_FROM rows a panel's rows are split into blocks of WIDE_BLOCK, each a work item of
+ * its own (a panel's blocks consecutive, so a thread's run keeps the panel's weights in L2):
+ * whole panels of a 2,048-row prefill took 0.4-2 ms each, and with 9 of them (SmolLM2's
+ * 576-wide products) one of the two threads waited a whole panel at every product's end. */
+#define WIDE_BLOCK 256
+
 typedef struct {
     const uint32_t *xp, *wp;
-    int64_t M, N, pairs;
+    int64_t M, N, pairs, blocks;
+    int wide;
     float *out;
 } product;
 
-static void do_panel(void *context, int64_t p, int64_t next) {
+static void do_panel(void *context, int64_t item, int64_t next) {
     const product *c = context;
-    panel(c->xp, c->M, c->wp, c->N, c->pairs, p, next, c->out);
+    if (!c->wide) {
+        panel(c->xp, 0, c->M, 0, c->wp, c->N, c->pairs, item, next, c->out);
+        return;
+    }
+    const int64_t p = item / c->blocks, i0 = item % c->blocks * WIDE_BLOCK;
+    const int64_t i1 = i0 + WIDE_BLOCK < c->M ? i0 + WIDE_BLOCK : c->M;
+    panel(c->xp, i0, i1, 1, c->wp, c->N, c->pairs, p, -1, c->out);
 }
 
-/* out (M, N) = xp @ wp^T, the panels shared out as runs (cpu_panel_runs.h). */
+/* out (M, N) = xp @ wp^T, the panels (and from WIDE_FROM rows their row blocks) shared out as
+ * runs (cpu_panel_runs.h). */
 void bf16_matmul(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, int64_t K,
                  float *out) {
-    const int width = M >= WIDE_FROM ? NR_WIDE : NR;
-    product c = {xp, wp, M, N, K / 2, out};
-    for_each_panel((N / LANES + width - 1) / width, do_panel, &c);
+    const int wide = M >= WIDE_FROM, width = wide ? NR_WIDE : NR;
+    const int64_t blocks = wide ? (M + WIDE_BLOCK - 1) / WIDE_BLOCK : 1;
+    product c = {xp, wp, M, N, K / 2, blocks, wide, out};
+    for_each_panel((N / LANES + width - 1) / width * blocks, do_panel, &c);
 }
 #else
 int bf16_matmul_available(void) { return 0; }

@@ -21,7 +21,8 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @needs_bf16
 @pytest.mark.parametrize("m, n, k", [(1, 16, 2), (3, 48, 64), (5, 80, 96), (8, 64, 576),
                                      (13, 112, 130), (32, 192, 64), (33, 16, 1536),
-                                     (9, 1008, 96), (40, 3072, 64), (515, 80, 64)])
+                                     (9, 1008, 96), (40, 3072, 64), (515, 80, 64),
+                                     (777, 1008, 96)])
 def test_the_product_is_the_rounded_inputs_times_the_rounded_weights(m, n, k):
     generator = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=generator)
@@ -44,6 +45,18 @@ def test_a_rows_result_does_not_depend_on_the_batch():
     for i in (0, 3, 4, 10):
         assert torch.equal(cpu_bf16_dot.matmul(x[i:i + 1], weight)[0], batch[i])
     assert torch.equal(cpu_bf16_dot.matmul(x[4:9], weight), batch[4:9])
+
+
+@needs_bf16
+def test_a_prefills_rows_are_the_same_bits_as_a_decodes():
+    """From 512 rows the tiles are 4 x 4 and a panel's rows are split into blocks shared out
+    between the threads: every row still gets the bits it gets in a decode's 8 x 3 tiles."""
+    generator = torch.Generator().manual_seed(8)
+    x = torch.randn(600, 96, generator=generator)
+    weight = cpu_bf16_dot.pack(torch.randn(1008, 96, generator=generator))
+    batch = cpu_bf16_dot.matmul(x, weight)
+    for i in (0, 255, 256, 511, 599):
+        assert torch.equal(cpu_bf16_dot.matmul(x[i:i + 32], weight)[0], batch[i])
 
 
 @needs_bf16
