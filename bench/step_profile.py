@@ -104,6 +104,8 @@ def instrument(runner, timers: Timers) -> None:
     model = runner.model
     for layer in model.layers:
         layer.linear = timers.wrap("linear", layer.linear)
+        # the gate/up product with its SiLU, where bf16dot takes it: a linear, SiLU included
+        layer.silu_product = timers.wrap("linear", layer.silu_product)
     model.head_linear = timers.wrap("lm_head", model.head_linear)
     backend = model.backend
     for name, part in (("add_rms_norm", "norms"), ("rotate", "rotary"),

@@ -22,6 +22,7 @@ _LIBRARY = cpu_build.Library(SOURCE, FLAGS, {
     "bf16_pack_weight": [_P, _I, _I, _P],
     "bf16_pack_rows": [_P, _I, _I, _P],
     "bf16_matmul": [_P, _I, _P, _I, _I, _P],
+    "bf16_matmul_silu": [_P, _I, _P, _I, _I, _P],
     "bf16_matmul_available": ([], ctypes.c_int)})
 
 
@@ -63,15 +64,29 @@ def pack(weight: torch.Tensor) -> Bf16DotWeight | None:
 
 def matmul(x: torch.Tensor, weight: Bf16DotWeight) -> torch.Tensor:
     """x (M, K) float32 @ weight^T -> (M, N) float32, x rounded to bfloat16."""
+    return _product(x, weight, weight.out_features, "bf16_matmul")
+
+
+def matmul_silu(x: torch.Tensor, weight: Bf16DotWeight) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) -> (M, N / 2) float32 for a [gate; up] weight of N rows
+    (N / 2 a multiple of 16): the bits of matmul then cpu_small_ops.silu_mul, without the
+    (M, N) product between them."""
+    if weight.out_features % (2 * LANES):
+        raise ValueError(f"a [gate; up] weight of {weight.out_features} rows has no halves "
+                         f"of whole {LANES}-row groups")
+    return _product(x, weight, weight.out_features // 2, "bf16_matmul_silu")
+
+
+def _product(x: torch.Tensor, weight: Bf16DotWeight, width: int, entry: str) -> torch.Tensor:
     k = weight.in_features
     x = cpu_quant.input_rows(x, k)
     m = x.shape[0]
-    out = torch.empty(m, weight.out_features)
+    out = torch.empty(m, width)
     if m == 0:
         return out
     library = load()
     rows = torch.empty(m * k // 2, dtype=torch.int32)
     library.bf16_pack_rows(x.data_ptr(), m, k, rows.data_ptr())
-    library.bf16_matmul(rows.data_ptr(), m, weight.pairs.data_ptr(), weight.out_features, k,
-                        out.data_ptr())
+    getattr(library, entry)(rows.data_ptr(), m, weight.pairs.data_ptr(), weight.out_features,
+                            k, out.data_ptr())
     return out

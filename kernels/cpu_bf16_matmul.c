@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "cpu_panel_runs.h"
+#include "cpu_vector_math.h"
 
 #define LANES 16
 
@@ -193,11 +194,93 @@ void bf16_matmul(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, i
     product c = {xp, wp, M, N, K / 2, blocks, wide, out};
     for_each_panel((N / LANES + width - 1) / width * blocks, do_panel, &c);
 }
+/* The gate/up product with SiLU applied on the way out: wp is the [gate; up] weight (2 * I
+ * rows) and out (M, I) = silu(x @ gate^T) * (x @ up^T), each tile MR_WIDE rows by two gate
+ * groups and the two up groups of the same outputs, so the (M, 2 * I) product is never
+ * written and read back (a 2,048-token prefill's was 25 MB a layer). The same bits as
+ * bf16_matmul then silu_mul (cpu_small_ops.c): the same sums in the same order, the same
+ * silu512. */
+static inline __attribute__((always_inline)) void silu_tile(
+        const uint32_t *restrict xp, const uint32_t *restrict gate, const uint32_t *restrict up,
+        int64_t pairs, int64_t I, int64_t i0, const int mr, const int ng, float *restrict out) {
+    __m512 g[MR_WIDE][2], u[MR_WIDE][2];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < ng; j++) g[i][j] = u[i][j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh gv[2], uv[2];
+        for (int j = 0; j < ng; j++) {
+            gv[j] = (__m512bh)_mm512_loadu_si512(gate + (j * pairs + p) * LANES);
+            uv[j] = (__m512bh)_mm512_loadu_si512(up + (j * pairs + p) * LANES);
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[(i0 + i) * pairs + p]);
+            for (int j = 0; j < ng; j++) {
+                g[i][j] = _mm512_dpbf16_ps(g[i][j], gv[j], xv);
+                u[i][j] = _mm512_dpbf16_ps(u[i][j], uv[j], xv);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < ng; j++)
+            _mm512_storeu_ps(out + (i0 + i) * I + j * LANES,
+                             _mm512_mul_ps(silu512(g[i][j]), u[i][j]));
+}
+
+static void silu_tile_any(const uint32_t *xp, const uint32_t *gate, const uint32_t *up,
+                          int64_t pairs, int64_t I, int64_t i0, int mr, int ng, float *out) {
+#define SILU_TILE(R) \
+    (ng == 2 ? silu_tile(xp, gate, up, pairs, I, i0, R, 2, out) \
+             : silu_tile(xp, gate, up, pairs, I, i0, R, 1, out))
+    switch (mr) {
+    case 4: SILU_TILE(4); break;
+    case 3: SILU_TILE(3); break;
+    case 2: SILU_TILE(2); break;
+    default: SILU_TILE(1); break;
+    }
+#undef SILU_TILE
+}
+
+typedef struct {
+    const uint32_t *xp, *wp;
+    int64_t M, I, pairs, blocks;
+    float *out;
+} silu_product;
+
+/* Item: two gate groups (and their up groups) over a block of WIDE_BLOCK rows, a panel's
+ * blocks consecutive. */
+static void do_silu_panel(void *context, int64_t item, int64_t next) {
+    (void)next;
+    const silu_product *c = context;
+    const int64_t groups = c->I / LANES, g0 = item / c->blocks * 2;
+    const int64_t i_begin = item % c->blocks * WIDE_BLOCK;
+    const int64_t i_end = i_begin + WIDE_BLOCK < c->M ? i_begin + WIDE_BLOCK : c->M;
+    const int ng = groups - g0 < 2 ? 1 : 2;
+    const uint32_t *gate = c->wp + g0 * c->pairs * LANES;
+    const uint32_t *up = c->wp + (groups + g0) * c->pairs * LANES;
+    for (int64_t i0 = i_begin; i0 < i_end; i0 += MR_WIDE) {
+        const int mr = i_end - i0 < MR_WIDE ? (int)(i_end - i0) : MR_WIDE;
+        silu_tile_any(c->xp, gate, up, c->pairs, c->I, i0, mr, ng, c->out + g0 * LANES);
+    }
+}
+
+/* out (M, N / 2) = silu(xp @ gate^T) * (xp @ up^T), wp the [gate; up] weight of N rows (N / 2
+ * a multiple of 16). */
+void bf16_matmul_silu(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, int64_t K,
+                      float *out) {
+    const int64_t I = N / 2, blocks = (M + WIDE_BLOCK - 1) / WIDE_BLOCK;
+    silu_product c = {xp, wp, M, I, K / 2, blocks, out};
+    for_each_panel((I / LANES + 1) / 2 * blocks, do_silu_panel, &c);
+}
 #else
 int bf16_matmul_available(void) { return 0; }
 
 void bf16_matmul(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, int64_t K,
                  float *out) {
+    (void)xp, (void)M, (void)wp, (void)N, (void)K, (void)out;
+}
+
+void bf16_matmul_silu(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, int64_t K,
+                      float *out) {
     (void)xp, (void)M, (void)wp, (void)N, (void)K, (void)out;
 }
 #endif

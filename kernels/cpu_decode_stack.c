@@ -52,6 +52,7 @@ typedef struct {
     i16_matmul_fn i16_matmul;
     bf16_pack_rows_fn bf16_pack_rows;
     bf16_matmul_fn bf16_matmul;
+    bf16_matmul_fn bf16_matmul_silu; /* the [gate; up] product with SiLU applied */
     add_rms_norm_fn add_rms_norm;
     rotary_fn rotary;
     silu_mul_fn silu_mul;
@@ -130,6 +131,18 @@ static void linear(const Kernels *k, const QWeight *w, int64_t N, int64_t K, con
     k->quant_matmul(w->qtype, w->data, N, K, x, T, out, s->matmul_scratch);
 }
 
+/* out (T, I) = silu(x @ Wgate^T) * (x @ Wup^T) for the [gate; up] weight: 1 where it takes
+ * its bf16dot copy at T rows, SiLU applied in the product (as the per-layer path does,
+ * model.silu_product: the same bits as the product then silu_mul; measured on a Zen 4, 30
+ * products at 32 rows 0.90x the time); 0 where it does not, and nothing is computed. */
+static int silu_product(const Kernels *k, const QWeight *w, int64_t I, int64_t K,
+                        const float *x, int64_t T, float *out, const Step *s) {
+    if (!(w->bf16_pairs && in_ranges(w->bf16_ranges, T) && I % 16 == 0)) return 0;
+    k->bf16_pack_rows(x, T, K, s->bf16_rows);
+    k->bf16_matmul_silu(s->bf16_rows, T, w->bf16_pairs, 2 * I, K, out);
+    return 1;
+}
+
 void decode_stack(const Kernels *k, const Layer *layers, int64_t num_layers, const Dims *d,
                   const Step *s, float *x, float *out) {
     const int64_t T = s->tokens, H = d->hidden, D = d->head_dim;
@@ -151,8 +164,10 @@ void decode_stack(const Kernels *k, const Layer *layers, int64_t num_layers, con
                      s->max_blocks, d->scale, 0, T, s->attention_scratch);
         linear(k, &L->o_proj, H, q_width, s->attn, T, s->delta, s);
         k->add_rms_norm(x, s->delta, L->post_norm, d->eps, T, H, s->h);
-        linear(k, &L->gate_up, 2 * d->intermediate, H, s->h, T, s->gate_up, s);
-        k->silu_mul(s->gate_up, T, d->intermediate, s->act);
+        if (!silu_product(k, &L->gate_up, d->intermediate, H, s->h, T, s->act, s)) {
+            linear(k, &L->gate_up, 2 * d->intermediate, H, s->h, T, s->gate_up, s);
+            k->silu_mul(s->gate_up, T, d->intermediate, s->act);
+        }
         linear(k, &L->down, H, d->intermediate, s->act, T, s->delta, s);
     }
     k->add_rms_norm(x, num_layers ? s->delta : NULL, s->final_norm, d->eps, T, H, out);

@@ -24,7 +24,8 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class _Kernels(ctypes.Structure):
     _fields_ = [(name, _P) for name in ("quant_matmul", "i16_quantize_rows", "i16_matmul",
-                                        "bf16_pack_rows", "bf16_matmul", "add_rms_norm", "rotary", "silu_mul", "write_kv",
+                                        "bf16_pack_rows", "bf16_matmul", "bf16_matmul_silu",
+                                        "add_rms_norm", "rotary", "silu_mul", "write_kv",
                                         "attention")]
 
 
@@ -87,7 +88,8 @@ def _kernels(cache_dtype: torch.dtype) -> _Kernels:
     write_kv, decode_attention = _CACHE_KERNELS[cache_dtype]
     return _Kernels(_address(quant, "quant_matmul"), _address(int16, "i16_quantize_rows"),
                     _address(int16, "i16_matmul"), _address(bf16, "bf16_pack_rows"),
-                    _address(bf16, "bf16_matmul"), _address(small, "add_rms_norm"),
+                    _address(bf16, "bf16_matmul"), _address(bf16, "bf16_matmul_silu"),
+                    _address(small, "add_rms_norm"),
                     _address(small, "rotary"), _address(small, "silu_mul"),
                     _address(small, write_kv), _address(attention, decode_attention))
 

@@ -71,15 +71,6 @@ void rotary(float *q, float *k, int64_t row_stride, const float *cos, const floa
     }
 }
 
-#ifdef __AVX512F__
-/* silu(g) = g / (1 + e^-g): one definition for the float32 and the bfloat16 kernels, whose
- * results must agree bit for bit before rounding. */
-static inline __m512 silu512(__m512 g) {
-    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                          exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-}
-#endif
-
 void silu_mul(const float *gate_up, int64_t T, int64_t I, float *out) {
     #pragma omp parallel for schedule(static) if (T >= PARALLEL_TOKENS)
     for (int64_t t = 0; t < T; t++) {

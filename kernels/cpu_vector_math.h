@@ -25,6 +25,13 @@ static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* silu(g) = g / (1 + e^-g): one definition for every kernel that applies it (the float32 and
+ * bfloat16 silu_mul, bf16dot's gate/up product), whose results must agree bit for bit. */
+static inline __m512 silu512(__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                          exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
 /* Lane i of the result is the sum of v[i]'s 16 lanes: a transpose-and-add tree, ~3 vector
  * ops per sum where a horizontal reduction of each vector takes ~8. */
 static inline __m512 sum16(const __m512 v[16]) {

@@ -6,7 +6,7 @@ to whether it runs here."""
 import pytest
 import torch
 
-from tokstream.kernels import cpu_bf16_dot, cpu_build
+from tokstream.kernels import cpu_bf16_dot, cpu_build, cpu_small_ops
 
 needs_bf16 = pytest.mark.skipif(not cpu_bf16_dot.available(),
                                 reason="this CPU has no AVX-512 BF16 (avx512_bf16): the "
@@ -60,11 +60,37 @@ def test_a_prefills_rows_are_the_same_bits_as_a_decodes():
 
 
 @needs_bf16
+@pytest.mark.parametrize("m, inter, k", [(1, 16, 64), (5, 48, 96), (37, 80, 576),
+                                         (600, 96, 64)])
+def test_the_gate_up_product_with_silu_is_the_product_then_silu_mul(m, inter, k):
+    """SiLU applied in the product (two gate groups and their up groups a tile; an odd group
+    left over at 48 and 80; row blocks from 512 rows) gives silu_mul's bits on the product."""
+    generator = torch.Generator().manual_seed(m + inter + k)
+    x = torch.randn(m, k, generator=generator)
+    weight = cpu_bf16_dot.pack(torch.randn(2 * inter, k, generator=generator) * 0.2)
+    expected = cpu_small_ops.silu_mul(cpu_bf16_dot.matmul(x, weight))
+    assert torch.equal(cpu_bf16_dot.matmul_silu(x, weight), expected)
+
+
+@needs_bf16
+def test_a_gate_up_weight_needs_halves_of_whole_groups():
+    with pytest.raises(ValueError, match="halves"):
+        cpu_bf16_dot.matmul_silu(torch.randn(2, 64), cpu_bf16_dot.pack(torch.randn(48, 64)))
+
+
+@needs_bf16
 def test_rounding_is_to_nearest_even_as_torch_rounds():
     # 1 + 2^-8 is halfway between two bfloat16 values: even goes down, odd goes up
     x = torch.tensor([[1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.0e38]])
     w = torch.eye(16, 4)
     got = cpu_bf16_dot.matmul(x, cpu_bf16_dot.pack(w))[0, :4]
+    assert torch.equal(got, x[0].bfloat16().float())
+    # a longer row: halfway cases both ways and scaled, the largest finite values (not
+    # subnormals: vdpbf16ps itself takes them as zero)
+    halfway = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, 2 + 2 ** -7, 1 + 5 * 2 ** -8])
+    x = torch.cat([halfway, -halfway, halfway * 2 ** -100, torch.tensor([3.0e38, -3.3e38]),
+                   torch.randn(34)]).reshape(1, 48)
+    got = cpu_bf16_dot.matmul(x, cpu_bf16_dot.pack(torch.eye(48)))[0]
     assert torch.equal(got, x[0].bfloat16().float())
 
 

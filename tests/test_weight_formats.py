@@ -17,7 +17,13 @@ from tokstream.model.source import resolve_model
 from tokstream.worker import dtype_choice, matrix_units, path_choice
 from tokstream.worker.decode_stack import _row_limit
 from tokstream.worker.dtype_choice import has_native_bf16
+from tokstream.worker import model as model_module
+from tokstream.config import ModelConfig
+from tokstream.kernels.torch_ops import Rotary
+from tokstream.worker.attention import AttentionMetadata
+from tokstream.worker.backend import TorchBackend
 from tokstream.worker.onednn_linear import BfloatWeight
+from tokstream.worker.prefill_attention import PrefillSeq
 from tokstream.worker.quant_linear import QuantizedWeight, quantized_linear
 
 pytestmark = pytest.mark.skipif(not cpu_quant.available(), reason="no C compiler here")
@@ -53,19 +59,8 @@ def test_the_bfloat16_path_takes_the_rows_from_its_start():
 
 
 @pytest.mark.skipif(not has_native_bf16(), reason="no native bfloat16: no bfloat16 copies")
-def test_a_layers_mlp_on_the_bfloat16_path_is_the_same_without_the_casts(monkeypatch):
-    """gate/up hands its bfloat16 product straight to SiLU·up and on to down (narrow), no
-    float32 tensor between: the layer's output is bit for bit what widening gate/up's product
-    and rounding SiLU·up back gave; under the bfloat16 start, or with down off its bfloat16
-    path, nothing changes."""
-    from tokstream.config import ModelConfig
-    from tokstream.worker import model as model_module
-    from tokstream.worker.backend import TorchBackend
-
-    from tokstream.kernels.torch_ops import Rotary
-    from tokstream.worker.attention import AttentionMetadata
-    from tokstream.worker.prefill_attention import PrefillSeq
-
+def one_layer(gate_up: QuantizedWeight, down: QuantizedWeight):
+    """A decoder layer (hidden 64, inter 96) with these native MLP weights, and its ops."""
     config = ModelConfig(name="t", vocab_size=128, hidden_size=64, intermediate_size=96,
                          num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                          max_position=64)
@@ -73,27 +68,42 @@ def test_a_layers_mlp_on_the_bfloat16_path_is_the_same_without_the_casts(monkeyp
     g = torch.Generator().manual_seed(0)
     for name in ("input_norm", "post_norm", "qkv", "o_proj"):
         getattr(layer, name).copy_(torch.randn(getattr(layer, name).shape, generator=g) * 0.2)
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        delattr(layer, name)  # as load_weights puts native blocks in the parameter's place
+        setattr(layer, name, w)
+    return layer, TorchBackend()
+
+
+def run_layer(layer, ops, tokens: int) -> torch.Tensor:
+    """The layer's forward pass over one prompt of `tokens` tokens."""
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+    blocks = max(2, -(-tokens // 16))
+    caches = [torch.zeros(2, blocks, 16, 16) for _ in range(2)]
+    meta = AttentionMetadata(torch.arange(tokens), 0, None, None,
+                             [PrefillSeq(0, tokens, tokens, torch.arange(blocks))])
+    rope = Rotary(16, 64, 10000.0).tables(torch.arange(tokens), torch.float32)
+    return layer(x, rope, caches, meta, lambda t: t, ops)
+
+
+def test_a_layers_mlp_on_the_bfloat16_path_is_the_same_without_the_casts(monkeypatch):
+    """gate/up hands its bfloat16 product straight to SiLU·up and on to down (narrow), no
+    float32 tensor between: the layer's output is bit for bit what widening gate/up's product
+    and rounding SiLU·up back gave; under the bfloat16 start, or with down off its bfloat16
+    path, nothing changes."""
     gate_up, _ = q4_1(192, 64, seed=1)
     down, _ = q4_1(64, 96, seed=2)
     for w in (gate_up, down):
         w.bfloat16 = BfloatWeight(w.dequantize())
         w.crossover, w.bfloat16_from = 1 << 40, 8
-    for name, w in (("gate_up", gate_up), ("down", down)):
-        delattr(layer, name)  # as load_weights puts native blocks in the parameter's place
-        setattr(layer, name, w)
-    ops, seen = TorchBackend(), []
+    layer, ops = one_layer(gate_up, down)
+    seen = []
     real_silu = ops.silu_mul
     monkeypatch.setattr(ops, "silu_mul", lambda x: seen.append(x.dtype) or real_silu(x))
 
     def forward(tokens: int, narrow_ok: bool) -> torch.Tensor:
         layer.linear = model_module.linear if narrow_ok else (
             lambda x, w, b=None, narrow=False: model_module.linear(x, w, b))
-        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
-        caches = [torch.zeros(2, 2, 16, 16) for _ in range(2)]
-        meta = AttentionMetadata(torch.arange(tokens), 0, None, None,
-                                 [PrefillSeq(0, tokens, tokens, torch.tensor([0, 1]))])
-        rope = Rotary(16, 64, 10000.0).tables(torch.arange(tokens), torch.float32)
-        return layer(x, rope, caches, meta, lambda t: t, ops)
+        return run_layer(layer, ops, tokens)
 
     seen.clear()
     wide = forward(16, narrow_ok=False)
@@ -195,6 +205,30 @@ def test_a_batch_takes_the_bf16dot_copy_where_it_wins(monkeypatch, private_cache
     assert head.bf16dot is None and head.path(16) in ("fused", "int16")
     x = torch.randn(16, 64)
     assert torch.equal(quantized_linear(x, layer), cpu_bf16_dot.matmul(x, layer.bf16dot))
+
+
+@pytest.mark.skipif(not cpu_bf16_dot.available(), reason="no AVX-512 BF16 here: no bf16dot")
+def test_a_gate_up_product_on_bf16dot_applies_silu_in_the_product(monkeypatch, private_cache):
+    """Where the [gate; up] weight's path is bf16dot, a layer takes SiLU(gate) * up out of the
+    product itself (the same bits as the product then silu_mul); on any other path the
+    product is taken, then silu_mul."""
+    fake_timings(monkeypatch, {1: "int16", 2: "int16", 4: "fused", 8: "bf16dot",
+                               16: "bf16dot", 32: "bf16dot", 64: "bfloat16", 128: "bfloat16"})
+    gate_up = q4_1(192, 64, seed=3)[0]
+    path_choice.measure_crossovers([gate_up], None, [gate_up])
+    layer, ops = one_layer(gate_up, q4_1(64, 96, seed=4)[0])
+    fused, silu = [], []
+    monkeypatch.setattr(layer, "silu_product",
+                        lambda x, w: fused.append(1) or model_module.silu_product(x, w))
+    monkeypatch.setattr(ops, "silu_mul", lambda x: silu.append(1) or TorchBackend.silu_mul(x))
+    for tokens, in_product in ((16, True), (4, False), (64, False)):
+        fused.clear(), silu.clear()
+        run_layer(layer, ops, tokens)
+        assert (len(fused), len(silu)) == ((1, 0) if in_product else (0, 1))
+        x = torch.randn(tokens, 64)
+        if in_product:
+            assert torch.equal(model_module.silu_product(x, gate_up),
+                               TorchBackend.silu_mul(quantized_linear(x, gate_up)))
 
 
 def fake_timings(monkeypatch, fastest: dict[int, str]):

@@ -15,13 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokstream.config import ModelConfig
+from tokstream.kernels import cpu_bf16_dot
 from tokstream.kernels.torch_ops import Rotary
 from tokstream.worker.attention import AttentionMetadata
 from tokstream.worker.backend import TorchBackend
 from tokstream.worker.decode_stack import stack_for_step
 from tokstream.worker.onednn_linear import pack, packed_linear, packed_linear_available
-from tokstream.worker.quant_linear import (QuantizedWeight, cat_rows, quantized_linear,
-                                           takes_bfloat16)
+from tokstream.worker.quant_linear import (QuantizedWeight, cat_rows, gated_on_bf16dot,
+                                           quantized_linear, takes_bfloat16)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
@@ -31,6 +32,14 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     if isinstance(weight, QuantizedWeight):
         return quantized_linear(x, weight, bias, narrow)
     return F.linear(x, weight, bias)
+
+
+def silu_product(x: torch.Tensor, gate_up: QuantizedWeight) -> torch.Tensor:
+    """SiLU(x @ gate^T) * (x @ up^T) in the product itself, for a [gate; up] weight on its
+    bf16dot path (gated_on_bf16dot): the bits of the product then silu_mul, without writing the
+    (T, 2 * inter) product and reading it back (measured, a 2,048-token prefill's 30 gate/up
+    products on a Zen 4: 514 ms against 620)."""
+    return cpu_bf16_dot.matmul_silu(x.float(), gate_up.bf16dot)
 
 
 class DecoderLayer(nn.Module):
@@ -58,6 +67,7 @@ class DecoderLayer(nn.Module):
         self.down = param(h, inter)  # row-parallel
         self.split = (q, kv, kv)
         self.linear = linear
+        self.silu_product = silu_product
 
     def forward(self, x, rope, kv_cache, meta, all_reduce, ops):
         """x (T, hidden) float32, updated in place and returned; ops: the kernel backend."""
@@ -75,8 +85,11 @@ class DecoderLayer(nn.Module):
         # Where down rounds its input to bfloat16 anyway, gate/up may hand back its bfloat16
         # product (when on its bfloat16 path too) and SiLU·up stays bfloat16: no casts between.
         narrow = takes_bfloat16(self.down, t)
-        x += all_reduce(self.linear(ops.silu_mul(self.linear(h, self.gate_up, narrow=narrow)),
-                                    self.down))
+        if gated_on_bf16dot(self.gate_up, t):
+            mid = self.silu_product(h, self.gate_up)
+        else:
+            mid = ops.silu_mul(self.linear(h, self.gate_up, narrow=narrow))
+        x += all_reduce(self.linear(mid, self.down))
         return x
 
 

@@ -159,6 +159,13 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight,
     return out
 
 
+def gated_on_bf16dot(weight, rows: int) -> bool:
+    """Whether a [gate; up] product of this many rows with `weight` runs on its bf16dot copy,
+    where SiLU(gate) * up comes out of the product itself (cpu_bf16_dot.matmul_silu)."""
+    return (isinstance(weight, QuantizedWeight) and weight.path(rows) == "bf16dot"
+            and weight.out_features % (2 * cpu_bf16_dot.LANES) == 0)
+
+
 def takes_bfloat16(weight, rows: int) -> bool:
     """Whether a product of this many rows with `weight` runs on its bfloat16 copy (a weight
     of another kind never does): its input is rounded to bfloat16 there anyway."""
