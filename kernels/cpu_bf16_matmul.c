@@ -202,11 +202,18 @@ void bf16_matmul(const uint32_t *xp, int64_t M, const uint32_t *wp, int64_t N, i
  * silu512. */
 static inline __attribute__((always_inline)) void silu_tile(
         const uint32_t *restrict xp, const uint32_t *restrict gate, const uint32_t *restrict up,
-        int64_t pairs, int64_t I, int64_t i0, const int mr, const int ng, float *restrict out) {
+        int64_t pairs, int64_t I, int64_t i0, const int mr, const int ng, float *restrict out,
+        prefetch_t ahead_gate, prefetch_t ahead_up, const int prefetching) {
+    const int64_t per_pair = (ahead_gate.lines + pairs - 1) / pairs;
     __m512 g[MR_WIDE][2], u[MR_WIDE][2];
     for (int i = 0; i < mr; i++)
         for (int j = 0; j < ng; j++) g[i][j] = u[i][j] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
+        if (prefetching)
+            for (int64_t l = p * per_pair; l < (p + 1) * per_pair && l < ahead_gate.lines; l++) {
+                _mm_prefetch(ahead_gate.at + l * 64, _MM_HINT_T1);
+                _mm_prefetch(ahead_up.at + l * 64, _MM_HINT_T1);
+            }
         __m512bh gv[2], uv[2];
         for (int j = 0; j < ng; j++) {
             gv[j] = (__m512bh)_mm512_loadu_si512(gate + (j * pairs + p) * LANES);
@@ -227,10 +234,17 @@ static inline __attribute__((always_inline)) void silu_tile(
 }
 
 static void silu_tile_any(const uint32_t *xp, const uint32_t *gate, const uint32_t *up,
-                          int64_t pairs, int64_t I, int64_t i0, int mr, int ng, float *out) {
+                          int64_t pairs, int64_t I, int64_t i0, int mr, int ng, float *out,
+                          prefetch_t ahead_gate, prefetch_t ahead_up) {
 #define SILU_TILE(R) \
-    (ng == 2 ? silu_tile(xp, gate, up, pairs, I, i0, R, 2, out) \
-             : silu_tile(xp, gate, up, pairs, I, i0, R, 1, out))
+    (ahead_gate.lines ? (ng == 2 ? silu_tile(xp, gate, up, pairs, I, i0, R, 2, out, ahead_gate, \
+                                             ahead_up, 1) \
+                                 : silu_tile(xp, gate, up, pairs, I, i0, R, 1, out, ahead_gate, \
+                                             ahead_up, 1)) \
+                      : (ng == 2 ? silu_tile(xp, gate, up, pairs, I, i0, R, 2, out, ahead_gate, \
+                                             ahead_up, 0) \
+                                 : silu_tile(xp, gate, up, pairs, I, i0, R, 1, out, ahead_gate, \
+                                             ahead_up, 0)))
     switch (mr) {
     case 4: SILU_TILE(4); break;
     case 3: SILU_TILE(3); break;
@@ -247,9 +261,13 @@ typedef struct {
 } silu_product;
 
 /* Item: two gate groups (and their up groups) over a block of WIDE_BLOCK rows, a panel's
- * blocks consecutive. */
+ * blocks consecutive. Below SILU_PREFETCH_BELOW rows (a decode step's) its tiles prefetch
+ * the next panel's gate and up weights into L2, as bf16_matmul's panels do (measured on a
+ * Zen 4, SmolLM2's 30 gate/up products alternated against none: 8 rows 0.73x, 16 0.81x, 32
+ * 0.93x; 64-256 rows 1.01-1.08x, where the arithmetic hides the reads anyway). */
+#define SILU_PREFETCH_BELOW 64
+
 static void do_silu_panel(void *context, int64_t item, int64_t next) {
-    (void)next;
     const silu_product *c = context;
     const int64_t groups = c->I / LANES, g0 = item / c->blocks * 2;
     const int64_t i_begin = item % c->blocks * WIDE_BLOCK;
@@ -257,9 +275,24 @@ static void do_silu_panel(void *context, int64_t item, int64_t next) {
     const int ng = groups - g0 < 2 ? 1 : 2;
     const uint32_t *gate = c->wp + g0 * c->pairs * LANES;
     const uint32_t *up = c->wp + (groups + g0) * c->pairs * LANES;
-    for (int64_t i0 = i_begin; i0 < i_end; i0 += MR_WIDE) {
+    const char *next_gate = NULL, *next_up = NULL;
+    int64_t lines = 0;
+    if (c->M < SILU_PREFETCH_BELOW && next >= 0) {
+        const int64_t n0 = next * 2;
+        next_gate = (const char *)(c->wp + n0 * c->pairs * LANES);
+        next_up = (const char *)(c->wp + (groups + n0) * c->pairs * LANES);
+        lines = (groups - n0 < 2 ? 1 : 2) * c->pairs * LANES * 4 / 64;
+    }
+    const int64_t tiles = (i_end - i_begin + MR_WIDE - 1) / MR_WIDE;
+    const int64_t each = (lines + tiles - 1) / tiles;
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t i0 = i_begin + t * MR_WIDE, from = t * each < lines ? t * each : lines;
+        const int64_t count = lines - from < each ? lines - from : each;
         const int mr = i_end - i0 < MR_WIDE ? (int)(i_end - i0) : MR_WIDE;
-        silu_tile_any(c->xp, gate, up, c->pairs, c->I, i0, mr, ng, c->out + g0 * LANES);
+        const prefetch_t ahead_gate = {next_gate ? next_gate + from * 64 : NULL, count};
+        const prefetch_t ahead_up = {next_up ? next_up + from * 64 : NULL, count};
+        silu_tile_any(c->xp, gate, up, c->pairs, c->I, i0, mr, ng, c->out + g0 * LANES,
+                      ahead_gate, ahead_up);
     }
 }
 
