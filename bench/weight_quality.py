@@ -220,6 +220,11 @@ def vllm_config(args, dtype: str, prompts, ref: dict, eos, work: str) -> dict:
 
 def main() -> int:
     args = parse_args()
+    vllm_peer = os.path.join(args.vllm_venv, "bin", "vllm-peer")
+    if not args.no_vllm and not os.access(vllm_peer, os.X_OK):
+        # Said before tokstream's configs run, not after their minutes are spent.
+        raise SystemExit(f"{vllm_peer} missing: run scripts/setup_vllm_peer.sh first "
+                         "(or --no-vllm for tokstream's configs only)")
     torch.set_num_threads(default_threads())
     started = time.time()
     source = resolve_model("smollm2")

@@ -231,6 +231,33 @@ def test_a_gate_up_product_on_bf16dot_applies_silu_in_the_product(monkeypatch, p
                                TorchBackend.silu_mul(quantized_linear(x, gate_up)))
 
 
+@pytest.mark.skipif(not cpu_bf16_dot.available(), reason="no AVX-512 BF16 here: no bf16dot")
+def test_a_copy_left_no_rows_by_a_later_one_is_not_kept(monkeypatch, private_cache):
+    """The bfloat16 copy, handed out first, would take 64 rows and up on its own; bf16dot,
+    handed out after it, is faster there too and takes every row count from 8: the bfloat16
+    copy serves none, so it is not kept (nor counted)."""
+    few = {"fused": 3.0, "int16": 2.0, "bf16dot": 1.0, "dense": 50.0, "bfloat16": 50.0}
+    many = {"fused": 8.0, "int16": 8.0, "bf16dot": 1.0, "dense": 6.0, "bfloat16": 2.0}
+    table = {1: dict(few, int16=1.0, bf16dot=3.0), 8: few, 16: few, 32: few, 64: many,
+             128: many}
+
+    def rows_for(sizes, paths):
+        return [{"rows": m, **{f"{p}_ms": table[m][p] for p in paths}} for m in sizes]
+
+    monkeypatch.setattr(path_choice, "measure_crossover", lambda weight: ({}, rows_for(
+        table, [p for p in path_choice.PATHS if path_choice._has_form(weight, p)])))
+    monkeypatch.setattr(path_choice, "measure_streamed", lambda weights, form="int16": {
+        "from_rows": 1, "timings": rows_for([m for m in table if m < path_choice.STREAMED_BELOW],
+                                            ["fused", "int16", form])})
+    layer = q4_1(seed=5)[0]
+    report = path_choice.measure_crossovers([layer], None, [layer])
+    assert layer.bfloat16 is None and layer.int16 is not None and layer.bf16dot is not None
+    assert [layer.path(m) for m in (1, 8, 32, 64, 500)] == [
+        "int16", "bf16dot", "bf16dot", "bf16dot", "bf16dot"]
+    assert report["copy_bytes"] == layer.copy_bytes() == (
+        path_choice._form_bytes(layer, "int16") + path_choice._form_bytes(layer, "bf16dot"))
+
+
 def fake_timings(monkeypatch, fastest: dict[int, str]):
     """measure_crossover and measure_streamed answering from a table, not a clock."""
     def measure(weight):
