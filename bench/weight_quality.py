@@ -12,7 +12,8 @@ transformers, tests/test_parity.py). For the 7 reference prompts each config giv
 
 tokstream's configs run in this process: native (the GGUF blocks, float32), bfloat16 copies
 (every decoder product from one row on through the bfloat16 copies: the worst case, what a
-batch of 32 and a prefill take), the bf16dot copies the same way (where the CPU has AVX-512
+batch of 32 and a prefill take), the bfloat16 copies for a prompt's rows only (a stream's
+decodes on the blocks), the bf16dot copies the same way (where the CPU has AVX-512
 BF16), the int16 copies from one row on (LM head included: what a
 machine whose crossovers give int16 every row count serves), the float16 cache `--kv-cache-dtype auto` picks, both, and
 the dequantised bfloat16 model (`--weights bfloat16`). vLLM (built by
@@ -75,12 +76,13 @@ def load_models(source):
     return dense, native, bf16
 
 
-def with_bfloat16_copies(native, on: bool) -> None:
-    """Every decoder product of one row or more through the bfloat16 copies (on), or none."""
+def with_bfloat16_copies(native, from_rows: int | None) -> None:
+    """Every decoder product of from_rows rows or more through the bfloat16 copies, or none
+    (None)."""
     for w in native.decoder_weights():
-        if on and w.bfloat16 is None:
+        if from_rows and w.bfloat16 is None:
             w.bfloat16 = BfloatWeight(w.dequantize())
-        w.bfloat16_from = 1 if on else 1 << 62
+        w.bfloat16_from = from_rows or 1 << 62
 
 
 def with_bf16dot_copies(native, on: bool) -> None:
@@ -152,10 +154,14 @@ def tokstream_configs(source, tokenizer, prompts) -> tuple[dict, dict]:
                    "bf16dot_copies+float16_cache": (native, "bf16dot", torch.float16)}
                   if cpu_bf16_dot.available() else {}),
                "bfloat16_copies+float16_cache": (native, True, torch.float16),
+               # What one stream gets where the probe gives the bfloat16 copies a prompt's
+               # rows only (the prefill; its decodes on the blocks), as on an AMX Xeon.
+               "bfloat16_prefill": (native, "prefill", torch.float32),
+               "bfloat16_prefill+float16_cache": (native, "prefill", torch.float16),
                "dequantized_bfloat16": (bf16, False, torch.bfloat16)}
     results = {}
     for name, (model, copies, cache) in configs.items():
-        with_bfloat16_copies(native, copies is True)
+        with_bfloat16_copies(native, 1 if copies is True else 2 if copies == "prefill" else None)
         with_int16_copies(native, copies == "int16")
         with_bf16dot_copies(native, copies == "bf16dot")
         rows = []
@@ -166,7 +172,7 @@ def tokstream_configs(source, tokenizer, prompts) -> tuple[dict, dict]:
             rows[-1]["first_step_max_logit_diff"] = round(
                 float((logits[0].float() - ref_logits[0]).abs().max()), 5)
         results[name] = summarize(rows, perplexity(model) / ref_ppl - 1)
-    with_bfloat16_copies(native, False)
+    with_bfloat16_copies(native, None)
     with_int16_copies(native, False)
     with_bf16dot_copies(native, False)
     return results, {"reference": reference, "perplexity": ref_ppl, "ids": ids}
