@@ -178,7 +178,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
 
 
 def test_ctrl_c_tears_the_server_down(tmp_path):
-    process = subprocess.Popen([*CHAOS, "kill-rank", "1", *TINY, "--max-tokens", "2000"],
+    # 1,900 tokens and the streams' ~50-63 prompt tokens fit dummy:tiny's 2,048 context, so
+    # the run lasts ~18 s; with 2,000 every stream was refused and the run could end before
+    # the interrupt came (exit 1, not 130: seen once in a full run).
+    process = subprocess.Popen([*CHAOS, "kill-rank", "1", *TINY, "--max-tokens", "1900"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, preexec_fn=interruptible)
     try:
