@@ -11,7 +11,8 @@ from dataclasses import asdict
 from tokstream.errors import UserInputError
 
 from tokstream.chaos.api import ServerAPI
-from tokstream.chaos.experiments import FILLER, ServerFacts, experiment, message, workload
+from tokstream.chaos.experiments import (FILLER, PROMPT_ESTIMATE_TOKENS, ServerFacts,
+                                         experiment, message, workload)
 from tokstream.chaos.history import Violations, check_history
 from tokstream.chaos.options import Options
 from tokstream.chaos.rounds import Context, run_round
@@ -62,6 +63,13 @@ async def _main(options: Options, target: Target) -> dict:
                                      spare=options.spare and target.own)
         report["steady_state"] = steady
         facts = await _facts(api, steady["state"])
+        if options.max_tokens + PROMPT_ESTIMATE_TOKENS > facts.max_model_len:
+            # Every stream would be refused (400), and the run would end as if it had failed.
+            raise UserInputError(
+                f"--max-tokens {options.max_tokens} and the streams' prompts (up to "
+                f"{PROMPT_ESTIMATE_TOKENS} tokens) exceed the model's context of "
+                f"{facts.max_model_len} tokens: pass at most "
+                f"{facts.max_model_len - PROMPT_ESTIMATE_TOKENS}")
         replica = steady["state"].replica
         report["server"] = {"model": facts.model, "tp": len(steady["state"].ranks),
                             "token_budget": facts.token_budget, "num_blocks": facts.num_blocks,

@@ -168,6 +168,7 @@ def test_each_demux_mutation_makes_chaos_exit_non_zero(tmp_path):
     (["kill-engine", "--url", "http://127.0.0.1:9"], "/health answered nothing"),
     (["disconnect-storm", *TINY, "--repeat", "0"], "--repeat must be at least 1"),
     (["kill-engine", "--admin-key", "k"], "--admin-key and --api-key go with --url"),
+    (["kill-engine", *TINY, "--max-tokens", "2000"], "exceed the model's context of 2048"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     # A refusal that hung would end the run at the timeout (subprocess.TimeoutExpired).
